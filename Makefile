@@ -1,0 +1,13 @@
+# The two commands of the README. Both create .venv and install everything first.
+.PHONY: setup demo test test-fast
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	OMP_NUM_THREADS=1 .venv/bin/autopar train gpt2-tiny --nproc 2 --dp 2 --steps 20 --parity
+
+test: setup
+	.venv/bin/python -m pytest -q -ra
+
+test-fast: setup
+	.venv/bin/python -m pytest -q -ra -m "not slow"

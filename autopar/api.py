@@ -1,0 +1,95 @@
+"""autopar.compile and autopar.trace: the entry points of the public contract (DESIGN.md).
+
+Environment variables are read here and nowhere deeper: AUTOPAR_DUMP (a directory:
+the IR after each pass), AUTOPAR_LOGS (see autopar.logs).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from autopar.compiler.ir.graph import TrainGraph
+from autopar.compiler.ir.trace import LossFn, batch_dims_of, trace_train_step
+from autopar.compiler.lower import to_program
+from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
+from autopar.compiler.passes.manager import PassManager, get_pass
+from autopar.compiler.passes.pipeline import default_passes
+from autopar.layout import Layout, LayoutError, unsupported_fields
+from autopar.logs import configure_from_env
+from autopar.runtime.executor import DistributedStep, OptimizerFactory
+from autopar.runtime.mesh import launched_world_size
+
+log = logging.getLogger("autopar")
+
+
+def _default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def trace(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
+          loss_fn: LossFn | None = None) -> TrainGraph:
+    """The joint forward + loss + backward graph of one step on `example_inputs`."""
+    return trace_train_step(model, tuple(example_inputs), loss_fn)
+
+
+def compile(model: torch.nn.Module, cluster: Any = None,  # noqa: A001 - the contract's name
+            example_inputs: Sequence[torch.Tensor] = (), loss_fn: LossFn | None = None,
+            optimizer: OptimizerFactory = _default_optimizer, layout: Layout | None = None,
+            passes: Sequence[GraphPass | str] | None = None) -> DistributedStep:
+    """Compile one training step of `model` for this job's processes and return it.
+
+    `example_inputs` is one global batch (every rank passes the same one to the
+    step). `layout=None` uses every process for data parallelism (the planner that
+    will choose a hybrid layout is not in this release). `passes` replaces the default
+    pipeline (`autopar.default_passes(layout)`) with your own list of passes or
+    registered pass names.
+    """
+    configure_from_env()
+    world = launched_world_size()
+    layout = layout if layout is not None else Layout(dp=world)
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout must be an autopar.Layout, got {type(layout).__name__}")
+    layout.check_world_size(world)
+    todo = unsupported_fields(layout)
+    if todo:
+        raise LayoutError(f"{layout}: not supported yet: {', '.join(todo)}. Supported now: dp, "
+                          "bucket_mb, overlap_comm")
+    example_inputs = tuple(example_inputs)
+    if not example_inputs:
+        raise ValueError("compile needs example_inputs: one global batch, as passed to the step")
+    local = _local_example(example_inputs, layout)
+    tg = trace_train_step(model, local, loss_fn)
+    tg, results = run_passes(tg, layout, cluster, passes)
+    for r in results:
+        log.info("%s", r.summary())
+    step = DistributedStep(to_program(tg, layout), model, optimizer)
+    step.pass_results = results
+    return step
+
+
+def run_passes(tg: TrainGraph, layout: Layout, cluster: Any = None,
+               passes: Sequence[GraphPass | str] | None = None,
+               dump_dir: str | None = None) -> tuple[TrainGraph, list[PassResult]]:
+    """Rewrite `tg` with the default pipeline for `layout` (or `passes`)."""
+    pipeline = default_passes(layout) if passes is None else [
+        get_pass(p) if isinstance(p, str) else p for p in passes]
+    manager = PassManager(pipeline, dump_dir=dump_dir or os.environ.get("AUTOPAR_DUMP"))
+    return manager.run(tg, PassContext(layout=layout, cluster=cluster))
+
+
+def _local_example(example_inputs: tuple, layout: Layout) -> tuple:
+    """One data-parallel rank's slice of the global example batch (its first rows)."""
+    dims = batch_dims_of([x for x in example_inputs if isinstance(x, torch.Tensor)])
+    if not any(d is not None for d in dims):
+        return example_inputs
+    batch = next(x.shape[d] for x, d in zip(example_inputs, dims) if d is not None)
+    layout.check_batch(batch)
+    local = batch // layout.dp
+    return tuple(x.narrow(d, 0, local) if d is not None else x
+                 for x, d in zip(example_inputs, dims))
+

@@ -1,0 +1,215 @@
+"""The `autopar` command line (also `python -m autopar`).
+
+    autopar trace MODEL             summary of the traced training graph
+    autopar train MODEL --dp 2      train under torchrun, with progress
+
+MODEL is a built-in example (`autopar trace --list`) or `pkg.module:factory`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+from rich.console import Console
+from rich.table import Table
+
+from autopar.logs import configure_from_env
+
+console = Console(stderr=False)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _fmt_count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(int(n))
+
+
+# -- autopar trace ------------------------------------------------------------------------
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    import autopar
+    from autopar.compiler.ir.printing import graph_text, summary
+    from autopar.examples import EXAMPLES, load_model_spec
+
+    if args.list:
+        for name in EXAMPLES:
+            console.print(f"{name:14s} {load_model_spec(name).description}")
+        return 0
+    if not args.model:
+        raise SystemExit("autopar trace: give a MODEL (or --list)")
+    example = load_model_spec(args.model)
+    start = time.perf_counter()
+    tg = autopar.trace(example.model, example.batch, example.loss_fn)
+    seconds = time.perf_counter() - start
+    info = summary(tg)
+    info["trace_seconds"] = round(seconds, 3)
+    if args.json:
+        print(json.dumps(info, indent=1))
+    else:
+        _print_summary(args.model, example.description, info)
+    if args.ir:
+        with open(args.ir, "w") as f:
+            f.write(graph_text(tg))
+        console.print(f"IR written to {args.ir}")
+    return 0
+
+
+def _print_summary(name: str, description: str, info: dict) -> None:
+    console.print(f"[bold]{name}[/bold]: {description}")
+    console.print(f"traced in {info['trace_seconds']:.2f} s: {info['nodes']} ops, "
+                  f"{_fmt_count(info['parameters'])} parameters in {info['parameter_tensors']} "
+                  f"tensors, {info['buffers']} buffers, "
+                  f"{_fmt_count(info['flops_per_step'])}FLOP per step (fwd+bwd matmuls)")
+    roles = Table(title="ops by role")
+    roles.add_column("role")
+    roles.add_column("ops", justify="right")
+    for role, count in info["nodes_by_role"].items():
+        roles.add_row(role, str(count))
+    console.print(roles)
+    acts = Table(title="largest activations")
+    for col in ("node", "op", "module", "type", "size"):
+        acts.add_column(col)
+    for a in info["largest_activations"]:
+        acts.add_row(a["node"], a["op"], a["module"] or "-", a["type"], _fmt_bytes(a["bytes"]))
+    console.print(acts)
+
+
+# -- autopar train ------------------------------------------------------------------------
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from autopar.layout import Layout, LayoutError
+    from autopar.train_worker import EVENT_PREFIX
+
+    try:
+        layout = Layout(dp=args.dp, bucket_mb=args.bucket_mb)
+    except LayoutError as exc:
+        raise SystemExit(f"autopar train: {exc}") from exc
+    nproc = args.nproc or layout.world_size
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", "-m", "autopar.train_worker", args.model,
+           "--layout", json.dumps(layout.non_default_fields()), "--steps", str(args.steps),
+           "--lr", str(args.lr), "--optimizer", args.optimizer]
+    if args.parity:
+        cmd.append("--parity")
+    if args.save:
+        cmd += ["--save", args.save]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    show = _Progress(args.steps, fancy=sys.stdout.isatty())
+    parity_ok = True
+    for line in proc.stdout:
+        if not line.startswith(EVENT_PREFIX):
+            sys.stdout.write(line)
+            continue
+        event = json.loads(line[len(EVENT_PREFIX):])
+        parity_ok &= event.get("ok", True)
+        show.handle(event)
+    show.close()
+    code = proc.wait()
+    if code:
+        console.print(f"[red]training failed[/red] (torchrun exit code {code})")
+        return code
+    return 0 if parity_ok else 3
+
+
+class _Progress:
+    """Progress on a terminal (rich), plain log lines otherwise."""
+
+    def __init__(self, steps: int, fancy: bool):
+        self.steps = steps
+        self.fancy = fancy
+        self.bar = None
+        self.task = None
+        self.started = time.perf_counter()
+        self.tokens = 0
+
+    def handle(self, event: dict) -> None:
+        kind = event["event"]
+        if kind == "compiled":
+            console.print(f"{event['description']}\ncompiled {event['layout']} in "
+                          f"{event['seconds']:.1f} s; passes: {'; '.join(event['passes']) or '-'}")
+            self.started = time.perf_counter()
+            if self.fancy:
+                from rich.progress import (BarColumn, Progress, TextColumn, TimeRemainingColumn)
+                self.bar = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+                                    TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
+                                    console=console)
+                self.bar.start()
+                self.task = self.bar.add_task("train", total=self.steps, status="")
+        elif kind == "step":
+            self._step(event)
+        elif kind == "parity":
+            self.close()
+            verdict = "[green]equal[/green]" if event["ok"] else "[red]DIFFERENT[/red]"
+            console.print(f"parity with single-process PyTorch: {verdict} ({event['summary']})")
+        elif kind == "saved":
+            console.print(f"checkpoint saved to {event['path']}")
+
+    def _step(self, event: dict) -> None:
+        self.tokens += event["tokens"]
+        elapsed = time.perf_counter() - self.started
+        rate = self.tokens / elapsed if elapsed > 0 else 0.0
+        left = elapsed / event["step"] * (event["steps"] - event["step"])
+        status = f"loss {event['loss']:.4f}  {rate:,.0f} tokens/s"
+        if self.bar is not None:
+            self.bar.update(self.task, completed=event["step"], status=status)
+        else:
+            print(f"step {event['step']}/{event['steps']}  {status}  {left:.0f} s left", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
+# -- entry point --------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autopar", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    trace = sub.add_parser("trace", help="trace MODEL and summarise its training graph")
+    trace.add_argument("model", nargs="?", help="built-in example or pkg.module:factory")
+    trace.add_argument("--list", action="store_true", help="list the built-in examples")
+    trace.add_argument("--json", action="store_true", help="print the summary as JSON")
+    trace.add_argument("--ir", metavar="FILE", help="also write the graph's IR text to FILE")
+    trace.set_defaults(func=cmd_trace)
+
+    train = sub.add_parser("train", help="train MODEL under torchrun with a layout")
+    train.add_argument("model", help="built-in example or pkg.module:factory")
+    train.add_argument("--dp", type=int, default=2, help="data-parallel degree")
+    train.add_argument("--nproc", type=int, default=None, help="processes (default dp*tp*pp)")
+    train.add_argument("--bucket-mb", type=float, default=25.0, help="all-reduce bucket size")
+    train.add_argument("--steps", type=int, default=10)
+    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    train.add_argument("--parity", action="store_true",
+                       help="also train single-process PyTorch and compare loss and weights")
+    train.add_argument("--save", metavar="DIR", help="save a checkpoint at the end")
+    train.set_defaults(func=cmd_train)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    configure_from_env()
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""TrainGraph: one FX graph holding forward, loss and backward of a training step.
+
+The graph is a function of flat inputs, in this order:
+
+    params..., buffers..., user inputs...   ->   (loss, grad per param..., new value per mutated buffer...)
+
+`GraphSignature` names each placeholder and each output. A TrainGraph is never
+edited in place by a pass: `TrainGraph.copy()` gives the pass its own graph.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from autopar.compiler.ir import meta as M
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, shape and dtype of one graph input (parameter, buffer or user input)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    aliases: tuple[str, ...] = ()  # other names of the same tensor (tied weights)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class GraphSignature:
+    params: tuple[TensorSpec, ...]
+    buffers: tuple[TensorSpec, ...]
+    inputs: tuple[TensorSpec, ...]
+    # names of the buffers the step writes (e.g. BatchNorm running stats), in output order
+    mutated_buffers: tuple[str, ...] = ()
+    # input index -> dim split across data-parallel ranks (None: replicated input)
+    batch_dims: tuple[int | None, ...] = ()
+
+    @property
+    def num_placeholders(self) -> int:
+        return len(self.params) + len(self.buffers) + len(self.inputs)
+
+    @property
+    def num_outputs(self) -> int:
+        return 1 + len(self.params) + len(self.mutated_buffers)
+
+    def grad_output_index(self, param_index: int) -> int:
+        return 1 + param_index
+
+    def param_names(self) -> list[str]:
+        return [p.name for p in self.params]
+
+
+@dataclass
+class TrainGraph:
+    """A joint training-step graph plus what passes have established about it."""
+
+    gm: fx.GraphModule
+    signature: GraphSignature
+    provides: frozenset[str] = frozenset({"traced"})
+    history: tuple[str, ...] = ()
+    # per-graph facts passes record for later passes and the runtime (JSON-able values)
+    attrs: dict = field(default_factory=dict)
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.gm.graph
+
+    def placeholders(self) -> list[fx.Node]:
+        return [n for n in self.graph.nodes if n.op == "placeholder"]
+
+    def output_node(self) -> fx.Node:
+        return self.graph.output_node()
+
+    def outputs(self) -> list[fx.Node]:
+        return list(self.output_node().args[0])
+
+    def loss_node(self) -> fx.Node:
+        return self.outputs()[0]
+
+    def grad_nodes(self) -> list[fx.Node]:
+        """The node giving each parameter's gradient, in parameter order."""
+        outs = self.outputs()
+        return outs[1:1 + len(self.signature.params)]
+
+    def copy(self) -> TrainGraph:
+        """A deep copy of the graph (node metadata included) for a pass to rewrite."""
+        graph = fx.Graph()
+        value_map: dict[fx.Node, fx.Node] = {}
+        out = graph.graph_copy(self.graph, value_map)
+        graph.output(out)
+        for old, new in value_map.items():
+            new.meta = dict(old.meta)
+        out_node = graph.output_node()
+        out_node.meta = dict(self.output_node().meta)
+        gm = fx.GraphModule(self.gm, graph)
+        return dataclasses.replace(self, gm=gm, attrs=copy.deepcopy(self.attrs))
+
+    def call_nodes(self) -> list[fx.Node]:
+        return [n for n in self.graph.nodes if n.op == "call_function"]
+
+    def nodes_by_role(self) -> dict[M.Role, list[fx.Node]]:
+        out: dict[M.Role, list[fx.Node]] = {r: [] for r in M.Role}
+        for n in self.call_nodes():
+            out[n.meta[M.ROLE]].append(n)
+        return out
+
+    def total_flops(self) -> int:
+        return sum(n.meta.get(M.FLOPS, 0) for n in self.call_nodes())
+
+
+def new_node_meta(val, role: M.Role, created_by: str, module_path: str | None = None,
+                  **extra) -> dict:
+    """Metadata for a node a pass inserts (the verifier requires these keys)."""
+    meta = {M.VAL: val, M.ROLE: role, M.MODULE_PATH: module_path, M.CREATED_BY: created_by,
+            M.FLOPS: 0, M.BYTES: 0}
+    meta.update(extra)
+    return meta

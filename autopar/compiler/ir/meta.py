@@ -1,0 +1,38 @@
+"""Node metadata keys of the TrainGraph, declared once with their types.
+
+Every `call_function` node of a verified TrainGraph carries VAL, ROLE and
+MODULE_PATH (None where no module owns the op, e.g. the loss written outside the
+model). Passes that create nodes fill them (see `ir.graph.new_node_meta`).
+"""
+
+from __future__ import annotations
+
+import enum
+
+# torch's own key: a FakeTensor (or a tuple of them) describing the node's output.
+VAL = "val"  # FakeTensor | tuple[FakeTensor | None, ...] | SymInt | None
+
+
+class Role(str, enum.Enum):
+    """Which part of the training step a node belongs to."""
+
+    FORWARD = "forward"
+    LOSS = "loss"  # after the last op that reads a parameter, on the way to the loss
+    BACKWARD = "backward"
+    COMM = "comm"  # collectives and the packing around them, inserted by passes
+    OPTIMIZER = "optimizer"
+
+
+ROLE = "autopar.role"  # Role
+MODULE_PATH = "autopar.module_path"  # str | None: "transformer.h.3.attn" (original model names)
+MODULE_TYPE = "autopar.module_type"  # str | None: qualified class name of that module
+LAYER = "autopar.layer"  # int | None: index inside the model's main stack of repeated blocks
+SOURCE = "autopar.source"  # str | None: "file.py:123" of the user code that produced the op
+FLOPS = "autopar.flops"  # int: floating-point operations of this node (0 for views)
+BYTES = "autopar.bytes"  # int: bytes read + written, 0 for views and metadata ops
+GRAD_OF = "autopar.grad_of"  # str: parameter name whose gradient this node produces
+COMM_KIND = "autopar.comm_kind"  # str: "grad_bucket" | "loss" | ... for collective nodes
+BUCKET = "autopar.bucket"  # int: gradient bucket index for the nodes of one bucket
+CREATED_BY = "autopar.created_by"  # str: the pass that inserted the node
+
+REQUIRED_CALL_KEYS = (VAL, ROLE, MODULE_PATH)

@@ -1,0 +1,288 @@
+"""Trace a model and its loss into one joint forward + loss + backward TrainGraph.
+
+The route (see docs/concepts.md, "Why this tracing route"):
+
+1. `torch.export.export` (non-strict) captures model + loss as an aten graph with
+   parameters lifted to inputs. Export handles what the other tracers refuse on
+   Hugging Face models: data-dependent mask code, `DynamicCache`-free outputs,
+   tied weights (deduplicated to one input).
+2. `make_fx` (fake tensors: nothing is allocated or computed) traces a function
+   that runs the exported graph through an `fx.Interpreter` and takes
+   `torch.autograd.grad(loss, params, allow_unused=True)`. The interpreter with
+   `preserve_node_meta` carries each forward op's module stack and source line into
+   the new graph; AOTAutograd's stack-trace hooks give every backward op the
+   `seq_nr` of the forward op it differentiates, so backward ops get a module too.
+   Parameters that get no gradient (an unused pooler) get zeros, not an error:
+   `aot_export_module(trace_joint=True)` refuses such models and tied weights.
+"""
+
+from __future__ import annotations
+
+import re
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from autopar.compiler.ir import meta as M
+from autopar.compiler.ir.annotate import annotate
+from autopar.compiler.ir.graph import GraphSignature, TensorSpec, TrainGraph
+
+LossFn = Callable[..., torch.Tensor]
+_WRAPPED = "model"  # attribute name of the user's model inside the loss wrapper
+
+
+class TraceError(RuntimeError):
+    """The model (or its loss) could not be traced; the message names where and why."""
+
+
+class _ModelWithLoss(torch.nn.Module):
+    """model + loss as one module, so export captures the loss too."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: LossFn | None):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *inputs):
+        out = self.model(*inputs)
+        return _pick_loss(out, inputs, self.loss_fn)
+
+
+def _pick_loss(out: Any, inputs: Sequence[Any], loss_fn: LossFn | None) -> torch.Tensor:
+    if loss_fn is not None:
+        loss = loss_fn(out, *inputs)
+        where = "loss_fn(output, *inputs)"
+    elif isinstance(out, torch.Tensor):
+        loss, where = out, "the model's output"
+    elif getattr(out, "loss", None) is not None:
+        loss, where = out.loss, "the model's output.loss"
+    else:
+        raise TraceError(
+            f"the model returned {type(out).__name__} with no .loss; pass "
+            "loss_fn=lambda output, *inputs: ... to autopar (or make the model return "
+            "a scalar loss; Hugging Face models compute .loss when given labels)")
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()):
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        hint = "" if loss_fn else "; pass loss_fn=lambda output, *inputs: ... to autopar"
+        raise TraceError(f"{where} must be a scalar floating-point tensor, got {shape}{hint}")
+    return loss
+
+
+def trace_train_step(model: torch.nn.Module, example_inputs: Sequence[Any],
+                     loss_fn: LossFn | None = None) -> TrainGraph:
+    """Trace one training step of `model` on `example_inputs` (a local batch).
+
+    Works on real, meta or fake tensors: nothing is computed. The model's own
+    parameters are not modified.
+    """
+    example_inputs = tuple(example_inputs)
+    wrapper = _ModelWithLoss(model, loss_fn)
+    exported = _export(wrapper, model, example_inputs)
+    gm, sig = _trace_joint(exported, model, example_inputs)
+    return annotate(TrainGraph(gm=gm, signature=sig), model)
+
+
+def _export(wrapper: torch.nn.Module, model: torch.nn.Module,
+            example_inputs: tuple) -> torch.export.ExportedProgram:
+    try:
+        ep = torch.export.export(wrapper, example_inputs, strict=False)
+        # export's training IR keeps in-place ops (BatchNorm's running stats); an empty
+        # decomposition table only functionalises them into buffer-mutation outputs
+        return ep.run_decompositions({}) if _mutates(ep.graph) else ep
+    except TraceError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every export failure is re-raised with context
+        raise TraceError(_explain_trace_failure(exc, model)) from exc
+
+
+def _mutates(graph: fx.Graph) -> bool:
+    return any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+               for n in graph.nodes)
+
+
+def _trace_joint(ep: torch.export.ExportedProgram, model: torch.nn.Module,
+                 example_inputs: tuple) -> tuple[fx.GraphModule, GraphSignature]:
+    sig = ep.graph_signature
+    state = {**ep.state_dict, **ep.constants}
+    # Export gives a tied weight one placeholder per name; the joint graph takes it
+    # once, so autograd sums the gradients of all its uses.
+    first_name: dict[int, str] = {}
+    for spec in sig.input_specs:
+        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            first_name.setdefault(id(state[spec.target]), spec.target)
+    canonical = {s.target: first_name[id(state[s.target])] for s in sig.input_specs
+                 if s.kind in (InputKind.PARAMETER, InputKind.BUFFER)}
+    unique = list(dict.fromkeys(canonical.values()))
+    trainable = [n for n in unique if isinstance(state[n], torch.nn.Parameter) and state[n].requires_grad]
+    # frozen parameters travel with the buffers: no gradient, not optimised
+    buffers = [n for n in unique if n not in trainable]
+    user_inputs = [a for a in example_inputs if isinstance(a, torch.Tensor)]
+    if len(user_inputs) != len(example_inputs):
+        bad = [type(a).__name__ for a in example_inputs if not isinstance(a, torch.Tensor)]
+        raise TraceError(f"example_inputs must all be tensors (got {bad}); bind other "
+                         "arguments inside loss_fn or a wrapper module")
+    mutated = [(spec.target, i) for i, spec in enumerate(sig.output_specs)
+               if spec.kind == OutputKind.BUFFER_MUTATION]
+    loss_index = next(i for i, spec in enumerate(sig.output_specs)
+                      if spec.kind == OutputKind.USER_OUTPUT)
+    placeholder_of = {s.target: i for i, s in enumerate(sig.input_specs) if s.target is not None}
+    user_slots = [i for i, s in enumerate(sig.input_specs) if s.kind == InputKind.USER_INPUT]
+    n_params, n_buffers = len(trainable), len(buffers)
+
+    def joint_step(*flat):
+        params, bufs, inputs = (flat[:n_params], flat[n_params:n_params + n_buffers],
+                                flat[n_params + n_buffers:])
+        args: list[Any] = [None] * len(sig.input_specs)
+        value_of = dict(zip(trainable + buffers, params + bufs))
+        for name, first in canonical.items():
+            args[placeholder_of[name]] = value_of[first]
+        for spec_index, spec in enumerate(sig.input_specs):
+            if spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
+                args[spec_index] = state[spec.target]
+        for slot, value in zip(user_slots, inputs):
+            args[slot] = value
+        with fx_traceback.preserve_node_meta():
+            outs = torch.fx.Interpreter(ep.graph_module).run(*args)
+            loss = outs[loss_index]
+            if loss.grad_fn is not None:
+                setup_stacktrace_preservation_hooks([loss.grad_fn])
+            grads = torch.autograd.grad(loss, params, allow_unused=True) if params else ()
+        grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
+        return (loss, *grads, *[outs[i] for _, i in mutated])
+
+    flat = ([state[n].detach().requires_grad_(True) for n in trainable]
+            + [state[n].detach() for n in buffers] + list(user_inputs))
+    gm = make_fx(joint_step, tracing_mode="fake")(*flat)
+    gm.graph._codegen = fx.graph.CodeGen()  # plain flat-args signature, no pytree wrapping
+    _drop_shape_asserts(gm)
+    _name_placeholders(gm, trainable, buffers, len(user_inputs))
+    signature = GraphSignature(
+        params=_specs(trainable, state, model),
+        buffers=_specs(buffers, state, model),
+        inputs=tuple(TensorSpec(f"input_{i}", tuple(t.shape), t.dtype)
+                     for i, t in enumerate(user_inputs)),
+        mutated_buffers=tuple(_strip(name) for name, _ in mutated),
+        batch_dims=batch_dims_of(user_inputs),
+    )
+    return gm, signature
+
+
+def _drop_shape_asserts(gm: fx.GraphModule) -> None:
+    """Export's run-time metadata asserts: shapes are static in a compiled program."""
+    for node in list(gm.graph.nodes):
+        name = getattr(node.target, "__name__", "")
+        if node.op == "call_function" and name.startswith("_assert_") and not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def _strip(name: str) -> str:
+    """The model's own name ("x.w") of a wrapper name ("model.x.w")."""
+    prefix = _WRAPPED + "."
+    return name[len(prefix):] if name.startswith(prefix) else name
+
+
+def _specs(names: list[str], state: dict[str, torch.Tensor],
+           model: torch.nn.Module) -> tuple[TensorSpec, ...]:
+    aliases = _alias_groups(model)
+    out = []
+    for name in names:
+        t = state[name]
+        short = _strip(name)
+        others = tuple(a for a in aliases.get(short, ()) if a != short)
+        out.append(TensorSpec(short, tuple(t.shape), t.dtype, others))
+    return tuple(out)
+
+
+def _alias_groups(model: torch.nn.Module) -> dict[str, tuple[str, ...]]:
+    """Every name of each parameter/buffer that is reachable under several names."""
+    by_id: dict[int, list[str]] = {}
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(
+            model.named_buffers(remove_duplicate=False)):
+        by_id.setdefault(id(t), []).append(name)
+    return {n: tuple(names) for names in by_id.values() for n in names}
+
+
+def batch_dims_of(inputs: list[torch.Tensor]) -> tuple[int | None, ...]:
+    """Dim 0 is the batch of every input whose dim 0 equals the first input's."""
+    if not inputs or inputs[0].dim() == 0:
+        return tuple(None for _ in inputs)
+    batch = inputs[0].shape[0]
+    return tuple(0 if t.dim() > 0 and t.shape[0] == batch else None for t in inputs)
+
+
+def _name_placeholders(gm: fx.GraphModule, params: list[str], buffers: list[str],
+                       n_inputs: int) -> None:
+    names = ([_safe("p_" + _strip(n)) for n in params] + [_safe("b_" + _strip(n)) for n in buffers]
+             + [f"input_{i}" for i in range(n_inputs)])
+    for node, name in zip([n for n in gm.graph.nodes if n.op == "placeholder"], names):
+        node.name = node.target = name  # FX keeps names unique; these already are
+    gm.recompile()
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"\W", "_", name)
+
+
+# -- error messages for untraceable code ---------------------------------------------------
+
+_HINTS = (
+    ("data-dependent", "Python control flow on a tensor's value (`if x.sum() > 0`, `.item()`, "
+     "`.tolist()`) cannot be traced: use torch.where / torch.cond, or compute it outside the model"),
+    ("DynamicCache", "the model returns a KV cache: build it with use_cache=False"),
+    ("non-tensor", "inputs and outputs must be tensors (or Hugging Face ModelOutputs)"),
+)
+
+
+def _explain_trace_failure(exc: BaseException, model: torch.nn.Module) -> str:
+    frame, module_path = _user_frame(exc, model)
+    where = ""
+    if frame is not None:
+        where = f" at {frame.filename}:{frame.lineno} in {frame.name}"
+        if frame.line:
+            where += f"\n    {frame.line.strip()}"
+    owner = f"module `{module_path}`" if module_path else "the model"
+    first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    hint = next((h for key, h in _HINTS if key.lower() in str(exc).lower()), None)
+    message = f"cannot trace {owner}{where}\n  {type(exc).__name__}: {first_line}"
+    if hint:
+        message += f"\n  hint: {hint}"
+    return message
+
+
+def _user_frame(exc: BaseException, model: torch.nn.Module):
+    """The innermost frame outside torch, and the model path of the innermost module running."""
+    path_of = {id(m): name or type(model).__name__ for name, m in model.named_modules()}
+    user_frame, module_path = None, None
+    for cause in _causes(exc):
+        tb = cause.__traceback__
+        summary = traceback.extract_tb(tb)
+        frames = [f for f, _ in traceback.walk_tb(tb)]
+        for frame, fs in zip(frames, summary):
+            this = frame.f_locals.get("self")
+            if this is not None and id(this) in path_of:
+                module_path = path_of[id(this)]
+            if not _is_library_file(fs.filename):
+                user_frame = fs
+    return user_frame, module_path
+
+
+def _causes(exc: BaseException):
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
+def _is_library_file(filename: str) -> bool:
+    library = ("/torch/", "/autopar/compiler/", "/contextlib.py", "/functools.py", "<")
+    return any(part in filename for part in library)
+

@@ -1,0 +1,30 @@
+"""Lower a rewritten TrainGraph to the runtime's Program (the serialisable hand-off)."""
+
+from __future__ import annotations
+
+from autopar.compiler.ir.graph import TensorSpec, TrainGraph
+from autopar.layout import Layout
+from autopar.runtime.program import Program, TensorEntry
+
+
+def _entry(spec: TensorSpec) -> TensorEntry:
+    return TensorEntry(spec.name, spec.shape, spec.dtype, spec.aliases)
+
+
+def mesh_dims(layout: Layout) -> tuple[tuple[str, int], ...]:
+    """Mesh dimensions, outermost first; size-1 dimensions are kept so names resolve."""
+    return (("dp", layout.dp),)
+
+
+def to_program(tg: TrainGraph, layout: Layout) -> Program:
+    sig = tg.signature
+    return Program(
+        gm=tg.gm,
+        params=tuple(_entry(p) for p in sig.params),
+        buffers=tuple(_entry(b) for b in sig.buffers),
+        inputs=tuple(_entry(i) for i in sig.inputs),
+        batch_dims=sig.batch_dims,
+        mutated_buffers=sig.mutated_buffers,
+        mesh=mesh_dims(layout),
+        layout=layout.to_dict(),
+    )

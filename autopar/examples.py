@@ -1,0 +1,150 @@
+"""Built-in example models: small, randomly initialised, no downloads.
+
+Each factory returns an `Example`: the model, a global batch and the loss function.
+Names are accepted by the CLI (`autopar trace gpt2-tiny`). Hugging Face models are
+built from configs with `use_cache=False` and dropout off (so parity is exact).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Example:
+    model: torch.nn.Module
+    batch: tuple[torch.Tensor, ...]  # one global batch (the example inputs)
+    loss_fn: Callable[..., torch.Tensor] | None
+    description: str
+    # step -> a global batch with something to learn (the loss falls as it trains)
+    data: Callable[[int], tuple[torch.Tensor, ...]] | None = None
+
+    def batches(self, steps: int, start: int = 0) -> list[tuple[torch.Tensor, ...]]:
+        if self.data is None:
+            return [self.batch] * steps
+        return [self.data(start + k) for k in range(steps)]
+
+
+def progression_tokens(batch: int, seq: int, vocab: int, seed: int) -> torch.Tensor:
+    """Token sequences that count up by a per-sequence stride (mod vocab): a causal LM
+    learns to continue them, so the demo's loss visibly falls."""
+    gen = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, vocab, (batch, 1), generator=gen)
+    stride = torch.randint(1, 4, (batch, 1), generator=gen)
+    return (start + stride * torch.arange(seq)) % vocab
+
+
+def causal_lm_loss(output, input_ids: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of a causal LM's logits against its own input ids."""
+    logits = output.logits if hasattr(output, "logits") else output
+    logits = logits[:, :-1]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), input_ids[:, 1:].reshape(-1))
+
+
+def gpt2(layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 256, batch: int = 8,
+         seq: int = 32, seed: int = 0) -> Example:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab,
+                        n_positions=max(seq, 64), use_cache=False, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = GPT2LMHeadModel(config)
+    ids = torch.randint(0, vocab, (batch, seq))
+    return Example(model, (ids,), causal_lm_loss,
+                   f"GPT-2 (transformers), {layers} layers, hidden {hidden}, tied embeddings",
+                   lambda step: (progression_tokens(batch, seq, vocab, seed + 1 + step),))
+
+
+def llama(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 256,
+          batch: int = 8, seq: int = 32, seed: int = 0) -> Example:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden,
+                         intermediate_size=hidden * 2, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, vocab_size=vocab,
+                         max_position_embeddings=max(seq, 64), use_cache=False,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = LlamaForCausalLM(config)
+    ids = torch.randint(0, vocab, (batch, seq))
+    return Example(model, (ids,), causal_lm_loss,
+                   f"Llama (transformers), {layers} layers, hidden {hidden}, "
+                   f"grouped-query attention {heads}/{kv_heads}",
+                   lambda step: (progression_tokens(batch, seq, vocab, seed + 1 + step),))
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, sizes: tuple[int, ...] = (32, 64, 64, 8)):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in zip(sizes, sizes[1:]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.relu(x)
+        return x
+
+
+def sine_regression_loss(output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Regress sin of the first output-width features of the input (targets need no
+    extra input: the model and loss_fn both receive exactly the step's inputs)."""
+    return F.mse_loss(output, torch.sin(x[:, :output.shape[-1]]))
+
+
+def mlp(batch: int = 16, seed: int = 0) -> Example:
+    torch.manual_seed(seed)
+    model = MLP()
+    x = torch.randn(batch, 32)
+    return Example(model, (x,), sine_regression_loss, "3-layer MLP regressing sin(x)",
+                   lambda step: (torch.randn(batch, 32,
+                                             generator=torch.Generator().manual_seed(seed + 1 + step)),))
+
+
+EXAMPLES: dict[str, Callable[..., Example]] = {
+    "gpt2-tiny": gpt2,
+    "gpt2-small4": lambda **kw: gpt2(**{"layers": 4, "hidden": 256, "heads": 8, "vocab": 50257,
+                                        "batch": 16, "seq": 128, **kw}),
+    "llama-tiny": llama,
+    "llama-small4": lambda **kw: llama(**{"layers": 4, "hidden": 256, "heads": 8, "kv_heads": 4,
+                                          "vocab": 32000, "batch": 16, "seq": 128, **kw}),
+    "mlp": mlp,
+}
+
+
+def load_example(name: str, **overrides) -> Example:
+    if name not in EXAMPLES:
+        import difflib
+
+        near = difflib.get_close_matches(name, EXAMPLES, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise KeyError(f"no built-in example {name!r}{hint}; built-in: {', '.join(EXAMPLES)}")
+    return EXAMPLES[name](**overrides)
+
+
+def load_model_spec(spec: str, **overrides) -> Example:
+    """`pkg.module:factory` (returning an Example or (model, batch, loss_fn)) or a
+    built-in example name."""
+    if ":" not in spec:
+        return load_example(spec, **overrides)
+    import importlib
+
+    module_name, _, attr = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise KeyError(f"cannot load model factory {spec!r}: {exc}") from exc
+    made = factory(**overrides)
+    if isinstance(made, Example):
+        return made
+    if isinstance(made, tuple) and len(made) == 3:
+        model, batch, loss_fn = made
+        batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+        return Example(model, batch, loss_fn, f"{spec}")
+    raise TypeError(f"{spec} returned {type(made).__name__}; return an autopar.examples.Example "
+                    "or a (model, example_batch, loss_fn) tuple")

@@ -1,0 +1,160 @@
+"""Layout (how one training step is parallelised), Prediction and Plan.
+
+A Layout is plain data: every field has a default, `validate` checks it on its own
+and `check_world_size` checks it against a number of processes. Fields whose pass
+has not landed yet are accepted by the dataclass but refused by `autopar.compile`
+with a message saying so (see `unsupported_fields`), never silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero-bubble")
+RECOMPUTE = ("none", "full", "selective", "auto")
+AMP = ("off", "bf16", "fp16")
+COMM_DTYPES = (None, "fp32", "bf16", "fp16")
+
+
+class LayoutError(ValueError):
+    """A Layout that cannot be used: the message names the field and what would work."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How to parallelise one training step (see docs/concepts.md).
+
+    dp, tp, pp: data-, tensor- and pipeline-parallel degrees; their product is the
+    number of processes. microbatches: micro-batches per step (gradient accumulation
+    when pp == 1). bucket_mb: size of a gradient all-reduce bucket in MiB (0: one
+    all-reduce per gradient).
+    """
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    zero: int = 0
+    recompute: str = "none"
+    amp: str = "off"
+    sequence_parallel: bool = False
+    fusion: bool = False
+    # communication options
+    bucket_mb: float = 25.0
+    overlap_comm: bool = True
+    grad_comm_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def validate(self) -> None:
+        for name in ("dp", "tp", "pp", "microbatches", "virtual_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LayoutError(f"Layout.{name} must be a positive integer, got {value!r}")
+        _check_choice("schedule", self.schedule, SCHEDULES)
+        _check_choice("recompute", self.recompute, RECOMPUTE)
+        _check_choice("amp", self.amp, AMP)
+        _check_choice("grad_comm_dtype", self.grad_comm_dtype, COMM_DTYPES)
+        if self.zero not in (0, 1, 2, 3):
+            raise LayoutError(f"Layout.zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        if not (isinstance(self.bucket_mb, (int, float)) and self.bucket_mb >= 0
+                and math.isfinite(self.bucket_mb)):
+            raise LayoutError(f"Layout.bucket_mb must be a finite number >= 0, got {self.bucket_mb!r}")
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise LayoutError(
+                f"Layout.virtual_stages={self.virtual_stages} needs schedule='interleaved', "
+                f"got schedule={self.schedule!r}")
+        if self.sequence_parallel and self.tp == 1:
+            raise LayoutError("Layout.sequence_parallel=True needs tp > 1")
+        if self.zero and self.dp == 1:
+            raise LayoutError(f"Layout.zero={self.zero} shards over data-parallel ranks and needs dp > 1")
+
+    def check_world_size(self, world_size: int) -> None:
+        """Refuse a layout whose dp*tp*pp is not the number of processes."""
+        if self.world_size != world_size:
+            raise LayoutError(
+                f"{self} needs dp*tp*pp = {self.world_size} processes, but the world size is "
+                f"{world_size}: start it with `torchrun --nproc-per-node {self.world_size}` "
+                f"or choose a layout whose product is {world_size}")
+
+    def check_batch(self, batch_size: int) -> None:
+        """Refuse a global batch that does not split evenly over dp ranks and micro-batches."""
+        parts = self.dp * self.microbatches
+        if batch_size % parts:
+            fits = [d for d in range(1, batch_size + 1) if batch_size % (d * self.microbatches) == 0]
+            raise LayoutError(
+                f"the global batch of {batch_size} does not split evenly into dp={self.dp} x "
+                f"microbatches={self.microbatches} = {parts} parts; use a batch that is a multiple "
+                f"of {parts}, or dp in {fits}")
+
+    def replace(self, **changes: Any) -> Layout:
+        return dataclasses.replace(self, **changes)
+
+    def non_default_fields(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != f.default}
+
+    def __str__(self) -> str:
+        fields = self.non_default_fields() or {"dp": 1}
+        return "Layout(" + ", ".join(f"{k}={v!r}" for k, v in fields.items()) + ")"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Layout:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise LayoutError(f"unknown Layout field(s) {unknown}; known fields: {sorted(known)}")
+        return cls(**data)
+
+
+def _check_choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise LayoutError(f"Layout.{name} must be one of {list(choices)}, got {value!r}")
+
+
+def unsupported_fields(layout: Layout) -> list[str]:
+    """Fields set to values whose pass has not landed yet (compile refuses them)."""
+    out = []
+    if layout.tp > 1:
+        out.append("tp > 1 (tensor parallelism)")
+    if layout.pp > 1:
+        out.append("pp > 1 (pipeline parallelism)")
+    if layout.microbatches > 1:
+        out.append("microbatches > 1 (gradient accumulation / pipelining)")
+    if layout.zero:
+        out.append("zero > 0 (ZeRO sharding)")
+    if layout.recompute != "none":
+        out.append(f"recompute={layout.recompute!r}")
+    if layout.amp != "off":
+        out.append(f"amp={layout.amp!r}")
+    if layout.fusion:
+        out.append("fusion=True")
+    if layout.grad_comm_dtype not in (None, "fp32"):
+        out.append(f"grad_comm_dtype={layout.grad_comm_dtype!r}")
+    return out
+
+
+@dataclass
+class Prediction:
+    """What the cost model predicts for one training step (see DESIGN.md)."""
+
+    step_time_s: float
+    flops_per_step: float
+    tflops_per_device: float
+    mfu: float
+    peak_memory_bytes: int
+    bubble_fraction: float = 0.0
+    breakdown: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,475 @@
+"""Atomic, verified checkpoints of a rank's named tensors and optimizer state.
+
+A checkpoint is a directory written by torch.distributed.checkpoint (DCP) plus
+``autopar_manifest.json``: the caller's manifest (``manifest["tensors"]`` maps
+each name to ``{"shape": [...], "dtype": "float32"}``, see `describe_tensors`;
+layout, world size and version ride along unchecked), a record of the optimizer
+state's structure, and a SHA-256 of every file DCP wrote.
+
+Every rank calls `save_checkpoint` / `load_checkpoint` collectively when a
+process group is initialised; without one they run as a single process.
+
+    save: rank 0 picks a random suffix (broadcast) -> all ranks write into
+          <path>.tmp-<suffix> -> barrier -> rank 0 hashes the files, writes the
+          manifest last, renames <path> to <path>.old-<suffix>, renames the tmp
+          dir to <path>, deletes the old one.
+    load: rank 0 checks manifest, checksums and names/shapes/dtypes -> all
+          ranks load into fresh tensors -> copied into the caller's tensors only
+          once the whole load has succeeded.
+
+Rank 0's verdict is broadcast, so every rank returns or raises `CheckpointError`
+together. A save killed before its final rename leaves <path> untouched; one
+killed between the two renames is finished by the next save or load (the tmp
+dir holds a manifest only once it is complete).
+
+Optimizer state is created lazily at the first step, so a fresh optimizer has
+nothing to load into. The manifest therefore records each parameter's state
+keys with their shapes and dtypes (or that the value is a plain object), and the
+load template is built from that record: a state tensor shaped like its
+parameter is allocated with ``empty_like(param)`` (so it inherits a DTensor's
+placements under sharded layouts and DCP reshards it), any other (the 0-d
+``step``) as a plain tensor.
+
+DCP behaviour callers must know:
+- plain (non-DTensor) tensors count as replicated: DCP writes one copy, from a
+  rank its dedup picks, so they must be equal on every rank;
+- non-tensor values (hyperparameters, a float ``step``) are pickled from rank 0
+  only and unpickled by every rank on load;
+- the checkpoint directory must be on a filesystem that every rank sees;
+- rank 0 alone hashes every file, on save and again on load: one more full read;
+- under NCCL, call torch.cuda.set_device first (rank 0's verdicts are broadcast
+  as objects).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterator, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    FileSystemReader,
+    FileSystemWriter,
+)
+from torch.distributed.checkpoint.api import CheckpointException
+
+MANIFEST_FILE = "autopar_manifest.json"
+_FORMAT = 1
+_TMP = ".tmp-"
+_OLD = ".old-"
+_MAX_LISTED = 20
+_T = TypeVar("_T")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded; raised on every rank alike."""
+
+
+# ---------------------------------------------------------------- optimizer state by name
+
+
+def _group_names(optimizer: torch.optim.Optimizer, param_names: dict[int, str]) -> list[list[str]]:
+    """The optimizer's parameters as names, group by group, in its own order."""
+    groups = []
+    for group in optimizer.param_groups:
+        missing = [tuple(p.shape) for p in group["params"] if id(p) not in param_names]
+        if missing:
+            raise CheckpointError(f"optimizer parameters of shapes {missing} have no name in param_names")
+        groups.append([param_names[id(p)] for p in group["params"]])
+    return groups
+
+
+def optimizer_state_by_name(optimizer: torch.optim.Optimizer, param_names: dict[int, str]) -> dict:
+    """``optimizer.state_dict()`` with its integer parameter ids replaced by names.
+
+    The tensors are the optimizer's own (not copies).
+    """
+    # NOTE: state_dict() numbers parameters in param_groups order, as _group_names lists them.
+    by_index = [name for group in _group_names(optimizer, param_names) for name in group]
+    raw = optimizer.state_dict()
+    state = {by_index[i]: dict(entries) for i, entries in raw["state"].items()}
+    groups = [{**group, "params": [by_index[i] for i in group["params"]]} for group in raw["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def load_optimizer_state_by_name(optimizer: torch.optim.Optimizer, param_names: dict[int, str], state: dict) -> None:
+    """Load a name-keyed optimizer state (see `optimizer_state_by_name`) into ``optimizer``."""
+    groups = _group_names(optimizer, param_names)
+    problems = _group_mismatches([list(g["params"]) for g in state["param_groups"]], groups)
+    if problems:
+        raise CheckpointError("optimizer state does not fit this optimizer:\n  " + "\n  ".join(problems))
+    index = {name: i for i, name in enumerate(name for group in groups for name in group)}
+    optimizer.load_state_dict(
+        {
+            "state": {index[name]: dict(entries) for name, entries in state["state"].items()},
+            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in state["param_groups"]],
+        }
+    )
+
+
+def _group_mismatches(saved: list[list[str]], wanted: list[list[str]]) -> list[str]:
+    if len(saved) != len(wanted):
+        return [f"{len(saved)} parameter groups in the checkpoint, {len(wanted)} in this optimizer"]
+    problems = []
+    for i, (have, want) in enumerate(zip(saved, wanted)):
+        if have == want:
+            continue
+        missing = [n for n in want if n not in have]
+        unexpected = [n for n in have if n not in want]
+        details = []
+        if missing:
+            details.append("missing from the checkpoint: " + _listing(missing))
+        if unexpected:
+            details.append("not in this optimizer: " + _listing(unexpected))
+        problems.append(f"parameter group {i}: " + ("; ".join(details) or "same parameters in a different order"))
+    return problems
+
+
+# ---------------------------------------------------------------- manifests
+
+
+def describe_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """``manifest["tensors"]`` for these tensors: global shape (a DTensor's too) and dtype."""
+    return {name: {"shape": list(t.shape), "dtype": _dtype_name(t.dtype)} for name, t in tensors.items()}
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _listing(names: list[str]) -> str:
+    more = len(names) - _MAX_LISTED
+    return ", ".join(names[:_MAX_LISTED]) + (f" and {more} more" if more > 0 else "")
+
+
+def _tensor_mismatches(saved: dict, current: dict, saved_where: str, current_where: str) -> list[str]:
+    """Lines naming tensors missing, unexpected or different between two ``manifest["tensors"]``."""
+    lines = []
+    missing = [name for name in current if name not in saved]
+    unexpected = [name for name in saved if name not in current]
+    if missing:
+        lines.append(f"not {saved_where}: " + _listing(missing))
+    if unexpected:
+        lines.append(f"{saved_where} but not {current_where}: " + _listing(unexpected))
+    for name in (n for n in current if n in saved):
+        old, new = saved[name], current[name]
+        if list(old["shape"]) != list(new["shape"]):
+            lines.append(f"{name}: shape {tuple(old['shape'])} {saved_where}, {tuple(new['shape'])} {current_where}")
+        if _dtype_name(old["dtype"]) != _dtype_name(new["dtype"]):
+            lines.append(
+                f"{name}: dtype {_dtype_name(old['dtype'])} {saved_where}, {_dtype_name(new['dtype'])} {current_where}"
+            )
+    more = len(lines) - _MAX_LISTED
+    return lines[:_MAX_LISTED] + ([f"and {more} more"] if more > 0 else [])
+
+
+def _describe_optimizer(state: dict) -> dict:
+    """The structure of a name-keyed optimizer state, enough to rebuild a load template."""
+
+    def describe(value: Any) -> dict:
+        if isinstance(value, torch.Tensor):
+            return {"shape": list(value.shape), "dtype": _dtype_name(value.dtype)}
+        return {"object": type(value).__name__}
+
+    return {
+        "state": {name: {k: describe(v) for k, v in entries.items()} for name, entries in state["state"].items()},
+        "param_groups": [{"params": list(g["params"]), "keys": list(g)} for g in state["param_groups"]],
+    }
+
+
+def _manifest_digest(body: dict) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _read_record(path: Path) -> dict:
+    """The saved manifest record; guards against a damaged manifest by its own digest."""
+    file = path / MANIFEST_FILE
+    if not file.is_file():
+        raise CheckpointError(f"no autopar checkpoint at {path}")
+    try:
+        record = json.loads(file.read_text())
+        digest = record.pop("manifest_sha256")
+    except (ValueError, KeyError, AttributeError) as e:
+        raise CheckpointError(f"checkpoint {path} is corrupted: {MANIFEST_FILE} cannot be read ({e})") from e
+    if digest != _manifest_digest(record):
+        raise CheckpointError(f"checkpoint {path} is corrupted: {MANIFEST_FILE} has changed since it was saved")
+    return record
+
+
+def _write_record(directory: Path, record: dict) -> None:
+    """Written last and by rename: a tmp dir with a manifest is a complete checkpoint."""
+    partial = directory / (MANIFEST_FILE + ".partial")
+    with open(partial, "w") as f:
+        json.dump({**record, "manifest_sha256": _manifest_digest(record)}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, directory / MANIFEST_FILE)
+
+
+# ---------------------------------------------------------------- files
+
+
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _checksums(directory: Path) -> dict[str, str]:
+    files = sorted(f for f in directory.rglob("*") if f.is_file() and f.name != MANIFEST_FILE)
+    return {f.relative_to(directory).as_posix(): _sha256(f) for f in files}
+
+
+def _siblings(path: Path, tag: str) -> list[Path]:
+    found = path.parent.glob(glob.escape(path.name + tag) + "*")
+    return sorted((p for p in found if p.is_dir()), key=lambda p: p.stat().st_mtime)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Makes the renames durable, not just visible."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _finish_interrupted_swap(path: Path) -> None:
+    """A save killed between its two renames left no <path>: put a checkpoint back there."""
+    if path.exists():
+        return
+    complete = [d for d in _siblings(path, _TMP) if (d / MANIFEST_FILE).is_file()]
+    previous = _siblings(path, _OLD)
+    if complete or previous:
+        os.rename((complete or previous)[-1], path)
+
+
+def _prepare_save(path: Path, tensors: dict[str, torch.Tensor], record: dict) -> str:
+    """Rank 0, before writing: returns the tmp suffix every rank will use."""
+    _check_saveable(tensors, record)
+    _finish_interrupted_swap(path)
+    if path.exists() and not (path / MANIFEST_FILE).is_file() and (path.is_file() or any(path.iterdir())):
+        raise CheckpointError(f"refusing to replace {path}: it exists and is not an autopar checkpoint")
+    # NOTE: leftovers of killed saves; assumes no other job saves to the same path concurrently.
+    for stale in _siblings(path, _TMP) + _siblings(path, _OLD):
+        shutil.rmtree(stale, ignore_errors=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return secrets.token_hex(8)
+
+
+def _publish(tmp: Path, path: Path, suffix: str, record: dict) -> None:
+    """Rank 0, after every rank has written: seal the tmp dir and swap it into place."""
+    _write_record(tmp, {**record, "files": _checksums(tmp)})
+    old = path.with_name(path.name + _OLD + suffix)
+    if path.exists():
+        os.rename(path, old)
+    os.rename(tmp, path)
+    _fsync_dir(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- collectives
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _is_rank0() -> bool:
+    return not _distributed() or dist.get_rank() == 0
+
+
+def _on_rank0(fn: Callable[[], _T]) -> _T:
+    """Run ``fn`` on rank 0 only; every rank gets its result, or raises its error."""
+    result, error, cause = None, None, None
+    if _is_rank0():
+        try:
+            result = fn()
+        except Exception as e:  # any failure must reach the other ranks, or they hang
+            error, cause = (str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {e}"), e
+    if _distributed():
+        box = [(result, error)]
+        dist.broadcast_object_list(box, src=0)
+        result, error = box[0]
+    if error is not None:
+        raise CheckpointError(error) from cause
+    return result
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """DCP warns whenever it runs without a process group, which is a supported mode here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _dcp_failure(error: BaseException) -> str:
+    """One line per failed rank instead of DCP's full tracebacks."""
+    if not isinstance(error, CheckpointException):
+        return f"{type(error).__name__}: {error}"
+    return "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in sorted(error.failures.items()))
+
+
+# ---------------------------------------------------------------- the DCP state dict
+
+
+def _key(*parts: str | int) -> str:
+    return ".".join(map(str, parts))
+
+
+def _flat_state_dict(tensors: dict[str, torch.Tensor], optimizer_state: dict | None) -> dict[str, Any]:
+    """One flat dict, so that DCP's keys are ours and loading never depends on its flattening rules."""
+    flat: dict[str, Any] = {_key("model", name): t for name, t in tensors.items()}
+    if optimizer_state is not None:
+        for name, entries in optimizer_state["state"].items():
+            flat.update({_key("optim.state", name, key): value for key, value in entries.items()})
+        for i, group in enumerate(optimizer_state["param_groups"]):
+            flat.update({_key("optim.param_groups", i, key): value for key, value in group.items()})
+    return flat
+
+
+def _load_planner() -> DefaultLoadPlanner:
+    # NOTE: with flatten_sharded_tensors the planner stores the non-tensor values it reads
+    # into a copy of our dict, and they are lost (hyperparameters came back as None in testing).
+    return DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+
+def _optimizer_template(record: dict, tensors: dict[str, torch.Tensor]) -> dict:
+    """Empty name-keyed optimizer state shaped as the saved one (see the module docstring)."""
+
+    def empty(spec: dict, param: torch.Tensor | None) -> Any:
+        if "object" in spec:
+            return None  # DCP replaces non-tensor values wholesale on load
+        shape, dtype = tuple(spec["shape"]), getattr(torch, spec["dtype"])
+        if param is not None and tuple(param.shape) == shape:
+            return torch.empty_like(param, dtype=dtype)
+        return torch.empty(shape, dtype=dtype)
+
+    return {
+        "state": {
+            name: {key: empty(spec, tensors.get(name)) for key, spec in entries.items()}
+            for name, entries in record["state"].items()
+        },
+        "param_groups": [{key: None for key in group["keys"]} for group in record["param_groups"]],
+    }
+
+
+def _unflatten_optimizer(flat: dict[str, Any], record: dict) -> dict:
+    """The inverse of `_flat_state_dict` for the optimizer part, guided by the saved record."""
+    state = {}
+    for name, entries in record["state"].items():
+        state[name] = {key: flat[_key("optim.state", name, key)] for key in entries}
+    groups = []
+    for i, group in enumerate(record["param_groups"]):
+        groups.append({key: flat[_key("optim.param_groups", i, key)] for key in group["keys"]})
+    return {"state": state, "param_groups": groups}
+
+
+# ---------------------------------------------------------------- save / load
+
+
+def save_checkpoint(
+    path: str | os.PathLike, tensors: dict[str, torch.Tensor], optimizer_state: dict | None, manifest: dict
+) -> None:
+    """Atomically replace the checkpoint at ``path`` (see the module docstring). Collective."""
+    path = Path(path)
+    record = {"format": _FORMAT, "manifest": manifest}
+    if optimizer_state is not None:
+        record["optimizer"] = _describe_optimizer(optimizer_state)
+    suffix = _on_rank0(lambda: _prepare_save(path, tensors, record))
+    tmp = path.with_name(path.name + _TMP + suffix)
+    try:
+        with _quiet_single_process():
+            dcp.save(
+                _flat_state_dict(tensors, optimizer_state),
+                storage_writer=FileSystemWriter(tmp),
+                planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+            )
+    # NOTE: CheckpointException derives from BaseException; DCP raises it on every rank
+    # when any rank fails to write.
+    except (Exception, CheckpointException) as e:
+        if _is_rank0():
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(
+            f"saving checkpoint {path} failed, the previous one there is untouched: {_dcp_failure(e)}"
+        ) from e
+    if _distributed():
+        dist.barrier()
+    _on_rank0(lambda: _publish(tmp, path, suffix, record))
+
+
+def _check_saveable(tensors: dict[str, torch.Tensor], record: dict) -> None:
+    """The manifest can be written and describes what is saved, or a later load would misjudge it."""
+    try:
+        json.dumps(record)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"the checkpoint manifest must be JSON-serialisable: {e}") from e
+    described = record["manifest"].get("tensors", {})
+    lines = _tensor_mismatches(described, describe_tensors(tensors), "in the manifest", "in the tensors")
+    if lines:
+        raise CheckpointError("the manifest does not describe the tensors being saved:\n  " + "\n  ".join(lines))
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    tensors: dict[str, torch.Tensor],
+    manifest: dict,
+    optimizer_state_template: dict | None,
+) -> dict | None:
+    """Load ``path`` into ``tensors`` in place and return the name-keyed optimizer state. Collective.
+
+    Only the template's ``param_groups[i]["params"]`` names are used (they must
+    match the saved ones); its state may be empty. Without a template no
+    optimizer state is read and None is returned. On any error nothing is changed.
+    """
+    path = Path(path)
+    record = _on_rank0(lambda: _verify(path, manifest, optimizer_state_template))
+    fresh = {name: torch.empty_like(t) for name, t in tensors.items()}
+    optimizer = None if optimizer_state_template is None else _optimizer_template(record["optimizer"], tensors)
+    flat = _flat_state_dict(fresh, optimizer)
+    try:
+        with _quiet_single_process():
+            dcp.load(flat, storage_reader=FileSystemReader(path), planner=_load_planner())
+    except (Exception, CheckpointException) as e:  # raised on every rank, as in save
+        raise CheckpointError(f"loading checkpoint {path} failed, nothing was changed: {_dcp_failure(e)}") from e
+    with torch.no_grad():
+        for name, t in tensors.items():
+            t.copy_(fresh[name])
+    return None if optimizer is None else _unflatten_optimizer(flat, record["optimizer"])
+
+
+def _verify(path: Path, manifest: dict, optimizer_state_template: dict | None) -> dict:
+    """Rank 0, before anything is read: the checkpoint is intact and fits the caller."""
+    _finish_interrupted_swap(path)
+    record = _read_record(path)
+    for name, digest in record["files"].items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path} is corrupted: {name} is missing")
+        if _sha256(file) != digest:
+            raise CheckpointError(f"checkpoint {path} is corrupted: {name} has changed since it was saved")
+    lines = _tensor_mismatches(record["manifest"]["tensors"], manifest["tensors"], "in the checkpoint", "in this model")
+    if optimizer_state_template is not None:
+        if "optimizer" not in record:
+            lines.append("no optimizer state in the checkpoint")
+        else:
+            saved = [g["params"] for g in record["optimizer"]["param_groups"]]
+            lines += _group_mismatches(saved, [list(g["params"]) for g in optimizer_state_template["param_groups"]])
+    if lines:
+        raise CheckpointError(f"checkpoint {path} does not match this model:\n  " + "\n  ".join(lines))
+    return record

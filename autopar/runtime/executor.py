@@ -1,0 +1,138 @@
+"""Run a compiled Program: one training step per call, on this rank's slice of the batch."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from autopar.runtime import checkpoint as ckpt
+from autopar.runtime.mesh import Mesh, build_mesh
+from autopar.runtime.program import Program, bind_groups
+
+log = logging.getLogger("autopar.runtime")
+
+OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+class BatchError(ValueError):
+    """A batch passed to the step does not match the shapes the program was compiled for."""
+
+
+class DistributedStep:
+    """A compiled training step bound to this rank's mesh, weights and optimizer.
+
+    The model's own parameters are the weights: the graph reads them and the
+    optimizer updates them in place, so `model` stays usable after training.
+    """
+
+    def __init__(self, program: Program, model: torch.nn.Module,
+                 optimizer: OptimizerFactory, *, mesh: Mesh | None = None):
+        self.program = program
+        self.mesh = mesh or build_mesh(program.mesh)
+        self.gm = bind_groups(program.gm, self.mesh.group_names) if self.mesh.group_names \
+            else program.gm
+        named = dict(model.named_parameters(remove_duplicate=False))
+        named.update(model.named_buffers(remove_duplicate=False))
+        self.params = [named[p.name] for p in program.params]
+        self.buffers = [named[b.name] for b in program.buffers]
+        self._model = model
+        self._sync_initial_weights()
+        self.optimizer = optimizer(self.params)
+        self.steps = 0
+
+    # -- the step ---------------------------------------------------------------------------
+
+    def __call__(self, *global_batch: torch.Tensor) -> torch.Tensor:
+        local = self.local_batch(global_batch)
+        with torch.no_grad():
+            outs = self.gm(*self.params, *self.buffers, *local)
+            loss, rest = outs[0], outs[1:]
+            grads, new_buffers = rest[:len(self.params)], rest[len(self.params):]
+            for p, g in zip(self.params, grads):
+                p.grad = g
+            self.optimizer.step()
+            for p in self.params:
+                p.grad = None
+            by_name = {b.name: t for b, t in zip(self.program.buffers, self.buffers)}
+            for name, value in zip(self.program.mutated_buffers, new_buffers):
+                by_name[name].copy_(value)
+        self.steps += 1
+        return loss.detach()
+
+    def local_batch(self, global_batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's slice of the global batch along each input's batch dimension."""
+        spec = self.program.inputs
+        if len(global_batch) != len(spec):
+            raise BatchError(f"the step takes {len(spec)} input tensors (as the example inputs), "
+                             f"got {len(global_batch)}")
+        dp = self.program.mesh_size("dp")
+        rank = self.mesh.rank_in("dp")
+        out = []
+        for entry, dim, x in zip(spec, self.program.batch_dims, global_batch):
+            if dim is not None:
+                if x.shape[dim] != entry.shape[dim] * dp:
+                    raise BatchError(
+                        f"{entry.name}: global batch of {x.shape[dim]} along dim {dim}, but the "
+                        f"program was compiled for {entry.shape[dim] * dp} "
+                        f"({entry.shape[dim]} per rank x dp={dp}); compile again for a new size")
+                x = x.narrow(dim, rank * entry.shape[dim], entry.shape[dim])
+            if tuple(x.shape) != entry.shape:
+                raise BatchError(f"{entry.name}: shape {tuple(x.shape)} per rank, the program was "
+                                 f"compiled for {entry.shape}")
+            out.append(x)
+        return out
+
+    def _sync_initial_weights(self) -> None:
+        """Every rank starts from rank 0's weights (as DDP does)."""
+        if self.mesh.device_mesh is None:
+            return
+        with torch.no_grad():
+            for t in self.params + self.buffers:
+                dist.broadcast(t.data, src=0)
+
+    # -- weights and checkpoints ------------------------------------------------------------
+
+    def _named_tensors(self) -> dict[str, torch.Tensor]:
+        named = {p.name: t for p, t in zip(self.program.params, self.params)}
+        named.update({b.name: t for b, t in zip(self.program.buffers, self.buffers)})
+        return named
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights under their original names (tied names included)."""
+        out = {}
+        for entry, t in zip(self.program.params + self.program.buffers, self.params + self.buffers):
+            for name in (entry.name, *entry.aliases):
+                out[name] = t.detach().clone()
+        return out
+
+    def _manifest(self) -> dict:
+        return {
+            "format": "autopar-checkpoint-1",
+            "layout": self.program.layout,
+            "world_size": self.program.world_size,
+            "tensors": {n: {"shape": list(t.shape), "dtype": str(t.dtype)}
+                        for n, t in self._named_tensors().items()},
+        }
+
+    def _param_names(self) -> dict[int, str]:
+        return {id(t): p.name for p, t in zip(self.program.params, self.params)}
+
+    def save(self, path: str | Path) -> None:
+        """Collective: write weights and optimizer state with torch.distributed.checkpoint."""
+        state = ckpt.optimizer_state_by_name(self.optimizer, self._param_names())
+        ckpt.save_checkpoint(path, self._named_tensors(), state, self._manifest())
+
+    def load(self, path: str | Path) -> None:
+        """Collective: restore what `save` wrote; refuses a mismatched or corrupted checkpoint
+        without changing anything."""
+        template = ckpt.optimizer_state_by_name(self.optimizer, self._param_names())
+        state = ckpt.load_checkpoint(path, self._named_tensors(), self._manifest(), template)
+        if state is not None:
+            ckpt.load_optimizer_state_by_name(self.optimizer, self._param_names(), state)
+
+    def parameters(self) -> Iterable[torch.nn.Parameter]:
+        return iter(self.params)

@@ -1,0 +1,76 @@
+"""Process group and DeviceMesh set-up under torchrun (or a single process without it)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+log = logging.getLogger("autopar.runtime")
+
+
+class WorldSizeError(RuntimeError):
+    """The number of processes does not match what the program was compiled for."""
+
+
+def launched_world_size() -> int:
+    """Processes in this job: the initialised process group's, else torchrun's WORLD_SIZE, else 1."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def launched_rank() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class Mesh:
+    """The DeviceMesh of a program and the process-group name of each dimension."""
+
+    device_mesh: DeviceMesh | None
+    group_names: dict[str, str]
+    coords: dict[str, int]  # this rank's index along each mesh dimension
+
+    def rank_in(self, dim: str) -> int:
+        return self.coords.get(dim, 0)
+
+
+def build_mesh(dims: tuple[tuple[str, int], ...]) -> Mesh:
+    """Initialise the process group (gloo on CPU, NCCL on GPU) and the mesh.
+
+    A single-process program with no torchrun runs without any process group.
+    """
+    needed = 1
+    for _, size in dims:
+        needed *= size
+    world = launched_world_size()
+    if world != needed:
+        raise WorldSizeError(
+            f"this program was compiled for {needed} processes (mesh {dict(dims)}), but the job "
+            f"has {world}: start it with `torchrun --nproc-per-node {needed} ...` "
+            f"(or `autopar train --nproc {needed}`)")
+    if needed == 1 and not dist.is_initialized():
+        return Mesh(None, {}, {name: 0 for name, _ in dims})
+    if not dist.is_initialized():
+        backend = "nccl" if device_type() == "cuda" else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+        log.info("process group %s: rank %d of %d", backend, dist.get_rank(), world)
+    names = tuple(name for name, _ in dims)
+    shape = tuple(size for _, size in dims)
+    mesh = init_device_mesh(device_type(), shape, mesh_dim_names=names)
+    groups = {name: mesh.get_group(name).group_name for name in names}
+    coords = {name: mesh.get_local_rank(name) for name in names}
+    return Mesh(mesh, groups, coords)

@@ -1,0 +1,77 @@
+"""The compiled program the runtime executes, and the conventions it shares with the compiler.
+
+The compiler never sees a process group: a collective in the graph names its mesh
+dimension through the `group_name` argument, `mesh_group_tag("dp")` ==
+"autopar.mesh.dp". The runtime binds each tag to the real group of its DeviceMesh
+(`bind_groups`) before running the graph.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+MESH_TAG_PREFIX = "autopar.mesh."
+
+
+def mesh_group_tag(dim: str) -> str:
+    return MESH_TAG_PREFIX + dim
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    aliases: tuple[str, ...] = ()
+
+
+@dataclass
+class Program:
+    """One rank's training step: a GraphModule of flat (params, buffers, inputs) ->
+    (loss, grads, mutated buffers), and the names that bind it to the model."""
+
+    gm: fx.GraphModule
+    params: tuple[TensorEntry, ...]
+    buffers: tuple[TensorEntry, ...]
+    inputs: tuple[TensorEntry, ...]  # shapes of this rank's slice
+    batch_dims: tuple[int | None, ...]
+    mutated_buffers: tuple[str, ...]
+    mesh: tuple[tuple[str, int], ...]  # (("dp", 2),): mesh dimension names and sizes
+    layout: dict = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        n = 1
+        for _, size in self.mesh:
+            n *= size
+        return n
+
+    def mesh_size(self, dim: str) -> int:
+        return dict(self.mesh).get(dim, 1)
+
+
+def bind_groups(gm: fx.GraphModule, group_names: dict[str, str]) -> fx.GraphModule:
+    """A copy of `gm` whose collectives name real process groups instead of mesh tags."""
+    gm = copy.deepcopy(gm)
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        new_args = tuple(_bind(a, group_names) for a in node.args)
+        if new_args != node.args:
+            node.args = new_args
+    gm.recompile()
+    return gm
+
+
+def _bind(arg, group_names: dict[str, str]):
+    if isinstance(arg, str) and arg.startswith(MESH_TAG_PREFIX):
+        dim = arg[len(MESH_TAG_PREFIX):]
+        if dim not in group_names:
+            raise RuntimeError(f"the program communicates over mesh dimension {dim!r}, "
+                               f"but the runtime mesh has only {sorted(group_names)}")
+        return group_names[dim]
+    return arg

@@ -1,0 +1,86 @@
+"""The per-rank program behind `autopar train` (started by torchrun).
+
+Rank 0 reports progress as JSON lines prefixed with EVENT_PREFIX on stdout; the
+CLI turns them into a progress bar or plain log lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+
+import torch
+
+EVENT_PREFIX = "@autopar-event "
+
+
+def emit(event: str, **fields) -> None:
+    print(EVENT_PREFIX + json.dumps({"event": event, **fields}), flush=True)
+
+
+def make_optimizer(name: str, lr: float):
+    if name == "adamw":
+        return lambda params: torch.optim.AdamW(params, lr=lr)
+    if name == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
+    raise SystemExit(f"--optimizer must be adamw or sgd, got {name!r}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    import autopar
+    from autopar.examples import load_model_spec
+    from autopar.runtime.mesh import launched_rank
+
+    parser = argparse.ArgumentParser(prog="autopar-train-worker")
+    parser.add_argument("model")
+    parser.add_argument("--layout", required=True, help="Layout fields as JSON")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--optimizer", default="adamw")
+    parser.add_argument("--parity", action="store_true")
+    parser.add_argument("--save", default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+
+    example = load_model_spec(args.model)
+    layout = autopar.Layout.from_dict(json.loads(args.layout))
+    optimizer = make_optimizer(args.optimizer, args.lr)
+    initial = copy.deepcopy(example.model) if args.parity else None
+    start = time.perf_counter()
+    step = autopar.compile(example.model, None, example.batch, example.loss_fn,
+                           optimizer=optimizer, layout=layout)
+    rank0 = launched_rank() == 0
+    if rank0:
+        emit("compiled", seconds=time.perf_counter() - start, layout=str(layout),
+             passes=[r.summary() for r in step.pass_results], description=example.description)
+    batches = example.batches(args.steps)
+    losses = []
+    for k, batch in enumerate(batches):
+        t0 = time.perf_counter()
+        loss = step(*batch).item()
+        losses.append(loss)
+        if rank0:
+            emit("step", step=k + 1, steps=args.steps, loss=loss,
+                 seconds=time.perf_counter() - t0, tokens=batch[0].numel())
+    if args.save:
+        step.save(args.save)
+        if rank0:
+            emit("saved", path=args.save)
+    if args.parity and rank0:
+        from autopar.testing import compare, reference_train
+
+        init_state = {k: v.clone() for k, v in initial.state_dict().items()}
+        ref_losses, ref_state = reference_train(initial, batches, example.loss_fn, optimizer)
+        report = compare(losses, ref_losses, step.full_state_dict(), ref_state, init_state,
+                         adam=args.optimizer == "adamw")
+        emit("parity", ok=report.ok, loss_rel_err=report.loss_rel_err, summary=str(report),
+             reference_losses=ref_losses, losses=losses)
+    elif args.parity:
+        step.full_state_dict()  # collective in sharded layouts: every rank takes part
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

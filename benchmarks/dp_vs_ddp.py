@@ -1,0 +1,94 @@
+"""autopar dp=2 against torch.nn.parallel.DistributedDataParallel, side by side.
+
+Same GPT-2 (transformers; 4 layers, hidden 256, 8 heads, vocab 50257), same global
+batch (16 x 128 tokens), AdamW, same gloo process group, one thread per process.
+Rounds alternate between the two so machine noise hits both alike; each round
+times `--steps` steps after the warm-up. Prints the median step time of each and
+the ratio autopar / DDP (target <= 1.0).
+
+    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 2 \\
+        benchmarks/dp_vs_ddp.py --rounds 5 --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import autopar
+from autopar.examples import load_example
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+def ddp_step_fn(model, loss_fn, rank, world):
+    ddp = DDP(model)
+    opt = adamw([p for p in ddp.parameters() if p.requires_grad])
+
+    def step(ids):
+        local = ids.chunk(world)[rank]
+        loss = loss_fn(ddp(local), local)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+    return step
+
+
+def time_steps(step, batch, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step(*batch)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--model", default="gpt2-small4")
+    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    example = load_example(args.model)
+    batch = example.batch
+    compile_start = time.perf_counter()
+    ours = autopar.compile(copy.deepcopy(example.model), None, batch, example.loss_fn,
+                           optimizer=adamw, layout=autopar.Layout(dp=world, bucket_mb=args.bucket_mb))
+    compile_s = time.perf_counter() - compile_start
+    theirs = ddp_step_fn(copy.deepcopy(example.model), example.loss_fn, rank, world)
+    for fn in (ours, theirs):
+        time_steps(fn, batch, args.warmup)
+
+    samples: dict[str, list[float]] = {"autopar": [], "ddp": []}
+    for _ in range(args.rounds):
+        samples["autopar"] += time_steps(ours, batch, args.steps)
+        samples["ddp"] += time_steps(theirs, batch, args.steps)
+    medians = {k: statistics.median(v) for k, v in samples.items()}
+    if rank == 0:
+        result = {"benchmark": "dp_vs_ddp", "model": args.model, "world": world,
+                  "rounds": args.rounds, "steps_per_round": args.steps,
+                  "median_step_s": medians, "ratio_autopar_over_ddp": medians["autopar"] / medians["ddp"],
+                  "autopar_compile_s": compile_s, "torch": torch.__version__}
+        print(json.dumps(result, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Creates .venv and installs autopar with its test dependencies.
+# torch is pinned to 2.13.0 here, the CPU build this machine keeps on disk: an open
+# range would pull a multi-GB CUDA build. The package itself asks only torch>=2.13.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.autopar-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -nt "$stamp" ]; then
+  .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0 2>&1 | grep -v "is ignored" || true
+  .venv/bin/python -c "import torch" 
+  .venv/bin/pip install -q --disable-pip-version-check -e ".[dev]" numpy 2>&1 | grep -v "is ignored" || true
+  .venv/bin/python -c "import autopar, transformers, triton, torch; assert torch.__version__.startswith('2.13')"
+  touch "$stamp"
+fi

@@ -1,0 +1,138 @@
+"""InsertAllReduce: structure (buckets, placement, waits) and a golden IR on a tiny module."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopar.compiler.ir import meta as M
+from autopar.compiler.ir.printing import graph_text
+from autopar.compiler.ir.trace import trace_train_step
+from autopar.compiler.ir.verify import verify
+from autopar.compiler.passes.base import PassContext
+from autopar.compiler.passes.insert_allreduce import InsertAllReduce, plan_buckets
+from autopar.examples import gpt2
+from autopar.layout import Layout
+
+c10d = torch.ops._c10d_functional
+
+
+def rewrite(tg, **layout):
+    new, result = InsertAllReduce().run(tg, PassContext(Layout(**layout)))
+    verify(new)
+    return new, result
+
+
+@pytest.fixture(scope="module")
+def gpt2_graph():
+    ex = gpt2(layers=2)
+    return trace_train_step(ex.model, ex.batch, ex.loss_fn)
+
+
+@pytest.mark.parametrize("bucket_mb", [0, 0.01, 0.05, 25])
+def test_one_allreduce_per_bucket_placed_after_its_last_gradient(gpt2_graph, bucket_mb):
+    tg, result = rewrite(gpt2_graph, dp=2, bucket_mb=bucket_mb)
+    nodes = list(tg.graph.nodes)
+    grad_reduces = [n for n in nodes if n.target == c10d.all_reduce.default
+                    and n.meta[M.COMM_KIND] == "grad_bucket"]
+    assert len(grad_reduces) == result.stats["buckets"]
+    if bucket_mb == 0:
+        assert len(grad_reduces) == len(tg.signature.params)
+    original = {n.name for n in gpt2_graph.graph.nodes}
+    for reduce in grad_reduces:
+        bucket = reduce.meta[M.BUCKET]
+        # walk back from the all-reduce over the bucket's own packing nodes
+        prev = reduce.prev
+        while prev.meta.get(M.BUCKET) == bucket and prev.name not in original:
+            prev = prev.prev
+        members = {n.args[0] for n in nodes if n.meta.get(M.BUCKET) == bucket
+                   and n.target == torch.ops.aten.reshape.default}
+        assert prev in members, f"bucket {bucket}: {prev.name} is not its last gradient"
+        later = nodes[nodes.index(reduce):]
+        assert not (members & set(later)), "a gradient of the bucket is produced after its all-reduce"
+    # every wait sits at the end: nothing but waits and unpacking after the first wait
+    first_wait = next(i for i, n in enumerate(nodes) if n.target == c10d.wait_tensor.default)
+    assert all(n.meta.get(M.ROLE) == M.Role.COMM for n in nodes[first_wait:-1])
+
+
+def test_loss_is_averaged_and_every_gradient_output_is_synchronised(gpt2_graph):
+    tg, _ = rewrite(gpt2_graph, dp=4)
+    assert tg.loss_node().target == c10d.wait_tensor.default
+    for param, grad in zip(tg.signature.params, tg.grad_nodes()):
+        assert grad.meta[M.GRAD_OF] == param.name
+        node = grad
+        while node.target != c10d.wait_tensor.default:
+            node = node.args[0]
+        reduce = node.args[0]
+        assert reduce.target == c10d.all_reduce.default
+        assert reduce.args[1:] == ("sum", "autopar.mesh.dp")
+    # averaging: the backward pass starts from d(loss)/dp, once, instead of dividing buckets
+    seed = next(n for n in tg.call_nodes() if n.target == torch.ops.aten.ones_like.default)
+    (scaled,) = seed.users
+    assert scaled.target == torch.ops.aten.div.Tensor and scaled.args == (seed, 4)
+    assert sum(1 for n in tg.call_nodes() if n.target == torch.ops.aten.div.Tensor) == 2  # + loss
+
+
+def test_dp1_declines_and_leaves_graph_alone(gpt2_graph):
+    new, result = InsertAllReduce().run(gpt2_graph, PassContext(Layout(dp=1)))
+    assert new is gpt2_graph and not result.changed
+    assert result.declined and "dp=1" in result.declined[0][1]
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(2, 3))
+        self.b = torch.nn.Parameter(torch.zeros(3))
+
+    def forward(self, x):
+        return (x @ self.w + self.b).sum()
+
+
+def test_golden_ir_of_a_tiny_module():
+    tg = trace_train_step(Tiny(), (torch.ones(4, 2),))
+    new, _ = rewrite(tg, dp=2)
+    expected = textwrap.dedent("""\
+        p_w: float32[2, 3] = input
+        p_b: float32[3] = input
+        input_0: float32[4, 2] = input
+        mm: float32[4, 3] = mm(input_0, p_w)  # forward
+        add: float32[4, 3] = add.Tensor(mm, p_b)  # forward
+        sum_1: float32[] = sum(add)  # loss
+        div_1: float32[] = div.Tensor(sum_1, 2)  # comm
+        all_reduce_1: float32[] = _c10d_functional.all_reduce(div_1, sum, autopar.mesh.dp)  # comm
+        ones_like: float32[] = ones_like(sum_1, pin_memory=False, memory_format=torch.preserve_format)  # backward
+        div: float32[] = div.Tensor(ones_like, 2)  # backward
+        expand: float32[4, 3] = expand(div, [4, 3])  # backward
+        sum_2: float32[1, 3] = sum.dim_IntList(expand, [0], True)  # backward
+        view: float32[3] = view(sum_2, [3])  # backward
+        t: float32[2, 4] = t(input_0)  # backward
+        mm_1: float32[2, 3] = mm(t, expand)  # backward
+        reshape: float32[3] = reshape(view, [-1])  # comm
+        reshape_1: float32[6] = reshape(mm_1, [-1])  # comm
+        cat: float32[9] = cat([reshape, reshape_1])  # comm
+        all_reduce: float32[9] = _c10d_functional.all_reduce(cat, sum, autopar.mesh.dp)  # comm
+        wait_tensor: float32[9] = _c10d_functional.wait_tensor(all_reduce)  # comm
+        split_with_sizes: (float32[3], float32[6]) = split_with_sizes(wait_tensor, [3, 6])  # comm
+        getitem: float32[3] = getitem(split_with_sizes, 0)  # comm
+        view_1: float32[3] = view(getitem, [3])  # comm
+        getitem_1: float32[6] = getitem(split_with_sizes, 1)  # comm
+        view_2: float32[2, 3] = view(getitem_1, [2, 3])  # comm
+        wait_tensor_1: float32[] = _c10d_functional.wait_tensor(all_reduce_1)  # comm
+        return (wait_tensor_1, view_2, view_1)
+        """)
+    assert graph_text(new) == expected, graph_text(new)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 10_000), min_size=1, max_size=40), st.integers(0, 50_000))
+def test_buckets_partition_gradients_in_order(sizes, cap):
+    buckets = plan_buckets(sizes, cap)
+    assert [i for b in buckets for i in b] == list(range(len(sizes)))
+    for b in buckets[:-1]:
+        assert sum(sizes[i] for i in b) >= cap
+        assert sum(sizes[i] for i in b[:-1]) < cap or len(b) == 1

@@ -1,0 +1,98 @@
+"""PassManager: requires/provides, verification after each pass, IR dumps, user passes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar.compiler.ir import meta as M
+from autopar.compiler.ir.trace import trace_train_step
+from autopar.compiler.ir.verify import VerificationError
+from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
+from autopar.compiler.passes.insert_allreduce import InsertAllReduce
+from autopar.compiler.passes.manager import (PassManager, PassOrderError, get_pass,
+                                             register_pass, registered_passes)
+from autopar.layout import Layout
+
+
+@pytest.fixture(scope="module")
+def tiny_graph():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    return trace_train_step(model, (torch.randn(4, 4),), lambda out, x: out.square().mean())
+
+
+class NeedsStages(GraphPass):
+    name = "needs_stages"
+    requires = frozenset({"traced", "stages_cut"})
+
+    def run(self, tg, ctx):
+        return tg, PassResult(self.name, changed=False)
+
+
+class CutsStages(GraphPass):
+    name = "cuts_stages"
+    provides = frozenset({"stages_cut"})
+
+    def run(self, tg, ctx):
+        return tg.copy(), PassResult(self.name, changed=True)
+
+
+class DropsMetadata(GraphPass):
+    name = "drops_metadata"
+
+    def run(self, tg, ctx):
+        tg = tg.copy()
+        tg.call_nodes()[0].meta.pop(M.ROLE)
+        return tg, PassResult(self.name, changed=True)
+
+
+def test_pass_whose_requirement_is_missing_is_refused_and_suppliers_named(tiny_graph):
+    with pytest.raises(PassOrderError, match=r"needs_stages.*stages_cut.*cuts_stages"):
+        PassManager([NeedsStages(), CutsStages()]).run(tiny_graph, PassContext())
+    out, results = PassManager([CutsStages(), NeedsStages()]).run(tiny_graph, PassContext())
+    assert "stages_cut" in out.provides
+    assert out.history == ("cuts_stages", "needs_stages")
+    assert [r.name for r in results] == ["cuts_stages", "needs_stages"]
+    assert all(r.seconds >= 0 for r in results)
+
+
+def test_verifier_runs_after_each_pass(tiny_graph):
+    with pytest.raises(VerificationError, match="created by tracing lacks metadata"):
+        PassManager([DropsMetadata()]).run(tiny_graph, PassContext())
+
+
+def test_input_graph_is_never_modified(tiny_graph):
+    before = [n.format_node() for n in tiny_graph.graph.nodes]
+    PassManager([InsertAllReduce()]).run(tiny_graph, PassContext(Layout(dp=2)))
+    assert [n.format_node() for n in tiny_graph.graph.nodes] == before
+
+
+def test_dump_writes_ir_after_each_pass(tiny_graph, tmp_path):
+    PassManager([CutsStages(), InsertAllReduce()], dump_dir=tmp_path).run(
+        tiny_graph, PassContext(Layout(dp=2)))
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["000_traced.py", "001_cuts_stages.py", "002_insert_allreduce.py"]
+    assert "all_reduce" in (tmp_path / "002_insert_allreduce.py").read_text()
+
+
+def test_user_pass_registration():
+    @register_pass
+    class CountMatmuls(GraphPass):
+        name = "test_count_matmuls"
+
+        def run(self, tg, ctx):
+            n = sum(1 for node in tg.call_nodes() if node.target == torch.ops.aten.mm.default)
+            return tg, PassResult(self.name, changed=False, stats={"mm": n})
+
+    assert "test_count_matmuls" in registered_passes()
+    assert isinstance(get_pass("test_count_matmuls"), CountMatmuls)
+    with pytest.raises(ValueError, match="already registered"):
+        register_pass(type("Other", (GraphPass,), {"name": "test_count_matmuls"}))
+    with pytest.raises(KeyError, match="no pass named 'nope'"):
+        get_pass("nope")
+
+
+def test_context_is_frozen():
+    ctx = PassContext(options={"a": 1})
+    with pytest.raises(TypeError):
+        ctx.options["a"] = 2
