@@ -1,0 +1,52 @@
+"""Run many multi-process test cases in one torchrun job (one process-group start).
+
+    torchrun --standalone --nproc-per-node 2 -m tests.dist.runner --out results.json [CASE ...]
+
+Each case is a function registered with `@case(world=N)` in a tests/dist/cases_*.py
+module (tests/dist/registry.py); it raises AssertionError on failure. Every rank runs every case; rank 0
+writes {case: {"ok": bool, "error": str}} with the errors of all ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import traceback
+
+import torch
+import torch.distributed as dist
+
+from tests.dist.registry import load_cases
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("cases", nargs="*")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    cases = load_cases()
+    names = args.cases or [n for n, (w, _) in cases.items() if w == world]
+    results = {}
+    for name in names:
+        error = ""
+        try:
+            cases[name][1]()
+        except Exception:  # noqa: BLE001 - reported to pytest, which fails the case
+            error = traceback.format_exc()
+        errors = [None] * world
+        dist.all_gather_object(errors, error)
+        bad = [f"[rank {r}] {e}" for r, e in enumerate(errors) if e]
+        results[name] = {"ok": not bad, "error": "\n".join(bad)}
+        dist.barrier()
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
