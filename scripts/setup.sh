@@ -10,9 +10,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.autopar-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -nt "$stamp" ]; then
-  .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0 2>&1 | grep -v "is ignored" || true
-  .venv/bin/python -c "import torch" 
-  .venv/bin/pip install -q --disable-pip-version-check -e ".[dev]" numpy 2>&1 | grep -v "is ignored" || true
+  # torch first and alone, so nothing later can ask pip for a different build
+  .venv/bin/pip install -q --disable-pip-version-check torch==2.13.0 numpy 2>&1 | grep -v "is ignored" || true
+  .venv/bin/pip install -q --disable-pip-version-check -e ".[dev]" 2>&1 | grep -v "is ignored" || true
   .venv/bin/python -c "import autopar, transformers, triton, torch; assert torch.__version__.startswith('2.13')"
   touch "$stamp"
 fi

@@ -60,9 +60,9 @@ def dp2_checkpoint_resume_equals_uninterrupted():
                         optimizer=adamw, layout=autopar.Layout(dp=2))
     for b in batches[:2]:
         a(*b)
-    path = tempfile.gettempdir() + "/autopar_dp2_ckpt"
-    path_list = [path]
-    dist.broadcast_object_list(path_list)
+    root = tempfile.mkdtemp(prefix="autopar-dp2-") if dist.get_rank() == 0 else None
+    path_list = [f"{root}/ckpt"]
+    dist.broadcast_object_list(path_list)  # rank 0's directory, seen by every rank
     a.save(path_list[0])
     for b in batches[2:]:
         a(*b)

@@ -1,24 +1,20 @@
-"""Checkpoint round trip and error agreement across ranks (gloo).
-
-    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 2 tests/dist/checkpoint_worker.py TMPDIR
+"""Checkpoint round trip and error agreement across ranks (gloo, 2 processes).
 
 Every rank holds the same (replicated) model, as plain tensors do under data
-parallelism. Exits non-zero on the first failed check.
+parallelism. Run by tests/dist/runner.py with the other 2-process cases.
 """
 
 from __future__ import annotations
 
-import sys
+import tempfile
 from pathlib import Path
 
-# torchrun puts this script's folder on sys.path, not the repository root.
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import torch
+import torch.distributed as dist
+from torch import nn
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch import nn  # noqa: E402
-
-from autopar.runtime import checkpoint as ck  # noqa: E402
+from autopar.runtime import checkpoint as ck
+from tests.dist.registry import case
 
 
 def make_model(seed: int, hidden: int = 16) -> nn.Module:
@@ -108,18 +104,11 @@ def check_errors_agree(path: Path) -> None:
     assert all(torch.equal(t, before[name]) for name, t in tensors_of(fresh).items())
 
 
-def main() -> None:
-    dist.init_process_group("gloo")
-    path = Path(sys.argv[1]) / "checkpoint-worker" / "ckpt"
-    try:
-        check_round_trip(path)
-        check_errors_agree(path)
-        dist.barrier()
-        if dist.get_rank() == 0:
-            print("checkpoint worker OK", flush=True)
-    finally:
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
+@case(world=2)
+def checkpoint_round_trip_and_errors_agree_across_ranks() -> None:
+    root = [tempfile.mkdtemp(prefix="autopar-ckpt-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(root)  # one directory that every rank sees
+    path = Path(root[0]) / "checkpoint-worker" / "ckpt"
+    check_round_trip(path)
+    check_errors_agree(path)
+    dist.barrier()

@@ -1,0 +1,57 @@
+"""The CLI's trace command and the AUTOPAR_LOGS switch."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from autopar import cli, logs
+
+
+def test_trace_json_summary(capsys):
+    assert cli.main(["trace", "gpt2-tiny", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["parameter_tensors"] == 28 and info["nodes_by_role"]["backward"] > 0
+    assert info["flops_per_step"] > 0 and info["largest_activations"]
+
+
+def test_trace_table_and_ir(capsys, tmp_path):
+    ir = tmp_path / "ir.txt"
+    assert cli.main(["trace", "mlp", "--ir", str(ir)]) == 0
+    out = capsys.readouterr().out
+    assert "ops by role" in out and "largest activations" in out
+    assert "return (" in ir.read_text()
+
+
+def test_trace_list_and_unknown_model(capsys):
+    assert cli.main(["trace", "--list"]) == 0
+    assert "llama-tiny" in capsys.readouterr().out
+    with pytest.raises(KeyError, match="did you mean 'gpt2-tiny'"):
+        cli.main(["trace", "gpt2-tny"])
+
+
+def test_trace_user_factory(capsys):
+    assert cli.main(["trace", "autopar.examples:mlp", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["parameter_tensors"] == 6
+
+
+def test_log_spec_parsing():
+    assert logs.parse("passes,+runtime,-trace") == {
+        "passes": logging.INFO, "runtime": logging.DEBUG, "trace": logging.ERROR}
+    assert set(logs.parse("+all")) == set(logs.COMPONENTS)
+    with pytest.raises(logs.LogSpecError, match="unknown component 'pass'"):
+        logs.parse("pass")
+
+
+@pytest.mark.slow
+def test_train_command_reports_progress_and_parity(tmp_path):
+    cmd = [sys.executable, "-m", "autopar", "train", "mlp", "--dp", "2", "--steps", "3",
+           "--parity", "--optimizer", "sgd", "--lr", "0.05", "--save", str(tmp_path / "ck")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "step 3/3" in done.stdout and "equal" in done.stdout
+    assert "checkpoint saved" in done.stdout and (tmp_path / "ck").is_dir()
