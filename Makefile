@@ -4,7 +4,7 @@ setup:
 	@bash scripts/setup.sh
 
 demo: setup
-	OMP_NUM_THREADS=1 .venv/bin/autopar train gpt2-tiny --nproc 2 --dp 2 --steps 20 --parity
+	OMP_NUM_THREADS=1 .venv/bin/autopar train gpt2-tiny --nproc 2 --dp 2 --steps 30 --lr 3e-3 --parity
 
 test: setup
 	.venv/bin/python -m pytest -q -ra

@@ -168,7 +168,7 @@ class _Progress:
         if self.bar is not None:
             self.bar.update(self.task, completed=event["step"], status=status)
         else:
-            print(f"step {event['step']}/{event['steps']}  {status}  {left:.0f} s left", flush=True)
+            print(f"step {event['step']}/{event['steps']}  {status}  {left:.1f} s left", flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

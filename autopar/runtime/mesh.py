@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 from dataclasses import dataclass
@@ -67,6 +68,9 @@ def build_mesh(dims: tuple[tuple[str, int], ...]) -> Mesh:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend)
+        # NOTE: a process that exits with its gloo group alive aborts ("terminate called
+        # without an active exception"); the group autopar made, autopar tears down.
+        atexit.register(_destroy_process_group)
         log.info("process group %s: rank %d of %d", backend, dist.get_rank(), world)
     names = tuple(name for name, _ in dims)
     shape = tuple(size for _, size in dims)
@@ -74,3 +78,8 @@ def build_mesh(dims: tuple[tuple[str, int], ...]) -> Mesh:
     groups = {name: mesh.get_group(name).group_name for name in names}
     coords = {name: mesh.get_local_rank(name) for name in names}
     return Mesh(mesh, groups, coords)
+
+
+def _destroy_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

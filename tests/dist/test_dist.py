@@ -24,8 +24,9 @@ def _run_world(world: int, tmp_dir: Path) -> dict:
            f"--nproc-per-node={world}", "-m", "tests.dist.runner", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=TIMEOUT_S)
-    if proc.returncode != 0 or not out.exists():
-        return {"__crash__": proc.stdout[-4000:] + proc.stderr[-8000:]}
+    if not out.exists():  # the job died before rank 0 wrote the verdicts
+        return {"__crash__": f"exit code {proc.returncode}\n" + proc.stdout[-4000:]
+                + proc.stderr[-8000:]}
     return json.loads(out.read_text())
 
 
