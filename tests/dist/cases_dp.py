@@ -47,6 +47,57 @@ for _name, _factory in {"gpt2": gpt2, "llama": llama, "mlp": mlp}.items():
         case(world=2)(_case)
 
 
+def _check_gathered_embeddings(factory, optimizer, expected):
+    step = check_parity(factory(vocab=1024), optimizer, autopar.Layout(dp=2))
+    (result,) = step.pass_results
+    assert result.stats["embedding_grads_gathered"] == expected, result.stats
+
+
+@case(world=2)
+def dp2_parity_gpt2_tied_embedding_rows_gathered_sgd():
+    _check_gathered_embeddings(gpt2, sgd, ["transformer.wte.weight"])
+
+
+@case(world=2)
+def dp2_parity_gpt2_tied_embedding_rows_gathered_adamw():
+    _check_gathered_embeddings(gpt2, adamw, ["transformer.wte.weight"])
+
+
+@case(world=2)
+def dp2_parity_llama_embedding_rows_gathered_sgd():
+    _check_gathered_embeddings(llama, sgd, ["model.embed_tokens.weight"])
+
+
+class TiedPaddedLM(torch.nn.Module):
+    """A plain module with a padded embedding tied to its output head."""
+
+    def __init__(self, vocab=512, width=16):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width, padding_idx=0)
+        self.mix = torch.nn.Linear(width, width)
+        self.head = torch.nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mix(self.embed(ids))))
+
+
+def tied_padded_lm():
+    from autopar.examples import Example, causal_lm_loss
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 512, (8, 12))
+    ids[:, -3:] = 0  # padding tokens: their embedding row gets no gradient
+    return Example(TiedPaddedLM(), (ids,), causal_lm_loss, "tied, padded")
+
+
+@case(world=2)
+def dp2_parity_tied_padded_embedding_rows_gathered_sgd():
+    example = tied_padded_lm()
+    step = check_parity(example, sgd, autopar.Layout(dp=2))
+    assert step.pass_results[0].stats["embedding_grads_gathered"] == ["embed.weight"]
+
+
 @case(world=2)
 def dp2_parity_one_bucket_per_grad_sgd():
     check_parity(gpt2(), sgd, autopar.Layout(dp=2, bucket_mb=0))

@@ -44,6 +44,9 @@ def main() -> None:
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
+    # NOTE: a rank that tears its gloo group down while a peer is still in it can abort
+    # the peer; leave together.
+    dist.barrier()
     dist.destroy_process_group()
 
 

@@ -1,15 +1,22 @@
-"""InsertAllReduce: average gradients over the data-parallel ranks, in buckets, overlapped.
+"""InsertAllReduce: sum gradients over the data-parallel ranks, in buckets, overlapped.
 
-Rewrites: the gradients, taken in the order the backward pass produces them, are
-packed into buckets of about `layout.bucket_mb` MiB. Right after a bucket's last
-gradient is computed, the bucket is flattened and all-reduced
-(`_c10d_functional.all_reduce`, asynchronous); its `wait_tensor` is placed as late
-as possible, just before the graph's output, so the all-reduce runs while the rest
-of the backward pass computes. The loss is averaged the same way.
-Averaging: the backward pass is seeded with 1/dp instead of 1, so every gradient
-is already divided by dp before the sum (as DDP's default hook divides before
-summing, keeping half-precision sums in range) without an extra pass over the
-buckets; a graph without that seed gets the division on each bucket instead.
+Rewrites, in order:
+
+1. Averaging: the backward pass is seeded with 1/dp instead of 1, so every
+   gradient comes out already divided by dp (DDP divides before summing too, which
+   keeps half-precision sums in range) without a pass over the buckets. A graph
+   without that seed gets the division on each bucket instead.
+2. Embedding tables: an `embedding_dense_backward` whose table is larger than the
+   rows that produce it is computed from all-gathered (indices, row gradients)
+   instead of all-reducing the dense table: for GPT-2 (vocabulary 50,257, 16 x 128
+   tokens) that is 2 MiB gathered instead of 49 MiB reduced, and a tied weight's
+   other term (the output head) is then reduced on its own, early in the backward.
+3. Buckets: the remaining per-rank gradient terms, in the order the backward pass
+   produces them, are packed into buckets of about `layout.bucket_mb` MiB. Right
+   after a bucket's last term is computed the bucket is flattened and all-reduced
+   (`_c10d_functional.all_reduce`, asynchronous); its `wait_tensor` is placed just
+   before the graph's output, so the all-reduce runs while the backward goes on.
+   The loss is averaged the same way.
 
 Requires: "traced". Provides: "dp_grad_sync".
 
@@ -26,13 +33,16 @@ Before:                                   After (dp=2, one bucket of two gradien
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 
 from autopar.compiler.ir import meta as M
-from autopar.compiler.ir.graph import TrainGraph, new_node_meta
+from autopar.compiler.ir.annotate import tensor_bytes
+from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
+from autopar.compiler.passes.builder import NodeBuilder
 from autopar.compiler.passes.manager import register_pass
 from autopar.runtime.program import mesh_group_tag
 
@@ -58,23 +68,32 @@ def plan_buckets(sizes_in_order: list[int], cap_bytes: float) -> list[list[int]]
     return buckets
 
 
-class _Builder:
-    """Inserts nodes one after another from a cursor, with complete metadata; each
-    node's value is computed on its inputs' fake values."""
+def gradient_terms(node: fx.Node) -> list[fx.Node]:
+    """The terms autograd summed into a gradient (a weight used in several places)."""
+    if node.target == aten.add.Tensor and node.meta.get("is_gradient_acc") \
+            and all(isinstance(a, fx.Node) for a in node.args[:2]) and len(node.args) == 2:
+        return gradient_terms(node.args[0]) + gradient_terms(node.args[1])
+    return [node]
 
-    def __init__(self, graph: fx.Graph, created_by: str):
-        self.graph = graph
-        self.created_by = created_by
-        self.cursor: fx.Node | None = None
 
-    def call(self, op, args: tuple, role: M.Role = M.Role.COMM, **extra) -> fx.Node:
-        vals = fx.node.map_arg(args, lambda n: n.meta[M.VAL])
-        name = op.__name__.split(".")[0]  # "all_reduce", not "all_reduce_default"
-        with self.graph.inserting_after(self.cursor):
-            node = self.graph.create_node("call_function", op, args, name=name)
-        node.meta = new_node_meta(op(*vals), role, self.created_by, **extra)
-        self.cursor = node
-        return node
+@dataclass
+class _GatheredRows:
+    """An embedding table's gradient as all ranks' (row gradients, indices) in flight."""
+
+    rows_job: fx.Node
+    indices_job: fx.Node
+    table_args: tuple  # num_weights, padding_idx, scale_grad_by_freq
+    module_path: str | None
+
+
+@dataclass
+class _Grad:
+    """One parameter's gradient: per-rank terms to all-reduce, and embedding terms
+    whose rows are being all-gathered."""
+
+    param: int
+    local: list[fx.Node]
+    gathered: list[_GatheredRows] = field(default_factory=list)
 
 
 @register_pass
@@ -89,45 +108,79 @@ class InsertAllReduce(GraphPass):
             return tg, PassResult(self.name, changed=False,
                                   declined=[("all-reduce", "dp=1: gradients are already global")])
         tg = tg.copy()
-        order = {n: i for i, n in enumerate(tg.graph.nodes)}
-        grads = tg.grad_nodes()
-        by_time = sorted(range(len(grads)), key=lambda i: order[grads[i]])
-        sizes = [tg.signature.params[i].nbytes for i in by_time]
-        buckets = [[by_time[k] for k in b] for b in plan_buckets(sizes, ctx.layout.bucket_mb * MiB)]
+        build = NodeBuilder(tg.graph, self.name)
         tag = mesh_group_tag("dp")
-        build = _Builder(tg.graph, self.name)
-        seed_scaled = self._scale_backward_seed(tg, build, dp)
-        bucket_divisor = 1 if seed_scaled else dp
-        pending = [self._launch_bucket(tg, build, order, grads, b, i, bucket_divisor, tag)
-                   for i, b in enumerate(buckets)]
-        pending.append(self._launch_loss(tg, build, dp, tag))
-        outputs = self._wait_all(tg, build, pending)
-        tg.output_node().args = (tuple(outputs),)
+        divisor = 1 if self._scale_backward_seed(tg, build, dp) else dp
+        grads = [_Grad(i, [g]) for i, g in enumerate(tg.grad_nodes())]
+        gathered = self._gather_embedding_grads(tg, build, grads, dp, divisor, tag)
+        order = {n: i for i, n in enumerate(tg.graph.nodes)}
+        pieces = sorted(((t, g) for g in grads for t in g.local), key=lambda p: order[p[0]])
+        sizes = [tensor_bytes(t.meta[M.VAL]) for t, _ in pieces]
+        buckets = [[pieces[k] for k in b] for b in plan_buckets(sizes, ctx.layout.bucket_mb * MiB)]
+        pending = [self._launch_bucket(build, order, b, i, divisor, tag) for i, b in enumerate(buckets)]
+        loss = self._launch_loss(tg, build, dp, tag)
+        tg.output_node().args = (tuple(self._wait_all(tg, build, pending, loss, grads)),)
         tg.graph.eliminate_dead_code()
         tg.gm.recompile()
         stats = {"buckets": len(buckets), "bucket_mb": ctx.layout.bucket_mb,
-                 "grad_bytes": sum(sizes), "dp": dp,
-                 "averaging": "backward seed / dp" if seed_scaled else "bucket / dp"}
+                 "allreduce_bytes": sum(sizes), "dp": dp,
+                 "averaging": "backward seed / dp" if divisor == 1 else "bucket / dp",
+                 "embedding_grads_gathered": gathered}
         return tg, PassResult(self.name, changed=True, stats=stats)
 
     def _scale_backward_seed(self, tg, build, dp) -> bool:
         """Start the backward pass from d(loss/dp) instead of d(loss): every gradient
-        comes out already divided by dp (linearity), so no pass over the gradient
-        buckets is needed. False if the graph has no `ones_like(loss)` seed."""
-        loss = tg.loss_node()
-        seeds = [u for u in loss.users if u.target == aten.ones_like.default]
+        comes out divided by dp (linearity). False if the graph has no
+        `ones_like(loss)` seed."""
+        seeds = [u for u in tg.loss_node().users if u.target == aten.ones_like.default]
         if len(seeds) != 1:
             return False
         seed = seeds[0]
-        build.cursor = seed
-        scaled = build.call(aten.div.Tensor, (seed, dp), role=M.Role.BACKWARD)
+        scaled = build.at(seed).call(aten.div.Tensor, (seed, dp), role=M.Role.BACKWARD)
         seed.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
         return True
 
-    def _launch_bucket(self, tg, build, order, grads, bucket, index, divisor, tag):
-        build.cursor = max((grads[i] for i in bucket), key=order.__getitem__)
+    def _gather_embedding_grads(self, tg, build, grads, dp, divisor, tag) -> list[str]:
+        """All-gather the rows of each embedding table's gradient (see module doc)."""
+        done = []
+        for grad in grads:
+            terms = gradient_terms(grad.local[0])
+            kept = []
+            for term in terms:
+                if self._rows_are_cheaper(term, dp):
+                    grad.gathered.append(self._gather_rows(tg, build, term, dp, divisor, tag))
+                else:
+                    kept.append(term)
+            if grad.gathered:  # the old accumulation adds become dead code
+                grad.local = kept
+                done.append(tg.signature.params[grad.param].name)
+        return done
+
+    @staticmethod
+    def _rows_are_cheaper(term: fx.Node, dp: int) -> bool:
+        if term.target != aten.embedding_dense_backward.default:
+            return False
+        rows, indices = term.args[0], term.args[1]
+        gathered = dp * (tensor_bytes(rows.meta[M.VAL]) + tensor_bytes(indices.meta[M.VAL]))
+        return gathered < tensor_bytes(term.meta[M.VAL])
+
+    def _gather_rows(self, tg, build, term, dp, divisor, tag) -> _GatheredRows:
+        rows, indices = term.args[0], term.args[1]
+        # indices are known from the forward pass on: gather them at once
+        build.at(tg.placeholders()[-1] if indices.op == "placeholder" else indices)
+        indices_job = build.call(c10d.all_gather_into_tensor.default, (indices, dp, tag),
+                                 **{M.COMM_KIND: "embedding_indices"})
+        build.at(rows)
+        if divisor != 1:
+            rows = build.call(aten.div.Tensor, (rows, divisor))
+        rows_job = build.call(c10d.all_gather_into_tensor.default, (rows, dp, tag),
+                              **{M.COMM_KIND: "embedding_rows"})
+        return _GatheredRows(rows_job, indices_job, tuple(term.args[2:]), term.meta[M.MODULE_PATH])
+
+    def _launch_bucket(self, build, order, bucket, index, divisor, tag):
+        build.at(max((t for t, _ in bucket), key=order.__getitem__))
         extra = {M.BUCKET: index}
-        flat = [build.call(aten.reshape.default, (grads[i], [-1]), **extra) for i in bucket]
+        flat = [build.call(aten.reshape.default, (t, [-1]), **extra) for t, _ in bucket]
         packed = build.call(aten.cat.default, (flat,), **extra) if len(flat) > 1 else flat[0]
         if divisor != 1:
             packed = build.call(aten.div.Tensor, (packed, divisor), **extra)
@@ -136,28 +189,52 @@ class InsertAllReduce(GraphPass):
         return bucket, reduced
 
     def _launch_loss(self, tg, build, dp, tag):
-        build.cursor = tg.loss_node()
-        scaled = build.call(aten.div.Tensor, (build.cursor, dp))
-        reduced = build.call(c10d.all_reduce.default, (scaled, "sum", tag),
-                             **{M.COMM_KIND: "loss"})
-        return None, reduced
+        scaled = build.at(tg.loss_node()).call(aten.div.Tensor, (tg.loss_node(), dp))
+        return build.call(c10d.all_reduce.default, (scaled, "sum", tag), **{M.COMM_KIND: "loss"})
 
-    def _wait_all(self, tg, build, pending) -> list[fx.Node]:
+    def _wait_all(self, tg, build, pending, loss, grads) -> list[fx.Node]:
         """Waits just before the output: every all-reduce stays in flight until then."""
         outputs = tg.outputs()
-        params = tg.signature.params
-        build.cursor = tg.output_node().prev
+        build.at(tg.output_node().prev)
+        summed: dict[fx.Node, fx.Node] = {}
         for bucket, reduced in pending:
             done = build.call(c10d.wait_tensor.default, (reduced,))
-            if bucket is None:
-                outputs[0] = done
-                continue
-            sizes = [params[i].numel for i in bucket]
+            sizes = [t.meta[M.VAL].numel() for t, _ in bucket]
             parts = build.call(aten.split_with_sizes.default, (done, sizes)) \
                 if len(bucket) > 1 else None
-            for k, i in enumerate(bucket):
+            for k, (term, _) in enumerate(bucket):
                 piece = build.call(operator.getitem, (parts, k)) if parts is not None else done
-                view = build.call(aten.view.default, (piece, list(params[i].shape)),
-                                  **{M.GRAD_OF: params[i].name})
-                outputs[tg.signature.grad_output_index(i)] = view
+                summed[term] = build.call(aten.view.default, (piece, list(term.meta[M.VAL].shape)))
+        outputs[0] = build.call(c10d.wait_tensor.default, (loss,))
+        params = tg.signature.params
+        for grad in grads:
+            value = None
+            for term in [summed[t] for t in grad.local]:
+                value = term if value is None else build.call(aten.add.Tensor, (value, term))
+            for gathered in grad.gathered:
+                value = self._add_rows(build, value, gathered)
+            value.meta[M.GRAD_OF] = params[grad.param].name
+            outputs[tg.signature.grad_output_index(grad.param)] = value
         return outputs
+
+    @staticmethod
+    def _add_rows(build, value, gathered: _GatheredRows) -> fx.Node:
+        """value + the table gradient of the gathered rows. Added straight into `value`
+        (index_add) when there is one, saving a zero-filled table and a pass over it."""
+        rows = build.call(c10d.wait_tensor.default, (gathered.rows_job,))
+        indices = build.call(c10d.wait_tensor.default, (gathered.indices_job,))
+        num_weights, padding_idx, scale_by_freq = gathered.table_args
+        where = {M.MODULE_PATH: gathered.module_path}
+        if value is None or scale_by_freq:
+            table = build.call(aten.embedding_dense_backward.default, (rows, indices, *gathered.table_args),
+                               role=M.Role.BACKWARD, **where)
+            return table if value is None else build.call(aten.add.Tensor, (value, table))
+        width = rows.meta[M.VAL].shape[-1]
+        flat_rows = build.call(aten.reshape.default, (rows, [-1, width]))
+        flat_indices = build.call(aten.reshape.default, (indices, [-1]))
+        if padding_idx >= 0:  # the padding row gets no gradient
+            keep = build.call(aten.ne.Scalar, (flat_indices, padding_idx))
+            keep = build.call(aten.unsqueeze.default, (keep, -1))
+            flat_rows = build.call(aten.mul.Tensor, (flat_rows, keep))
+        return build.call(aten.index_add.default, (value, 0, flat_indices, flat_rows),
+                          role=M.Role.BACKWARD, **where)
