@@ -104,6 +104,11 @@ def dp2_parity_one_bucket_per_grad_sgd():
 
 
 @case(world=2)
+def dp2_parity_without_overlap_sgd():
+    check_parity(llama(), sgd, autopar.Layout(dp=2, bucket_mb=0.01, overlap_comm=False))
+
+
+@case(world=2)
 def dp2_checkpoint_resume_equals_uninterrupted():
     example = mlp()
     batches = make_batches(example.batch, 4)

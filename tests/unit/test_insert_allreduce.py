@@ -136,3 +136,40 @@ def test_buckets_partition_gradients_in_order(sizes, cap):
     for b in buckets[:-1]:
         assert sum(sizes[i] for i in b) >= cap
         assert sum(sizes[i] for i in b[:-1]) < cap or len(b) == 1
+
+
+def test_embedding_tables_gather_rows_instead_of_reducing_the_table():
+    ex = gpt2(layers=1, vocab=4096)  # table 1 MiB, rows of 8 x 32 tokens: 64 KiB per rank
+    tg = trace_train_step(ex.model, ex.batch, ex.loss_fn)
+    plain, plain_result = rewrite(tg, dp=2, bucket_mb=0)
+    assert plain_result.stats["embedding_grads_gathered"] == ["transformer.wte.weight"]
+    names = tg.signature.param_names()
+    wte = plain.grad_nodes()[names.index("transformer.wte.weight")]
+    # the tied weight: output-head term all-reduced, embedding rows all-gathered and added in
+    assert wte.target == torch.ops.aten.index_add.default
+    head_term, _, indices, rows = wte.args
+    assert rows.args[0].target == c10d.wait_tensor.default  # reshape(wait(all_gather(rows)))
+    gathers = [n for n in plain.call_nodes() if n.target == c10d.all_gather_into_tensor.default]
+    assert {n.meta[M.COMM_KIND] for n in gathers} == {"embedding_rows", "embedding_indices"}
+    reduced = sum(n.meta[M.VAL].numel() for n in plain.call_nodes()
+                  if n.target == c10d.all_reduce.default and n.meta[M.COMM_KIND] == "grad_bucket")
+    assert reduced == sum(p.numel for p in tg.signature.params)  # the head term, once
+    # wpe's table (64 x 64) is smaller than its gathered rows: all-reduced as before
+    assert plain_result.stats["allreduce_bytes"] == 4 * reduced
+
+
+def test_small_tables_keep_the_allreduce():
+    ex = gpt2(layers=1, vocab=256)
+    tg = trace_train_step(ex.model, ex.batch, ex.loss_fn)
+    _, result = rewrite(tg, dp=2)
+    assert result.stats["embedding_grads_gathered"] == []
+
+
+def test_without_overlap_every_allreduce_starts_after_the_backward(gpt2_graph):
+    tg, result = rewrite(gpt2_graph, dp=2, bucket_mb=0.01, overlap_comm=False)
+    nodes = list(tg.graph.nodes)
+    last_backward = max(i for i, n in enumerate(nodes) if n.meta.get(M.ROLE) == M.Role.BACKWARD)
+    starts = [i for i, n in enumerate(nodes) if n.target == c10d.all_reduce.default
+              and n.meta[M.COMM_KIND] == "grad_bucket"]
+    assert len(starts) == result.stats["buckets"] > 1
+    assert min(starts) > last_backward

@@ -117,12 +117,18 @@ class InsertAllReduce(GraphPass):
         pieces = sorted(((t, g) for g in grads for t in g.local), key=lambda p: order[p[0]])
         sizes = [tensor_bytes(t.meta[M.VAL]) for t, _ in pieces]
         buckets = [[pieces[k] for k in b] for b in plan_buckets(sizes, ctx.layout.bucket_mb * MiB)]
-        pending = [self._launch_bucket(build, order, b, i, divisor, tag) for i, b in enumerate(buckets)]
+        if ctx.layout.overlap_comm:  # each bucket starts right after its last term
+            pending = [self._launch_bucket(build.at(max((t for t, _ in b), key=order.__getitem__)),
+                                           b, i, divisor, tag) for i, b in enumerate(buckets)]
+        else:  # a baseline: all buckets start after the whole backward pass
+            build.at(tg.output_node().prev)
+            pending = [self._launch_bucket(build, b, i, divisor, tag) for i, b in enumerate(buckets)]
         loss = self._launch_loss(tg, build, dp, tag)
         tg.output_node().args = (tuple(self._wait_all(tg, build, pending, loss, grads)),)
         tg.graph.eliminate_dead_code()
         tg.gm.recompile()
         stats = {"buckets": len(buckets), "bucket_mb": ctx.layout.bucket_mb,
+                 "overlap": ctx.layout.overlap_comm,
                  "allreduce_bytes": sum(sizes), "dp": dp,
                  "averaging": "backward seed / dp" if divisor == 1 else "bucket / dp",
                  "embedding_grads_gathered": gathered}
@@ -177,8 +183,7 @@ class InsertAllReduce(GraphPass):
                               **{M.COMM_KIND: "embedding_rows"})
         return _GatheredRows(rows_job, indices_job, tuple(term.args[2:]), term.meta[M.MODULE_PATH])
 
-    def _launch_bucket(self, build, order, bucket, index, divisor, tag):
-        build.at(max((t for t, _ in bucket), key=order.__getitem__))
+    def _launch_bucket(self, build, bucket, index, divisor, tag):
         extra = {M.BUCKET: index}
         flat = [build.call(aten.reshape.default, (t, [-1]), **extra) for t, _ in bucket]
         packed = build.call(aten.cat.default, (flat,), **extra) if len(flat) > 1 else flat[0]
