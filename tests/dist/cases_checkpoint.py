@@ -14,28 +14,13 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.runtime import checkpoint as ck
+from tests.ckpt_util import names_of, tensors_of, train
 from tests.dist.registry import case
 
 
 def make_model(seed: int, hidden: int = 16) -> nn.Module:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 3))
-
-
-def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, seed: int = 100) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        optimizer.zero_grad()
-        model(torch.randn(5, 4, generator=gen)).pow(2).mean().backward()
-        optimizer.step()
-
-
-def tensors_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    return dict(model.state_dict(keep_vars=True))
-
-
-def names_of(model: nn.Module) -> dict[int, str]:
-    return {id(p): name for name, p in model.named_parameters()}
 
 
 def manifest_of(model: nn.Module) -> dict:

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 
 from autopar.runtime import checkpoint as ck
+from tests.ckpt_util import names_of, tensors_of, train
 from autopar.runtime.checkpoint import CheckpointError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,23 +31,6 @@ def make_model(seed: int, hidden: int = 8) -> nn.Module:
     torch.manual_seed(seed)
     # BatchNorm brings buffers, one of them an int64 scalar.
     return nn.Sequential(nn.Linear(4, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Linear(hidden, 3))
-
-
-def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, seed: int = 100) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        optimizer.zero_grad()
-        model(torch.randn(5, 4, generator=gen)).pow(2).mean().backward()
-        optimizer.step()
-
-
-def tensors_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    # keep_vars: the live parameters and buffers, so an in-place load updates the model.
-    return dict(model.state_dict(keep_vars=True))
-
-
-def names_of(model: nn.Module) -> dict[int, str]:
-    return {id(p): name for name, p in model.named_parameters()}
 
 
 def manifest_of(model: nn.Module, layout: str = "dp1") -> dict:
