@@ -19,11 +19,12 @@ from autopar.compiler.ir.graph import TrainGraph
 _WRAPPER_PREFIX = "model"  # path of the user's model inside trace's loss wrapper
 
 
-def annotate(tg: TrainGraph, model: torch.nn.Module) -> TrainGraph:
+def annotate(tg: TrainGraph, blocks: tuple[str, int] | None) -> TrainGraph:
+    """`blocks`: the model's repeated-block container (`repeated_block_container`)."""
     nodes = tg.call_nodes()
-    _annotate_modules(nodes, model)
+    _annotate_modules(nodes)
     _annotate_roles(tg)
-    _annotate_layers(nodes, model)
+    _annotate_layers(nodes, blocks)
     for node in nodes:
         node.meta[M.FLOPS] = node_flops(node)
         node.meta[M.BYTES] = node_bytes(node)
@@ -54,7 +55,7 @@ def _user_path(path: str) -> str | None:
     return None  # the loss wrapper itself: owned by no user module
 
 
-def _annotate_modules(nodes: list[fx.Node], model: torch.nn.Module) -> None:
+def _annotate_modules(nodes: list[fx.Node]) -> None:
     by_seq: dict[int, fx.Node] = {}
     for node in nodes:
         path, type_name = _module_of(node)
@@ -145,9 +146,8 @@ def repeated_block_container(model: torch.nn.Module) -> tuple[str, int] | None:
     return (best[1], best[2]) if best else None
 
 
-def _annotate_layers(nodes: list[fx.Node], model: torch.nn.Module) -> None:
-    found = repeated_block_container(model)
-    prefix = found[0] + "." if found else None
+def _annotate_layers(nodes: list[fx.Node], blocks: tuple[str, int] | None) -> None:
+    prefix = blocks[0] + "." if blocks else None
     for node in nodes:
         path = node.meta[M.MODULE_PATH]
         layer = None

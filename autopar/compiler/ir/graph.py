@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -76,6 +77,9 @@ class TrainGraph:
     history: tuple[str, ...] = ()
     # per-graph facts passes record for later passes and the runtime (JSON-able values)
     attrs: dict = field(default_factory=dict)
+    # how to trace the joint graph again (autopar.compiler.ir.trace.TraceSource), for
+    # passes that change the forward pass and let autograd derive the backward
+    source: Any = None
 
     @property
     def graph(self) -> fx.Graph:

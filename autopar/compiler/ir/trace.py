@@ -18,10 +18,12 @@ The route (see docs/concepts.md, "Why this tracing route"):
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.fx as fx
@@ -31,7 +33,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.compiler.ir import meta as M
-from autopar.compiler.ir.annotate import annotate
+from autopar.compiler.ir.annotate import annotate, repeated_block_container
 from autopar.compiler.ir.graph import GraphSignature, TensorSpec, TrainGraph
 
 LossFn = Callable[..., torch.Tensor]
@@ -75,6 +77,27 @@ def _pick_loss(out: Any, inputs: Sequence[Any], loss_fn: LossFn | None) -> torch
     return loss
 
 
+class ForwardHook(Protocol):
+    """Changes how the forward graph runs while the joint graph is traced (e.g. AMP's
+    casts); autograd then differentiates what the hook produced, so the backward
+    pass follows by construction."""
+
+    def call_function(self, node: fx.Node, args: tuple, kwargs: dict,
+                      run: Callable[[tuple, dict], Any]) -> Any: ...
+
+
+@dataclass(frozen=True)
+class TraceSource:
+    """What re-tracing needs: the exported forward, the facts about the model, and
+    the forward hooks applied so far."""
+
+    exported: torch.export.ExportedProgram
+    example_inputs: tuple
+    aliases: dict[str, tuple[str, ...]]
+    blocks: tuple[str, int] | None  # the repeated-block container (annotate.py)
+    hooks: tuple[ForwardHook, ...] = ()
+
+
 def trace_train_step(model: torch.nn.Module, example_inputs: Sequence[Any],
                      loss_fn: LossFn | None = None) -> TrainGraph:
     """Trace one training step of `model` on `example_inputs` (a local batch).
@@ -84,9 +107,50 @@ def trace_train_step(model: torch.nn.Module, example_inputs: Sequence[Any],
     """
     example_inputs = tuple(example_inputs)
     wrapper = _ModelWithLoss(model, loss_fn)
-    exported = _export(wrapper, model, example_inputs)
-    gm, sig = _trace_joint(exported, model, example_inputs)
-    return annotate(TrainGraph(gm=gm, signature=sig), model)
+    source = TraceSource(_export(wrapper, model, example_inputs), example_inputs,
+                         _alias_groups(model), repeated_block_container(model))
+    return _trace_from(source)
+
+
+def retrace(tg: TrainGraph, hook: ForwardHook) -> TrainGraph:
+    """The joint graph traced again from tg's source with one more forward hook.
+
+    Only valid on a graph no joint-graph pass has rewritten (property "retraceable"):
+    their rewrites would be lost.
+    """
+    if tg.source is None or "retraceable" not in tg.provides:
+        raise ValueError("retrace needs a graph straight from trace_train_step or retrace "
+                         f"(this one went through {list(tg.history)})")
+    source = dataclasses.replace(tg.source, hooks=tg.source.hooks + (hook,))
+    return dataclasses.replace(_trace_from(source), history=tg.history, attrs=dict(tg.attrs))
+
+
+def _trace_from(source: TraceSource) -> TrainGraph:
+    gm, sig = _trace_joint(source)
+    tg = TrainGraph(gm=gm, signature=sig, provides=frozenset({"traced", "retraceable"}),
+                    source=source)
+    return annotate(tg, source.blocks)
+
+
+class _HookedInterpreter(fx.Interpreter):
+    """Runs the exported forward graph, passing every op through the forward hooks."""
+
+    def __init__(self, gm: fx.GraphModule, hooks: tuple[ForwardHook, ...]):
+        super().__init__(gm)
+        self.hooks = hooks
+        self.node: fx.Node | None = None
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.node = n
+        return super().run_node(n)
+
+    def call_function(self, target, args, kwargs):
+        def run(a, k, hooks=self.hooks):
+            if not hooks:  # innermost: the op itself
+                return super(_HookedInterpreter, self).call_function(target, a, k)
+            return hooks[-1].call_function(self.node, a, k,
+                                           lambda a2, k2: run(a2, k2, hooks[:-1]))
+        return run(args, kwargs)
 
 
 def _export(wrapper: torch.nn.Module, model: torch.nn.Module,
@@ -107,8 +171,8 @@ def _mutates(graph: fx.Graph) -> bool:
                for n in graph.nodes)
 
 
-def _trace_joint(ep: torch.export.ExportedProgram, model: torch.nn.Module,
-                 example_inputs: tuple) -> tuple[fx.GraphModule, GraphSignature]:
+def _trace_joint(source: TraceSource) -> tuple[fx.GraphModule, GraphSignature]:
+    ep, example_inputs = source.exported, source.example_inputs
     sig = ep.graph_signature
     state = {**ep.state_dict, **ep.constants}
     # Export gives a tied weight one placeholder per name; the joint graph takes it
@@ -149,7 +213,7 @@ def _trace_joint(ep: torch.export.ExportedProgram, model: torch.nn.Module,
         for slot, value in zip(user_slots, inputs):
             args[slot] = value
         with fx_traceback.preserve_node_meta():
-            outs = torch.fx.Interpreter(ep.graph_module).run(*args)
+            outs = _HookedInterpreter(ep.graph_module, source.hooks).run(*args)
             loss = outs[loss_index]
             if loss.grad_fn is not None:
                 setup_stacktrace_preservation_hooks([loss.grad_fn])
@@ -164,8 +228,8 @@ def _trace_joint(ep: torch.export.ExportedProgram, model: torch.nn.Module,
     _drop_shape_asserts(gm)
     _name_placeholders(gm, trainable, buffers, len(user_inputs))
     signature = GraphSignature(
-        params=_specs(trainable, state, model),
-        buffers=_specs(buffers, state, model),
+        params=_specs(trainable, state, source.aliases),
+        buffers=_specs(buffers, state, source.aliases),
         inputs=tuple(TensorSpec(f"input_{i}", tuple(t.shape), t.dtype)
                      for i, t in enumerate(user_inputs)),
         mutated_buffers=tuple(_strip(name) for name, _ in mutated),
@@ -190,8 +254,7 @@ def _strip(name: str) -> str:
 
 
 def _specs(names: list[str], state: dict[str, torch.Tensor],
-           model: torch.nn.Module) -> tuple[TensorSpec, ...]:
-    aliases = _alias_groups(model)
+           aliases: dict[str, tuple[str, ...]]) -> tuple[TensorSpec, ...]:
     out = []
     for name in names:
         t = state[name]

@@ -1,8 +1,8 @@
 """The pass contract: a pass maps (TrainGraph, PassContext) to (TrainGraph, PassResult).
 
-A pass declares what it `requires` and what it `provides` (property names such as
-"traced" or "dp_grad_sync"); the PassManager refuses to run a pass whose
-requirements are not met. A pass never edits its input graph (it rewrites
+A pass declares what it `requires`, what it `provides` and what it `invalidates`
+(property names such as "traced", "retraceable" or "dp_grad_sync"); the
+PassManager refuses to run a pass whose requirements are not met. A pass never edits its input graph (it rewrites
 `tg.copy()`), never times or logs itself, and says in its result what it declined
 to do and why.
 
@@ -62,6 +62,9 @@ class GraphPass:
     name: ClassVar[str] = ""
     requires: ClassVar[frozenset[str]] = frozenset({"traced"})
     provides: ClassVar[frozenset[str]] = frozenset()
+    # properties the pass takes away; a rewrite of the joint graph means it can no
+    # longer be re-traced from the forward pass without losing that rewrite
+    invalidates: ClassVar[frozenset[str]] = frozenset({"retraceable"})
 
     def run(self, tg: TrainGraph, ctx: PassContext) -> tuple[TrainGraph, PassResult]:
         raise NotImplementedError

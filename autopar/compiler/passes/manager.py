@@ -66,7 +66,7 @@ class PassManager:
                 raise PassOrderError(
                     f"pass {p.name!r} (position {index}) requires {sorted(missing)}, which no "
                     f"earlier pass provides; later passes that provide it: {suppliers}")
-            have |= set(p.provides)
+            have = (have - set(p.invalidates)) | set(p.provides)
 
     def run(self, tg: TrainGraph, ctx: PassContext) -> tuple[TrainGraph, list[PassResult]]:
         self.check_order(tg.provides)
@@ -77,7 +77,7 @@ class PassManager:
             start = time.perf_counter()
             new, result = p.run(tg, ctx)
             result.seconds = time.perf_counter() - start
-            new = dataclasses.replace(new, provides=tg.provides | p.provides,
+            new = dataclasses.replace(new, provides=(tg.provides - p.invalidates) | p.provides,
                                       history=tg.history + (p.name,))
             if self.verify_each:
                 verify(new)
