@@ -1,0 +1,311 @@
+"""Pipeline schedules as a small IR: a list of actions per rank, with a text form.
+
+An action is `<stage><kind><microbatch>`:
+
+    F   forward                       SF  send activation to stage+1
+    B   backward (input + weights)    RF  receive activation from stage-1
+    I   backward, input gradient      SB  send gradient to stage-1
+    W   backward, weight gradient     RB  receive gradient from stage+1
+
+so `0F0 0SF0 0F1 0SF1 0RB0 0B0` is rank 0 of a 2-stage pipeline. `Schedule.parse(str(s))
+== s`. The runtime executes exactly these lists; `validate` checks statically that
+every micro-batch is computed once per stage, that forwards precede their backwards,
+and that sends and receives pair up without deadlock; `simulate` gives each rank's
+timeline and idle (bubble) fraction.
+
+Generators: `gpipe`, `one_f_one_b`, `interleaved` (virtual stages; stage s lives on
+rank s % pp) and `zero_bubble` (ZB-H1: backward split into I and W, W deferred).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+COMPUTE = ("F", "B", "I", "W")
+COMM = ("SF", "RF", "SB", "RB")
+_ACTION = re.compile(r"^(\d+)(SF|RF|SB|RB|F|B|I|W)(\d+)$")
+
+
+class ScheduleError(ValueError):
+    """A schedule that cannot run: the message names the rank, the action and why."""
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    stage: int
+    kind: str
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        match = _ACTION.match(text)
+        if not match:
+            raise ScheduleError(f"cannot parse action {text!r}: expected <stage><kind><microbatch> "
+                                f"with kind in {COMPUTE + COMM}, e.g. '0F1'")
+        return cls(int(match[1]), match[2], int(match[3]))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Actions per rank, for `stages` pipeline stages over `microbatches` micro-batches."""
+
+    stages: int
+    microbatches: int
+    ranks: tuple[tuple[Action, ...], ...]
+
+    @property
+    def pp(self) -> int:
+        return len(self.ranks)
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.pp
+
+    def __str__(self) -> str:
+        return "\n".join(" ".join(str(a) for a in actions) for actions in self.ranks)
+
+    @classmethod
+    def parse(cls, text: str, stages: int | None = None, microbatches: int | None = None) -> Schedule:
+        ranks = tuple(tuple(Action.parse(t) for t in line.split()) for line in text.strip().splitlines())
+        actions = [a for r in ranks for a in r]
+        stages = stages if stages is not None else 1 + max(a.stage for a in actions)
+        microbatches = microbatches if microbatches is not None else 1 + max(a.microbatch for a in actions)
+        return cls(stages, microbatches, ranks)
+
+
+# -- generators ---------------------------------------------------------------------------
+
+def _with_comm(stages: int, per_rank: list[list[Action]]) -> tuple[tuple[Action, ...], ...]:
+    """Insert the sends and receives each compute action needs, next to it."""
+    out = []
+    for actions in per_rank:
+        full: list[Action] = []
+        for a in actions:
+            if a.kind == "F" and a.stage > 0:
+                full.append(Action(a.stage, "RF", a.microbatch))
+            if a.kind in ("B", "I") and a.stage < stages - 1:
+                full.append(Action(a.stage, "RB", a.microbatch))
+            full.append(a)
+            if a.kind == "F" and a.stage < stages - 1:
+                full.append(Action(a.stage, "SF", a.microbatch))
+            if a.kind in ("B", "I") and a.stage > 0:
+                full.append(Action(a.stage, "SB", a.microbatch))
+        out.append(tuple(full))
+    return tuple(out)
+
+
+def gpipe(pp: int, microbatches: int) -> Schedule:
+    """All forwards, then all backwards (in reverse micro-batch order)."""
+    _check(pp, microbatches)
+    per_rank = [[Action(r, "F", i) for i in range(microbatches)]
+                + [Action(r, "B", i) for i in reversed(range(microbatches))] for r in range(pp)]
+    return Schedule(pp, microbatches, _with_comm(pp, per_rank))
+
+
+def one_f_one_b(pp: int, microbatches: int) -> Schedule:
+    """Warm-up forwards, then alternate one forward / one backward, then drain."""
+    _check(pp, microbatches)
+    per_rank = []
+    for r in range(pp):
+        warmup = min(pp - 1 - r, microbatches)
+        actions = [Action(r, "F", i) for i in range(warmup)]
+        for i in range(microbatches - warmup):
+            actions += [Action(r, "F", warmup + i), Action(r, "B", i)]
+        actions += [Action(r, "B", i) for i in range(microbatches - warmup, microbatches)]
+        per_rank.append(actions)
+    return Schedule(pp, microbatches, _with_comm(pp, per_rank))
+
+
+def interleaved(pp: int, microbatches: int, virtual_stages: int) -> Schedule:
+    """Interleaved 1F1B: rank r holds stages r, r+pp, ... (Megatron-LM's order).
+
+    Micro-batches go through the rank's chunks in groups of pp; the warm-up is
+    longer by (virtual_stages - 1) * pp forwards, the bubble shorter by that factor.
+    """
+    _check(pp, microbatches)
+    if microbatches % pp:
+        raise ScheduleError(f"the interleaved schedule needs micro-batches ({microbatches}) to be "
+                            f"a multiple of pp ({pp}); use {microbatches + (-microbatches) % pp}")
+    total = microbatches * virtual_stages
+
+    def forward(r: int, k: int) -> Action:
+        chunk = (k // pp) % virtual_stages
+        return Action(chunk * pp + r, "F", (k // (pp * virtual_stages)) * pp + k % pp)
+
+    def backward(r: int, k: int) -> Action:
+        chunk = virtual_stages - 1 - (k // pp) % virtual_stages
+        return Action(chunk * pp + r, "B", (k // (pp * virtual_stages)) * pp + k % pp)
+
+    per_rank = []
+    for r in range(pp):
+        warmup = min((pp - r - 1) * 2 + (virtual_stages - 1) * pp, total)
+        actions = [forward(r, k) for k in range(warmup)]
+        for k in range(total - warmup):
+            actions += [forward(r, warmup + k), backward(r, k)]
+        actions += [backward(r, k) for k in range(total - warmup, total)]
+        per_rank.append(actions)
+    return Schedule(pp * virtual_stages, microbatches, _with_comm(pp * virtual_stages, per_rank))
+
+
+def zero_bubble(pp: int, microbatches: int) -> Schedule:
+    """ZB-H1: 1F1B with each backward split into I (input gradient, on the critical
+    path) and W (weight gradient), W postponed to fill what would be bubbles."""
+    _check(pp, microbatches)
+    per_rank = []
+    for r in range(pp):
+        warmup = min(pp - 1 - r, microbatches)
+        actions = [Action(r, "F", i) for i in range(warmup)]
+        pending_w: list[int] = []
+        for i in range(microbatches - warmup):
+            actions += [Action(r, "F", warmup + i), Action(r, "I", i)]
+            pending_w.append(i)
+            if len(pending_w) > r:  # rank r can defer up to r weight gradients
+                actions.append(Action(r, "W", pending_w.pop(0)))
+        for i in range(microbatches - warmup, microbatches):
+            actions.append(Action(r, "I", i))
+            pending_w.append(i)
+            actions.append(Action(r, "W", pending_w.pop(0)))
+        actions += [Action(r, "W", i) for i in pending_w]
+        per_rank.append(actions)
+    return Schedule(pp, microbatches, _with_comm(pp, per_rank))
+
+
+def build(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
+    """The schedule named by Layout.schedule."""
+    if name == "interleaved":
+        return interleaved(pp, microbatches, virtual_stages)
+    makers: dict[str, Callable[[int, int], Schedule]] = {
+        "gpipe": gpipe, "1f1b": one_f_one_b, "zero-bubble": zero_bubble}
+    if name not in makers:
+        raise ScheduleError(f"unknown schedule {name!r}; known: {sorted(makers) + ['interleaved']}")
+    if virtual_stages != 1:
+        raise ScheduleError(f"virtual_stages={virtual_stages} needs schedule='interleaved'")
+    return makers[name](pp, microbatches)
+
+
+def _check(pp: int, microbatches: int) -> None:
+    if pp < 1 or microbatches < 1:
+        raise ScheduleError(f"pp and microbatches must be >= 1, got pp={pp}, microbatches={microbatches}")
+
+
+# -- static checks and simulation ------------------------------------------------------------
+
+DEFAULT_COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+
+@dataclass
+class Timeline:
+    """Start and end time of every compute action per rank, and the idle fractions."""
+
+    spans: list[list[tuple[Action, float, float]]]
+    makespan: float
+
+    def busy(self, rank: int) -> float:
+        return sum(end - start for _, start, end in self.spans[rank])
+
+    def bubble_fraction(self, rank: int) -> float:
+        """Idle time / makespan on this rank."""
+        return 1.0 - self.busy(rank) / self.makespan
+
+
+def _dependencies(s: Schedule, a: Action) -> list[tuple[int, Action]]:
+    """(rank, action) pairs that must finish before `a` can start, across ranks."""
+    if a.kind == "RF":
+        return [(s.rank_of(a.stage - 1), Action(a.stage - 1, "SF", a.microbatch))]
+    if a.kind == "RB":
+        return [(s.rank_of(a.stage + 1), Action(a.stage + 1, "SB", a.microbatch))]
+    return []
+
+
+def simulate(s: Schedule, cost: dict[str, float] | None = None) -> Timeline:
+    """Run the per-rank lists in order: sends are asynchronous (cost 0), a receive
+    waits for its send, compute takes `cost[kind]`. Raises ScheduleError on deadlock."""
+    cost = {**DEFAULT_COST, **(cost or {})}
+    done: dict[tuple[int, Action], float] = {}
+    clock = [0.0] * s.pp
+    cursor = [0] * s.pp
+    spans: list[list[tuple[Action, float, float]]] = [[] for _ in range(s.pp)]
+    while any(cursor[r] < len(s.ranks[r]) for r in range(s.pp)):
+        progressed = False
+        for r in range(s.pp):
+            while cursor[r] < len(s.ranks[r]):
+                a = s.ranks[r][cursor[r]]
+                deps = _dependencies(s, a)
+                if any(d not in done for d in deps):
+                    break
+                start = max([clock[r]] + [done[d] for d in deps])
+                end = start + cost.get(a.kind, 0.0)
+                if a.kind in COMPUTE:
+                    spans[r].append((a, start, end))
+                clock[r] = end
+                done[(r, a)] = end
+                cursor[r] += 1
+                progressed = True
+        if not progressed:
+            stuck = {r: str(s.ranks[r][cursor[r]]) for r in range(s.pp) if cursor[r] < len(s.ranks[r])}
+            raise ScheduleError(f"deadlock: every rank waits on a receive whose send never comes "
+                                f"first; blocked at {stuck}")
+    return Timeline(spans, max(clock))
+
+
+def validate(s: Schedule) -> None:
+    """Raise ScheduleError unless the schedule can run and computes the full step."""
+    for r, actions in enumerate(s.ranks):
+        for a in actions:
+            if not 0 <= a.stage < s.stages or s.rank_of(a.stage) != r:
+                raise ScheduleError(f"rank {r}: {a} names stage {a.stage}, which lives on rank "
+                                    f"{s.rank_of(a.stage) if 0 <= a.stage < s.stages else 'none'}")
+            if not 0 <= a.microbatch < s.microbatches:
+                raise ScheduleError(f"rank {r}: {a} names micro-batch {a.microbatch} of {s.microbatches}")
+        _check_each_once(r, actions, s)
+        _check_order(r, actions)
+    _check_pairs(s)
+    simulate(s)
+
+
+def _check_each_once(r: int, actions: Iterable[Action], s: Schedule) -> None:
+    seen: dict[Action, int] = {}
+    for a in actions:
+        seen[a] = seen.get(a, 0) + 1
+    for a, n in seen.items():
+        if n > 1:
+            raise ScheduleError(f"rank {r}: {a} appears {n} times")
+    for stage in range(r, s.stages, s.pp):
+        for i in range(s.microbatches):
+            if Action(stage, "F", i) not in seen:
+                raise ScheduleError(f"rank {r}: no forward {Action(stage, 'F', i)}")
+            split = Action(stage, "I", i) in seen or Action(stage, "W", i) in seen
+            needed = ("I", "W") if split else ("B",)
+            for kind in needed:
+                if Action(stage, kind, i) not in seen:
+                    raise ScheduleError(f"rank {r}: no {kind} for stage {stage}, micro-batch {i}")
+
+
+def _check_order(r: int, actions: list[Action]) -> None:
+    position = {a: k for k, a in enumerate(actions)}
+    for a in actions:
+        before = {"B": "F", "I": "F", "W": "I"}.get(a.kind)
+        if before and position.get(Action(a.stage, before, a.microbatch), len(actions)) > position[a]:
+            raise ScheduleError(f"rank {r}: {a} comes before {a.stage}{before}{a.microbatch}")
+
+
+_PEER = {"RF": ("SF", -1), "SF": ("RF", 1), "RB": ("SB", 1), "SB": ("RB", -1)}
+
+
+def _check_pairs(s: Schedule) -> None:
+    """Every receive has its send on the neighbouring stage's rank, and every send its receive."""
+    present = {(r, a) for r, actions in enumerate(s.ranks) for a in actions}
+    for r, actions in enumerate(s.ranks):
+        for a in actions:
+            if a.kind not in _PEER:
+                continue
+            kind, step = _PEER[a.kind]
+            peer_stage = a.stage + step
+            peer = Action(peer_stage, kind, a.microbatch)
+            if not 0 <= peer_stage < s.stages or (s.rank_of(peer_stage), peer) not in present:
+                raise ScheduleError(f"rank {r}: {a} has no matching {peer} on rank "
+                                    f"{s.rank_of(peer_stage) if 0 <= peer_stage < s.stages else 'none'}")

@@ -1,0 +1,105 @@
+"""Pipeline schedule IR: golden action lists, text round trip, static checks, bubbles."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopar.runtime.schedule import (Action, Schedule, ScheduleError, build, gpipe, interleaved,
+                                      one_f_one_b, simulate, validate, zero_bubble)
+
+GOLDEN_1F1B_2x4 = """\
+0F0 0SF0 0F1 0SF1 0RB0 0B0 0F2 0SF2 0RB1 0B1 0F3 0SF3 0RB2 0B2 0RB3 0B3
+1RF0 1F0 1B0 1SB0 1RF1 1F1 1B1 1SB1 1RF2 1F2 1B2 1SB2 1RF3 1F3 1B3 1SB3"""
+
+GOLDEN_GPIPE_2x2 = """\
+0F0 0SF0 0F1 0SF1 0RB1 0B1 0RB0 0B0
+1RF0 1F0 1RF1 1F1 1B1 1SB1 1B0 1SB0"""
+
+GOLDEN_INTERLEAVED_2x2x2 = """\
+0F0 0SF0 0F1 0SF1 2RF0 2F0 2SF0 2RF1 2F1 2SF1 2RB0 2B0 2SB0 2RB1 2B1 2SB1 0RB0 0B0 0RB1 0B1
+1RF0 1F0 1SF0 1RF1 1F1 1SF1 3RF0 3F0 3B0 3SB0 3RF1 3F1 3B1 3SB1 1RB0 1B0 1SB0 1RB1 1B1 1SB1"""
+
+GOLDEN_ZB_2x3 = """\
+0F0 0SF0 0F1 0SF1 0RB0 0I0 0W0 0F2 0SF2 0RB1 0I1 0W1 0RB2 0I2 0W2
+1RF0 1F0 1I0 1SB0 1RF1 1F1 1I1 1SB1 1W0 1RF2 1F2 1I2 1SB2 1W1 1W2"""
+
+
+@pytest.mark.parametrize("schedule, golden", [
+    (one_f_one_b(2, 4), GOLDEN_1F1B_2x4),
+    (gpipe(2, 2), GOLDEN_GPIPE_2x2),
+    (interleaved(2, 2, 2), GOLDEN_INTERLEAVED_2x2x2),
+    (zero_bubble(2, 3), GOLDEN_ZB_2x3),
+], ids=["1f1b", "gpipe", "interleaved", "zero-bubble"])
+def test_golden_action_lists(schedule, golden):
+    assert str(schedule) == golden
+    validate(schedule)
+
+
+def schedules():
+    return st.tuples(st.sampled_from(["gpipe", "1f1b", "interleaved", "zero-bubble"]),
+                     st.integers(1, 5), st.integers(1, 4), st.integers(1, 3))
+
+
+def make(name, pp, k, v):
+    if name == "interleaved":
+        return interleaved(pp, pp * k, v)
+    return build(name, pp, pp * k - (k > 1))  # also micro-batch counts that are not multiples
+
+
+@settings(max_examples=150, deadline=None)
+@given(schedules())
+def test_every_schedule_is_valid_and_round_trips(args):
+    s = make(*args)
+    validate(s)  # each micro-batch once per stage, F before B, sends pair with receives, no deadlock
+    assert Schedule.parse(str(s), s.stages, s.microbatches) == s
+
+
+@settings(max_examples=150, deadline=None)
+@given(schedules())
+def test_forward_precedes_backward_on_each_rank(args):
+    s = make(*args)
+    for actions in s.ranks:
+        order = {a: i for i, a in enumerate(actions)}
+        for a in actions:
+            if a.kind in ("B", "I"):
+                assert order[Action(a.stage, "F", a.microbatch)] < order[a]
+
+
+@pytest.mark.parametrize("maker", [gpipe, one_f_one_b])
+@pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (4, 16), (3, 5)])
+def test_gpipe_and_1f1b_bubble_is_p_minus_1_over_m(maker, pp, m):
+    timeline = simulate(maker(pp, m), {"F": 1.0, "B": 2.0})
+    for r in range(pp):
+        assert timeline.bubble_fraction(r) == pytest.approx((pp - 1) / (m + pp - 1))
+        idle = timeline.makespan - timeline.busy(r)
+        assert idle / timeline.busy(r) == pytest.approx((pp - 1) / m)
+
+
+@pytest.mark.parametrize("pp, m", [(2, 8), (4, 8), (4, 16)])
+def test_interleaving_and_zero_bubble_shrink_the_bubble(pp, m):
+    base = simulate(one_f_one_b(pp, m), {"F": 1.0, "B": 2.0}).bubble_fraction(0)
+    # two virtual stages per rank: each chunk costs half
+    inter = simulate(interleaved(pp, m, 2), {"F": 0.5, "B": 1.0}).bubble_fraction(0)
+    assert inter == pytest.approx(((pp - 1) / 2) / (m + (pp - 1) / 2))
+    zb = simulate(zero_bubble(pp, m), {"F": 1.0, "I": 1.0, "W": 1.0})
+    assert max(zb.bubble_fraction(r) for r in range(pp)) < inter < base
+
+
+def test_static_checks_name_the_problem():
+    with pytest.raises(ScheduleError, match="rank 1: 1RF1 has no matching 0SF1 on rank 0"):
+        validate(Schedule.parse("0F0 0SF0 0F1 0RB0 0B0 0RB1 0B1\n"
+                                "1RF0 1F0 1B0 1SB0 1RF1 1F1 1B1 1SB1", 2, 2))
+    with pytest.raises(ScheduleError, match="deadlock"):
+        validate(Schedule.parse("0RB0 0F0 0SF0 0B0\n1RF0 1F0 1B0 1SB0", 2, 1))
+    with pytest.raises(ScheduleError, match="0B0 comes before 0F0"):
+        validate(Schedule.parse("0B0 0F0", 1, 1))
+    with pytest.raises(ScheduleError, match="no forward 0F1"):
+        validate(Schedule.parse("0F0 0B0 0B1", 1, 2))
+    with pytest.raises(ScheduleError, match="cannot parse action '0X1'"):
+        Schedule.parse("0X1")
+    with pytest.raises(ScheduleError, match="multiple of pp"):
+        interleaved(2, 3, 2)
+    with pytest.raises(ScheduleError, match="unknown schedule"):
+        build("2f2b", 2, 4)
