@@ -106,6 +106,45 @@ def mlp(batch: int = 16, seed: int = 0) -> Example:
                                              generator=torch.Generator().manual_seed(seed + 1 + step)),))
 
 
+# Small sizes for any transformers architecture; configs map these standard names to
+# their own (GPT-2's n_embd, ...) through `attribute_map`. Dropout off for exact parity.
+_TINY_HF = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=256, max_position_embeddings=64, rotary_dim=8,
+                use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, dropout=0.0,
+                attention_dropout=0.0, hidden_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
+                attn_pdrop=0.0)
+
+
+def hf_tiny(model_type: str, batch: int = 8, seq: int = 32, seed: int = 0) -> Example:
+    """A tiny randomly initialised model of any transformers architecture, by its config
+    name ("qwen2", "mistral", "gpt_neox", "bert", ...), trained as a causal LM."""
+    import transformers
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        import difflib
+
+        near = difflib.get_close_matches(model_type, CONFIG_MAPPING_NAMES, n=3)
+        hint = f" (did you mean {', '.join(near)}?)" if near else ""
+        raise KeyError(f"{model_type!r} is neither a built-in example ({', '.join(EXAMPLES)}) "
+                       f"nor a transformers model type{hint}")
+    config = transformers.AutoConfig.for_model(model_type, **_TINY_HF)
+    torch.manual_seed(seed)
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM):
+        if type(config) in auto._model_mapping:
+            model = auto.from_config(config)
+            break
+    else:
+        raise KeyError(f"transformers has no causal or masked LM head for {model_type!r}")
+    vocab = config.vocab_size
+    ids = torch.randint(0, vocab, (batch, seq))
+    return Example(model, (ids,), causal_lm_loss,
+                   f"{type(model).__name__} (transformers, tiny config: 2 layers, hidden 64)",
+                   lambda step: (progression_tokens(batch, seq, vocab, seed + 1 + step),))
+
+
 EXAMPLES: dict[str, Callable[..., Example]] = {
     "gpt2-tiny": gpt2,
     "gpt2-small4": lambda **kw: gpt2(**{"layers": 4, "hidden": 256, "heads": 8, "vocab": 50257,
@@ -118,13 +157,16 @@ EXAMPLES: dict[str, Callable[..., Example]] = {
 
 
 def load_example(name: str, **overrides) -> Example:
-    if name not in EXAMPLES:
-        import difflib
+    """A built-in example, or a tiny model of the transformers architecture `name`."""
+    if name in EXAMPLES:
+        return EXAMPLES[name](**overrides)
+    import difflib
 
-        near = difflib.get_close_matches(name, EXAMPLES, n=1)
-        hint = f" (did you mean {near[0]!r}?)" if near else ""
-        raise KeyError(f"no built-in example {name!r}{hint}; built-in: {', '.join(EXAMPLES)}")
-    return EXAMPLES[name](**overrides)
+    near = difflib.get_close_matches(name, EXAMPLES, n=1, cutoff=0.8)
+    if near:
+        raise KeyError(f"no built-in example {name!r} (did you mean {near[0]!r}?); "
+                       f"built-in: {', '.join(EXAMPLES)}")
+    return hf_tiny(name, **overrides)
 
 
 def load_model_spec(spec: str, **overrides) -> Example:

@@ -98,6 +98,14 @@ def dp2_parity_tied_padded_embedding_rows_gathered_sgd():
     assert step.pass_results[0].stats["embedding_grads_gathered"] == ["embed.weight"]
 
 
+for _arch in ("qwen2", "mixtral", "gpt_neox", "bert", "falcon"):
+    def _arch_case(model_type=_arch):
+        from autopar.examples import hf_tiny
+        check_parity(hf_tiny(model_type), sgd, autopar.Layout(dp=2))
+    _arch_case.__name__ = f"dp2_parity_{_arch}_sgd"
+    case(world=2)(_arch_case)
+
+
 @case(world=2)
 def dp2_parity_one_bucket_per_grad_sgd():
     check_parity(gpt2(), sgd, autopar.Layout(dp=2, bucket_mb=0))

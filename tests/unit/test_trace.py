@@ -174,3 +174,25 @@ def test_untraceable_code_names_module_and_source_line():
 def test_model_without_loss_needs_loss_fn():
     with pytest.raises(TraceError, match="loss_fn"):
         trace_train_step(torch.nn.Linear(4, 4), (torch.randn(2, 4),))
+
+
+ARCHITECTURES = ["gpt2", "llama", "qwen2", "qwen3", "mistral", "mixtral", "gpt_neox", "opt", "gemma",
+                 "phi", "bert", "falcon", "gptj", "bloom", "starcoder2", "olmo"]
+
+
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+def test_any_transformers_architecture_traces_with_exact_gradients(model_type):
+    """Tiny configs of architectures no code of ours names: the joint graph's loss and
+    gradients equal eager autograd's (tied weights, MoE routing, ALiBi, partial rotary)."""
+    from autopar.examples import hf_tiny
+
+    ex = hf_tiny(model_type, batch=2, seq=16)
+    tg = trace_train_step(ex.model, ex.batch, ex.loss_fn)
+    verify(tg)
+    outs = run_graph(tg, ex.model, ex.batch)
+    loss, grads = eager_grads(ex.model, ex.batch, ex.loss_fn)
+    torch.testing.assert_close(outs[0], loss, rtol=1e-6, atol=0)
+    for i, spec in enumerate(tg.signature.params):
+        expected = grads[spec.name]
+        expected = torch.zeros_like(outs[1 + i]) if expected is None else expected
+        torch.testing.assert_close(outs[1 + i], expected, rtol=1e-5, atol=1e-6)

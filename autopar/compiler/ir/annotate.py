@@ -26,6 +26,7 @@ def annotate(tg: TrainGraph, blocks: tuple[str, int] | None) -> TrainGraph:
     _annotate_roles(tg)
     _annotate_layers(nodes, blocks)
     for node in nodes:
+        node.meta.setdefault(M.VAL, None)  # e.g. getitem of an op's absent (None) output
         node.meta[M.FLOPS] = node_flops(node)
         node.meta[M.BYTES] = node_bytes(node)
     for param, grad in zip(tg.signature.params, tg.grad_nodes()):

@@ -30,6 +30,7 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
 from torch.export.graph_signature import InputKind, OutputKind
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.compiler.ir import meta as M
@@ -221,9 +222,14 @@ def _trace_joint(source: TraceSource) -> tuple[fx.GraphModule, GraphSignature]:
         grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
         return (loss, *grads, *[outs[i] for _, i in mutated])
 
-    flat = ([state[n].detach().requires_grad_(True) for n in trainable]
-            + [state[n].detach() for n in buffers] + list(user_inputs))
-    gm = make_fx(joint_step, tracing_mode="fake")(*flat)
+    # Our own fake mode: it lets the exported graph's tensor constants (real tensors, e.g.
+    # Falcon's) meet the fake inputs; make_fx then keeps them as constants of the graph.
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    flat = ([fake_mode.from_tensor(state[n].detach()).requires_grad_(True) for n in trainable]
+            + [fake_mode.from_tensor(state[n].detach()) for n in buffers]
+            + [fake_mode.from_tensor(x) for x in user_inputs])
+    with fake_mode:
+        gm = make_fx(joint_step, tracing_mode="real")(*flat)
     gm.graph._codegen = fx.graph.CodeGen()  # plain flat-args signature, no pytree wrapping
     _drop_shape_asserts(gm)
     _name_placeholders(gm, trainable, buffers, len(user_inputs))

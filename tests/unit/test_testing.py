@@ -1,0 +1,47 @@
+"""The parity judge itself: it catches a 1.0001x gradient scale under SGD, tolerates
+rounding noise on weights whose true gradient is zero."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from autopar.examples import gpt2
+from autopar.testing import compare, make_batches, reference_train
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05)
+
+
+def _scaled_sgd(scale):
+    class Scaled(torch.optim.SGD):
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
+            return super().step(closure)
+    return lambda params: Scaled(params, lr=0.05)
+
+
+def test_gradient_scale_error_of_1e_minus_4_is_caught_with_sgd():
+    ex = gpt2()
+    init = {k: v.clone() for k, v in ex.model.state_dict().items()}
+    batches = make_batches(ex.batch, 3)
+    losses, state = reference_train(ex.model, batches, ex.loss_fn, sgd)
+    same_losses, same_state = reference_train(copy.deepcopy(ex.model), batches, ex.loss_fn, sgd)
+    assert compare(same_losses, losses, same_state, state, init, adam=False).ok
+    bad_losses, bad_state = reference_train(ex.model, batches, ex.loss_fn, _scaled_sgd(1.0001))
+    report = compare(bad_losses, losses, bad_state, state, init, adam=False)
+    assert not report.ok, str(report)
+
+
+def test_noise_on_weights_with_zero_gradient_is_not_a_failure():
+    init = {"w": torch.ones(4), "zero_bias": torch.zeros(4)}
+    ref = {"w": torch.full((4,), 0.9), "zero_bias": torch.full((4,), 3e-13)}
+    got = {"w": torch.full((4,), 0.9), "zero_bias": torch.full((4,), -2e-13)}
+    assert compare([1.0], [1.0], got, ref, init, adam=False).ok
+    got["w"] = torch.full((4,), 0.9 + 1e-4)
+    assert not compare([1.0], [1.0], got, ref, init, adam=False).ok
