@@ -10,6 +10,8 @@ from autopar.compiler.ir.trace import TraceError
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
 from autopar.compiler.passes.manager import PassManager, register_pass
 from autopar.compiler.passes.pipeline import default_passes
+from autopar.compiler.planner.cost_model import Efficiency
+from autopar.compiler.planner.estimate import estimate
 from autopar.layout import Layout, LayoutError, Prediction
 from autopar.runtime.checkpoint import CheckpointError
 from autopar.runtime.mesh import WorldSizeError
@@ -17,7 +19,8 @@ from autopar.runtime.mesh import WorldSizeError
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointError", "ClusterSpec", "GraphPass", "Layout", "LayoutError", "PassContext",
-    "PassManager", "PassResult", "Prediction", "TraceError", "TrainGraph", "WorldSizeError",
-    "compile", "default_passes", "register_pass", "run_passes", "trace",
+    "CheckpointError", "ClusterSpec", "Efficiency", "GraphPass", "Layout", "LayoutError",
+    "PassContext", "PassManager", "PassResult", "Prediction", "TraceError", "TrainGraph",
+    "WorldSizeError", "compile", "default_passes", "estimate", "register_pass", "run_passes",
+    "trace",
 ]

@@ -16,13 +16,16 @@ import torch
 from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.ir.trace import LossFn, batch_dims_of, trace_train_step
 from autopar.compiler.lower import to_program
+from autopar.compiler.lower_pipeline import lower_pipeline
+from autopar.compiler.passes.amp_policy import parse_amp_lists
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
 from autopar.compiler.passes.manager import PassManager, get_pass
-from autopar.compiler.passes.pipeline import default_passes
+from autopar.compiler.passes.pipeline import default_passes, is_pipelined
 from autopar.layout import Layout, LayoutError, unsupported_fields
 from autopar.logs import configure_from_env
 from autopar.runtime.executor import DistributedStep, OptimizerFactory
 from autopar.runtime.mesh import launched_world_size
+from autopar.runtime.pipeline import PipelineStep
 
 log = logging.getLogger("autopar")
 
@@ -40,14 +43,16 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
 def compile(model: torch.nn.Module, cluster: Any = None,  # noqa: A001 - the contract's name
             example_inputs: Sequence[torch.Tensor] = (), loss_fn: LossFn | None = None,
             optimizer: OptimizerFactory = _default_optimizer, layout: Layout | None = None,
-            passes: Sequence[GraphPass | str] | None = None) -> DistributedStep:
+            passes: Sequence[GraphPass | str] | None = None,
+            amp_lists: dict[str, Sequence[str]] | None = None) -> DistributedStep:
     """Compile one training step of `model` for this job's processes and return it.
 
     `example_inputs` is one global batch (every rank passes the same one to the
     step). `layout=None` uses every process for data parallelism (the planner that
     will choose a hybrid layout is not in this release). `passes` replaces the default
     pipeline (`autopar.default_passes(layout)`) with your own list of passes or
-    registered pass names.
+    registered pass names. `amp_lists={"white": [...], "black": [...], "gray": [...]}`
+    moves aten ops ("mm" or "aten.mm") between AMP's lists (with Layout.amp on).
     """
     configure_from_env()
     world = launched_world_size()
@@ -58,38 +63,49 @@ def compile(model: torch.nn.Module, cluster: Any = None,  # noqa: A001 - the con
     todo = unsupported_fields(layout)
     if todo:
         raise LayoutError(f"{layout}: not supported yet: {', '.join(todo)}. Supported now: dp, "
-                          "bucket_mb, overlap_comm")
+                          "pp, microbatches, schedule (gpipe, 1f1b, interleaved), bucket_mb, "
+                          "overlap_comm, amp (without pipelining)")
+    parse_amp_lists(amp_lists)  # a misspelt op fails before the (slow) trace
     example_inputs = tuple(example_inputs)
     if not example_inputs:
         raise ValueError("compile needs example_inputs: one global batch, as passed to the step")
     local = _local_example(example_inputs, layout)
     tg = trace_train_step(model, local, loss_fn)
-    tg, results = run_passes(tg, layout, cluster, passes)
+    options = {"amp_lists": amp_lists} if amp_lists else {}
+    tg, results = run_passes(tg, layout, cluster, passes, options=options)
+    if layout.amp != "off" and "amp" not in tg.provides:
+        raise LayoutError(f"Layout.amp={layout.amp!r} but the passes given to compile have no "
+                          "'amp' pass: add \"amp\" first in passes=, or use amp='off'")
     for r in results:
         log.info("%s", r.summary())
-    step = DistributedStep(to_program(tg, layout), model, optimizer)
+    if is_pipelined(layout):
+        step = PipelineStep(lower_pipeline(tg, layout), model, optimizer)
+    else:
+        step = DistributedStep(to_program(tg, layout), model, optimizer)
     step.pass_results = results
     return step
 
 
 def run_passes(tg: TrainGraph, layout: Layout, cluster: Any = None,
                passes: Sequence[GraphPass | str] | None = None,
-               dump_dir: str | None = None) -> tuple[TrainGraph, list[PassResult]]:
-    """Rewrite `tg` with the default pipeline for `layout` (or `passes`)."""
+               dump_dir: str | None = None,
+               options: dict[str, Any] | None = None) -> tuple[TrainGraph, list[PassResult]]:
+    """Rewrite `tg` with the default pipeline for `layout` (or `passes`); `options`
+    become PassContext.options (e.g. "amp_lists")."""
     pipeline = default_passes(layout) if passes is None else [
         get_pass(p) if isinstance(p, str) else p for p in passes]
     manager = PassManager(pipeline, dump_dir=dump_dir or os.environ.get("AUTOPAR_DUMP"))
-    return manager.run(tg, PassContext(layout=layout, cluster=cluster))
+    return manager.run(tg, PassContext(layout=layout, cluster=cluster, options=options or {}))
 
 
 def _local_example(example_inputs: tuple, layout: Layout) -> tuple:
-    """One data-parallel rank's slice of the global example batch (its first rows)."""
+    """One micro-batch of one data-parallel rank: the shapes the graph is traced for."""
     dims = batch_dims_of([x for x in example_inputs if isinstance(x, torch.Tensor)])
     if not any(d is not None for d in dims):
         return example_inputs
     batch = next(x.shape[d] for x, d in zip(example_inputs, dims) if d is not None)
     layout.check_batch(batch)
-    local = batch // layout.dp
+    local = batch // (layout.dp * layout.microbatches)
     return tuple(x.narrow(d, 0, local) if d is not None else x
                  for x, d in zip(example_inputs, dims))
 

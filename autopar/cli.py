@@ -2,6 +2,7 @@
 
     autopar trace MODEL             summary of the traced training graph
     autopar train MODEL --dp 2      train under torchrun, with progress
+    autopar estimate MODEL --cluster dgx-h100 --dp 8    predicted step time and memory
 
 MODEL is a built-in example (`autopar trace --list`) or `pkg.module:factory`.
 """
@@ -176,6 +177,72 @@ class _Progress:
             self.bar = None
 
 
+# -- autopar estimate ---------------------------------------------------------------------
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    import torch
+
+    import autopar
+    from autopar.cluster import ClusterSpecError
+    from autopar.examples import load_model_spec
+    from autopar.layout import Layout, LayoutError
+
+    try:
+        layout = Layout(dp=args.dp, bucket_mb=args.bucket_mb)
+        cluster = _cluster_from_args(args.cluster, args.nodes, layout)
+        with torch.device("meta"):  # nothing is allocated: weights and batch are shapes only
+            example = load_model_spec(args.model)
+        pred = autopar.estimate(example.model, cluster, layout, example.batch, example.loss_fn,
+                                optimizer=args.optimizer)
+    except (LayoutError, ClusterSpecError) as exc:
+        raise SystemExit(f"autopar estimate: {exc}") from exc
+    if args.json:
+        print(json.dumps({"model": args.model, "cluster": cluster.describe(),
+                          "layout": layout.to_dict(), **pred.to_dict()}, indent=1))
+    else:
+        _print_estimate(args.model, cluster, layout, pred)
+    return 0
+
+
+def _cluster_from_args(name: str, nodes: int | None, layout):
+    from autopar.cluster import ClusterSpec
+
+    if name == "local":
+        if nodes not in (None, 1):
+            raise SystemExit("autopar estimate: --nodes applies to a preset or YAML cluster; "
+                             "--cluster local is this one machine (one process per device)")
+        return ClusterSpec.local(nprocs=layout.world_size)
+    if name.endswith((".yaml", ".yml")) or os.path.exists(name):
+        spec = ClusterSpec.from_yaml(name)
+        return spec if nodes is None else ClusterSpec.from_dict(
+            {**spec.to_dict(), "nodes": nodes}, source=name)
+    return ClusterSpec.preset(name, nodes=1 if nodes is None else nodes)
+
+
+def _print_estimate(model: str, cluster, layout, pred) -> None:
+    console.print(f"[bold]{model}[/bold] on {cluster.describe()}, {layout}")
+    console.print(f"{_fmt_count(pred.flops_per_step)}FLOP per step, "
+                  f"{pred.tflops_per_device:.1f} TFLOP/s per device, MFU {pred.mfu:.1%}")
+    times = Table(title=f"step time {pred.step_time_s * 1e3:.2f} ms")
+    for col in ("part", "ms", "of step"):
+        times.add_column(col, justify="left" if col == "part" else "right")
+    labels = {"compute": "compute", "comm": "communication (total)",
+              "exposed_comm": "communication not overlapped", "bubble": "pipeline bubble",
+              "optimizer": "optimizer step"}
+    for key, label in labels.items():
+        seconds = pred.breakdown.get(key, 0.0)
+        times.add_row(label, f"{seconds * 1e3:.3f}", f"{seconds / pred.step_time_s:.1%}")
+    console.print(times)
+    memory = Table(title=f"memory per rank {_fmt_bytes(pred.peak_memory_bytes)} of "
+                         f"{_fmt_bytes(cluster.device.memory_bytes)}")
+    for col in ("category", "size", "of device"):
+        memory.add_column(col, justify="left" if col == "category" else "right")
+    for key, size in pred.memory.items():
+        memory.add_row(key.replace("_", " "), _fmt_bytes(size),
+                       f"{size / cluster.device.memory_bytes:.1%}")
+    console.print(memory)
+
+
 # -- entry point --------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -202,6 +269,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also train single-process PyTorch and compare loss and weights")
     train.add_argument("--save", metavar="DIR", help="save a checkpoint at the end")
     train.set_defaults(func=cmd_train)
+
+    est = sub.add_parser("estimate", help="predicted step time and memory of MODEL for a layout")
+    est.add_argument("model", help="built-in example or pkg.module:factory (built on meta)")
+    est.add_argument("--cluster", default="local",
+                     help="a preset (dgx-h100, dgx-a100-80gb, dgx-h200), local, or a YAML file")
+    est.add_argument("--nodes", type=int, default=None,
+                     help="nodes of a preset or YAML cluster (default: 1 / the file's)")
+    est.add_argument("--dp", type=int, default=1, help="data-parallel degree")
+    est.add_argument("--bucket-mb", type=float, default=25.0, help="all-reduce bucket size")
+    est.add_argument("--optimizer", choices=("adamw", "adam", "sgd-momentum", "sgd"),
+                     default="adamw")
+    est.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    est.set_defaults(func=cmd_estimate)
     return parser
 
 

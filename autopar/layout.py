@@ -130,20 +130,20 @@ def unsupported_fields(layout: Layout) -> list[str]:
     out = []
     if layout.tp > 1:
         out.append("tp > 1 (tensor parallelism)")
-    if layout.pp > 1:
-        out.append("pp > 1 (pipeline parallelism)")
-    if layout.microbatches > 1:
-        out.append("microbatches > 1 (gradient accumulation / pipelining)")
+    if layout.schedule == "zero-bubble" and (layout.pp > 1 or layout.microbatches > 1):
+        out.append("schedule='zero-bubble' (the runtime does not split backward yet)")
     if layout.zero:
         out.append("zero > 0 (ZeRO sharding)")
     if layout.recompute != "none":
         out.append(f"recompute={layout.recompute!r}")
-    if layout.amp != "off":
-        out.append(f"amp={layout.amp!r}")
+    if layout.amp != "off" and (layout.pp > 1 or layout.microbatches > 1):
+        out.append(f"amp={layout.amp!r} with pp > 1 or microbatches > 1 (the pipeline runtime "
+                   "has no loss scaler and AMP has no pipeline parity test yet)")
     if layout.fusion:
         out.append("fusion=True")
-    if layout.grad_comm_dtype not in (None, "fp32"):
-        out.append(f"grad_comm_dtype={layout.grad_comm_dtype!r}")
+    if layout.grad_comm_dtype not in (None, "fp32") and (layout.pp > 1 or layout.microbatches > 1):
+        out.append(f"grad_comm_dtype={layout.grad_comm_dtype!r} with pp > 1 or microbatches > 1 "
+                   "(the pipeline runtime sums gradients in fp32)")
     return out
 
 
@@ -158,3 +158,9 @@ class Prediction:
     peak_memory_bytes: int
     bubble_fraction: float = 0.0
     breakdown: dict[str, float] = field(default_factory=dict)
+    # bytes per rank by category (parameters, gradients, optimizer_states, activations,
+    # ...); peak_memory_bytes is their sum
+    memory: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 
 from autopar.runtime import checkpoint as ckpt
+from autopar.runtime.loss_scaler import LossScaler
 from autopar.runtime.mesh import Mesh, build_mesh
-from autopar.runtime.program import Program, bind_groups
+from autopar.runtime.program import LOSS_SCALE_INPUT, Program, bind_groups
 
 log = logging.getLogger("autopar.runtime")
 
@@ -43,18 +44,26 @@ class DistributedStep:
         self._sync_initial_weights()
         self.optimizer = optimizer(self.params)
         self.steps = 0
+        # an fp16 AMP step takes the loss scale as its trailing input (not the user's)
+        scaled = bool(program.inputs) and program.inputs[-1].name == LOSS_SCALE_INPUT
+        self.loss_scaler = LossScaler() if scaled else None
+        self._n_user_inputs = len(program.inputs) - scaled
 
     # -- the step ---------------------------------------------------------------------------
 
     def __call__(self, *global_batch: torch.Tensor) -> torch.Tensor:
         local = self.local_batch(global_batch)
+        scale = [self.loss_scaler.scale_input()] if self.loss_scaler else []
         with torch.no_grad():
-            outs = self.gm(*self.params, *self.buffers, *local)
+            outs = self.gm(*self.params, *self.buffers, *local, *scale)
             loss, rest = outs[0], outs[1:]
             grads, new_buffers = rest[:len(self.params)], rest[len(self.params):]
             for p, g in zip(self.params, grads):
                 p.grad = g
-            self.optimizer.step()
+            if self.loss_scaler is None or self.loss_scaler.unscale_and_check(grads):
+                self.optimizer.step()
+            if self.loss_scaler is not None:
+                self.loss_scaler.update()
             for p in self.params:
                 p.grad = None
             by_name = {b.name: t for b, t in zip(self.program.buffers, self.buffers)}
@@ -65,7 +74,7 @@ class DistributedStep:
 
     def local_batch(self, global_batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """This rank's slice of the global batch along each input's batch dimension."""
-        spec = self.program.inputs
+        spec = self.program.inputs[:self._n_user_inputs]
         if len(global_batch) != len(spec):
             raise BatchError(f"the step takes {len(spec)} input tensors (as the example inputs), "
                              f"got {len(global_batch)}")
@@ -99,6 +108,8 @@ class DistributedStep:
     def _named_tensors(self) -> dict[str, torch.Tensor]:
         named = {p.name: t for p, t in zip(self.program.params, self.params)}
         named.update({b.name: t for b, t in zip(self.program.buffers, self.buffers)})
+        if self.loss_scaler is not None:  # checkpoints carry the scale (updated in place)
+            named.update(self.loss_scaler.state_tensors())
         return named
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -15,6 +15,9 @@ import torch
 import torch.fx as fx
 
 MESH_TAG_PREFIX = "autopar.mesh."
+# the name of the trailing fp32 0-dim input of a loss-scaled (fp16 AMP) step: the
+# runtime's LossScaler passes the scale; the graph differentiates loss * scale
+LOSS_SCALE_INPUT = "loss_scale"
 
 
 def mesh_group_tag(dim: str) -> str:

@@ -221,9 +221,10 @@ def _dependencies(s: Schedule, a: Action) -> list[tuple[int, Action]]:
     return []
 
 
-def simulate(s: Schedule, cost: dict[str, float] | None = None) -> Timeline:
+def simulate(s: Schedule, cost: dict | None = None) -> Timeline:
     """Run the per-rank lists in order: sends are asynchronous (cost 0), a receive
-    waits for its send, compute takes `cost[kind]`. Raises ScheduleError on deadlock."""
+    waits for its send, compute takes `cost[(stage, kind)]` or else `cost[kind]`.
+    Raises ScheduleError on deadlock."""
     cost = {**DEFAULT_COST, **(cost or {})}
     done: dict[tuple[int, Action], float] = {}
     clock = [0.0] * s.pp
@@ -238,7 +239,7 @@ def simulate(s: Schedule, cost: dict[str, float] | None = None) -> Timeline:
                 if any(d not in done for d in deps):
                     break
                 start = max([clock[r]] + [done[d] for d in deps])
-                end = start + cost.get(a.kind, 0.0)
+                end = start + cost.get((a.stage, a.kind), cost.get(a.kind, 0.0))
                 if a.kind in COMPUTE:
                     spans[r].append((a, start, end))
                 clock[r] = end

@@ -10,6 +10,7 @@ writes {case: {"ok": bool, "error": str}} with the errors of all ranks.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import traceback
@@ -25,7 +26,8 @@ def main() -> None:
     parser.add_argument("cases", nargs="*")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    # a case that deadlocks fails after this long instead of stalling the whole suite
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=180))
     world, rank = dist.get_world_size(), dist.get_rank()
     cases = load_cases()
     names = args.cases or [n for n, (w, _) in cases.items() if w == world]

@@ -36,6 +36,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.annotate import annotate, repeated_block_container
 from autopar.compiler.ir.graph import GraphSignature, TensorSpec, TrainGraph
+from autopar.runtime.program import LOSS_SCALE_INPUT
 
 LossFn = Callable[..., torch.Tensor]
 _WRAPPED = "model"  # attribute name of the user's model inside the loss wrapper
@@ -97,6 +98,9 @@ class TraceSource:
     aliases: dict[str, tuple[str, ...]]
     blocks: tuple[str, int] | None  # the repeated-block container (annotate.py)
     hooks: tuple[ForwardHook, ...] = ()
+    # fp16 loss scaling: the step takes a trailing fp32 0-dim input LOSS_SCALE_INPUT and
+    # differentiates loss * scale (the returned loss stays unscaled)
+    loss_scale: bool = False
 
 
 def trace_train_step(model: torch.nn.Module, example_inputs: Sequence[Any],
@@ -113,8 +117,9 @@ def trace_train_step(model: torch.nn.Module, example_inputs: Sequence[Any],
     return _trace_from(source)
 
 
-def retrace(tg: TrainGraph, hook: ForwardHook) -> TrainGraph:
-    """The joint graph traced again from tg's source with one more forward hook.
+def retrace(tg: TrainGraph, hook: ForwardHook, *, loss_scale: bool | None = None) -> TrainGraph:
+    """The joint graph traced again from tg's source with one more forward hook
+    (and, if `loss_scale` is given, with loss scaling switched on or off).
 
     Only valid on a graph no joint-graph pass has rewritten (property "retraceable"):
     their rewrites would be lost.
@@ -123,6 +128,8 @@ def retrace(tg: TrainGraph, hook: ForwardHook) -> TrainGraph:
         raise ValueError("retrace needs a graph straight from trace_train_step or retrace "
                          f"(this one went through {list(tg.history)})")
     source = dataclasses.replace(tg.source, hooks=tg.source.hooks + (hook,))
+    if loss_scale is not None:
+        source = dataclasses.replace(source, loss_scale=loss_scale)
     return dataclasses.replace(_trace_from(source), history=tg.history, attrs=dict(tg.attrs))
 
 
@@ -200,10 +207,12 @@ def _trace_joint(source: TraceSource) -> tuple[fx.GraphModule, GraphSignature]:
     placeholder_of = {s.target: i for i, s in enumerate(sig.input_specs) if s.target is not None}
     user_slots = [i for i, s in enumerate(sig.input_specs) if s.kind == InputKind.USER_INPUT]
     n_params, n_buffers = len(trainable), len(buffers)
+    n_user = len(user_inputs)
 
     def joint_step(*flat):
         params, bufs, inputs = (flat[:n_params], flat[n_params:n_params + n_buffers],
-                                flat[n_params + n_buffers:])
+                                flat[n_params + n_buffers:n_params + n_buffers + n_user])
+        scale = flat[-1] if source.loss_scale else None
         args: list[Any] = [None] * len(sig.input_specs)
         value_of = dict(zip(trainable + buffers, params + bufs))
         for name, first in canonical.items():
@@ -218,7 +227,8 @@ def _trace_joint(source: TraceSource) -> tuple[fx.GraphModule, GraphSignature]:
             loss = outs[loss_index]
             if loss.grad_fn is not None:
                 setup_stacktrace_preservation_hooks([loss.grad_fn])
-            grads = torch.autograd.grad(loss, params, allow_unused=True) if params else ()
+            target = loss if scale is None else loss * scale
+            grads = torch.autograd.grad(target, params, allow_unused=True) if params else ()
         grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
         return (loss, *grads, *[outs[i] for _, i in mutated])
 
@@ -228,18 +238,21 @@ def _trace_joint(source: TraceSource) -> tuple[fx.GraphModule, GraphSignature]:
     flat = ([fake_mode.from_tensor(state[n].detach()).requires_grad_(True) for n in trainable]
             + [fake_mode.from_tensor(state[n].detach()) for n in buffers]
             + [fake_mode.from_tensor(x) for x in user_inputs])
+    extra = [TensorSpec(LOSS_SCALE_INPUT, (), torch.float32)] if source.loss_scale else []
+    if extra:
+        flat.append(fake_mode.from_tensor(torch.ones((), dtype=torch.float32)))
     with fake_mode:
         gm = make_fx(joint_step, tracing_mode="real")(*flat)
     gm.graph._codegen = fx.graph.CodeGen()  # plain flat-args signature, no pytree wrapping
     _drop_shape_asserts(gm)
-    _name_placeholders(gm, trainable, buffers, len(user_inputs))
+    _name_placeholders(gm, trainable, buffers, len(user_inputs), [s.name for s in extra])
     signature = GraphSignature(
         params=_specs(trainable, state, source.aliases),
         buffers=_specs(buffers, state, source.aliases),
         inputs=tuple(TensorSpec(f"input_{i}", tuple(t.shape), t.dtype)
-                     for i, t in enumerate(user_inputs)),
+                     for i, t in enumerate(user_inputs)) + tuple(extra),
         mutated_buffers=tuple(_strip(name) for name, _ in mutated),
-        batch_dims=batch_dims_of(user_inputs),
+        batch_dims=batch_dims_of(user_inputs) + tuple(None for _ in extra),
     )
     return gm, signature
 
@@ -288,9 +301,9 @@ def batch_dims_of(inputs: list[torch.Tensor]) -> tuple[int | None, ...]:
 
 
 def _name_placeholders(gm: fx.GraphModule, params: list[str], buffers: list[str],
-                       n_inputs: int) -> None:
+                       n_inputs: int, extra: Sequence[str] = ()) -> None:
     names = ([_safe("p_" + _strip(n)) for n in params] + [_safe("b_" + _strip(n)) for n in buffers]
-             + [f"input_{i}" for i in range(n_inputs)])
+             + [f"input_{i}" for i in range(n_inputs)] + list(extra))
     for node, name in zip([n for n in gm.graph.nodes if n.op == "placeholder"], names):
         node.name = node.target = name  # FX keeps names unique; these already are
     gm.recompile()

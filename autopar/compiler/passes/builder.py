@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.fx as fx
 
 from autopar.compiler.ir import meta as M
@@ -30,3 +31,16 @@ class NodeBuilder:
         node.meta = new_node_meta(op(*vals), role, self.created_by, **extra)
         self.cursor = node
         return node
+
+
+def scale_backward_seed(tg, build: NodeBuilder, divisor: int) -> bool:
+    """Start the backward pass from d(loss)/divisor instead of d(loss): by linearity every
+    gradient comes out divided (averaging over data-parallel ranks or micro-batches
+    without a pass over the gradients). False if the graph has no `ones_like(loss)` seed."""
+    seeds = [u for u in tg.loss_node().users if u.target == torch.ops.aten.ones_like.default]
+    if len(seeds) != 1:
+        return False
+    seed = seeds[0]
+    scaled = build.at(seed).call(torch.ops.aten.div.Tensor, (seed, divisor), role=M.Role.BACKWARD)
+    seed.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+    return True

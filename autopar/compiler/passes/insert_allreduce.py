@@ -16,7 +16,10 @@ Rewrites, in order:
    after a bucket's last term is computed the bucket is flattened and all-reduced
    (`_c10d_functional.all_reduce`, asynchronous); its `wait_tensor` is placed just
    before the graph's output, so the all-reduce runs while the backward goes on.
-   The loss is averaged the same way.
+   The loss is averaged the same way. With `Layout.grad_comm_dtype="bf16"` (or
+   "fp16") a bucket is cast to that dtype after the division and back to the
+   gradients' dtype after the wait: half the bytes on the wire, one rounding of the
+   summed gradient (embedding rows are still gathered in their own dtype).
 
 Requires: "traced". Provides: "dp_grad_sync".
 
@@ -42,12 +45,15 @@ from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.annotate import tensor_bytes
 from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
-from autopar.compiler.passes.builder import NodeBuilder
+from autopar.compiler.passes.builder import NodeBuilder, scale_backward_seed
 from autopar.compiler.passes.manager import register_pass
 from autopar.runtime.program import mesh_group_tag
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
+prims = torch.ops.prims
+# Layout.grad_comm_dtype -> the dtype gradient buckets travel in
+_WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MiB = 1 << 20
 
 
@@ -110,7 +116,8 @@ class InsertAllReduce(GraphPass):
         tg = tg.copy()
         build = NodeBuilder(tg.graph, self.name)
         tag = mesh_group_tag("dp")
-        divisor = 1 if self._scale_backward_seed(tg, build, dp) else dp
+        divisor = 1 if scale_backward_seed(tg, build, dp) else dp
+        wire = _WIRE_DTYPES.get(ctx.layout.grad_comm_dtype)  # None: the gradients' own dtype
         grads = [_Grad(i, [g]) for i, g in enumerate(tg.grad_nodes())]
         gathered = self._gather_embedding_grads(tg, build, grads, dp, divisor, tag)
         order = {n: i for i, n in enumerate(tg.graph.nodes)}
@@ -119,32 +126,22 @@ class InsertAllReduce(GraphPass):
         buckets = [[pieces[k] for k in b] for b in plan_buckets(sizes, ctx.layout.bucket_mb * MiB)]
         if ctx.layout.overlap_comm:  # each bucket starts right after its last term
             pending = [self._launch_bucket(build.at(max((t for t, _ in b), key=order.__getitem__)),
-                                           b, i, divisor, tag) for i, b in enumerate(buckets)]
+                                           b, i, divisor, tag, wire) for i, b in enumerate(buckets)]
         else:  # a baseline: all buckets start after the whole backward pass
             build.at(tg.output_node().prev)
-            pending = [self._launch_bucket(build, b, i, divisor, tag) for i, b in enumerate(buckets)]
+            pending = [self._launch_bucket(build, b, i, divisor, tag, wire)
+                       for i, b in enumerate(buckets)]
         loss = self._launch_loss(tg, build, dp, tag)
         tg.output_node().args = (tuple(self._wait_all(tg, build, pending, loss, grads)),)
         tg.graph.eliminate_dead_code()
         tg.gm.recompile()
         stats = {"buckets": len(buckets), "bucket_mb": ctx.layout.bucket_mb,
                  "overlap": ctx.layout.overlap_comm,
-                 "allreduce_bytes": sum(sizes), "dp": dp,
+                 "allreduce_bytes": sum(tensor_bytes(r.meta[M.VAL]) for _, r in pending),
+                 "grad_comm_dtype": str(wire or "same as the gradients"), "dp": dp,
                  "averaging": "backward seed / dp" if divisor == 1 else "bucket / dp",
                  "embedding_grads_gathered": gathered}
         return tg, PassResult(self.name, changed=True, stats=stats)
-
-    def _scale_backward_seed(self, tg, build, dp) -> bool:
-        """Start the backward pass from d(loss/dp) instead of d(loss): every gradient
-        comes out divided by dp (linearity). False if the graph has no
-        `ones_like(loss)` seed."""
-        seeds = [u for u in tg.loss_node().users if u.target == aten.ones_like.default]
-        if len(seeds) != 1:
-            return False
-        seed = seeds[0]
-        scaled = build.at(seed).call(aten.div.Tensor, (seed, dp), role=M.Role.BACKWARD)
-        seed.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
-        return True
 
     def _gather_embedding_grads(self, tg, build, grads, dp, divisor, tag) -> list[str]:
         """All-gather the rows of each embedding table's gradient (see module doc)."""
@@ -183,12 +180,15 @@ class InsertAllReduce(GraphPass):
                               **{M.COMM_KIND: "embedding_rows"})
         return _GatheredRows(rows_job, indices_job, tuple(term.args[2:]), term.meta[M.MODULE_PATH])
 
-    def _launch_bucket(self, build, bucket, index, divisor, tag):
+    def _launch_bucket(self, build, bucket, index, divisor, tag, wire=None):
         extra = {M.BUCKET: index}
         flat = [build.call(aten.reshape.default, (t, [-1]), **extra) for t, _ in bucket]
         packed = build.call(aten.cat.default, (flat,), **extra) if len(flat) > 1 else flat[0]
         if divisor != 1:
             packed = build.call(aten.div.Tensor, (packed, divisor), **extra)
+        if wire is not None and packed.meta[M.VAL].dtype != wire:
+            # divided first (as DDP's bf16 compression hook does): the sum stays in range
+            packed = build.call(prims.convert_element_type.default, (packed, wire), **extra)
         reduced = build.call(c10d.all_reduce.default, (packed, "sum", tag),
                              **extra, **{M.COMM_KIND: "grad_bucket"})
         return bucket, reduced
@@ -204,6 +204,9 @@ class InsertAllReduce(GraphPass):
         summed: dict[fx.Node, fx.Node] = {}
         for bucket, reduced in pending:
             done = build.call(c10d.wait_tensor.default, (reduced,))
+            grad_dtype = bucket[0][0].meta[M.VAL].dtype
+            if done.meta[M.VAL].dtype != grad_dtype:  # back from grad_comm_dtype
+                done = build.call(prims.convert_element_type.default, (done, grad_dtype))
             sizes = [t.meta[M.VAL].numel() for t, _ in bucket]
             parts = build.call(aten.split_with_sizes.default, (done, sizes)) \
                 if len(bucket) > 1 else None

@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+from autopar.compiler.passes.amp import AutoMixedPrecision
+from autopar.compiler.passes.assign_stages import AssignStages
 from autopar.compiler.passes.base import GraphPass
 from autopar.compiler.passes.insert_allreduce import InsertAllReduce
 from autopar.layout import Layout
 
 
+def is_pipelined(layout: Layout) -> bool:
+    """Pipeline stages or micro-batches: the step runs as per-stage programs by a schedule
+    (gradient accumulation is the one-stage case)."""
+    return layout.pp > 1 or layout.microbatches > 1
+
+
 def default_passes(layout: Layout) -> list[GraphPass]:
     """amp -> tensor_parallel -> recompute -> pipeline_split -> data_parallel/zero ->
-    comm scheduling -> fusion; only the passes that have landed appear."""
-    passes: list[GraphPass] = []
-    if layout.dp > 1:
-        passes.append(InsertAllReduce())
-    return passes
+    comm scheduling -> fusion; only the passes that have landed appear.
+
+    Pipelined steps sum gradients over data-parallel ranks after the last micro-batch
+    (in the pipeline runtime), so they get no all-reduce pass."""
+    # AMP re-traces the forward pass, so it comes before every joint-graph pass
+    first = [AutoMixedPrecision()] if layout.amp != "off" else []
+    if is_pipelined(layout):
+        return first + [AssignStages()]
+    return first + ([InsertAllReduce()] if layout.dp > 1 else [])

@@ -1,0 +1,187 @@
+"""AssignStages: cut the joint graph into pipeline stages (one `autopar.stage` per node).
+
+Cut points fall between the model's repeated blocks (`autopar.layer`), chosen by
+dynamic programming to minimise the slowest stage's estimated time (a roofline
+of each node's FLOPs and bytes on the cluster's device); what comes before the
+first block (embeddings, masks) joins the first stage, what follows the last (final
+norm, head, loss) the last stage. `options["pipeline_cuts"]` pins the cuts by module
+path: the named blocks start a new stage. Every other node follows the data:
+a forward op runs on the latest stage among its inputs, an op fed only by
+parameters and inputs on the earliest stage that uses it, and a backward op on the
+stage of the forward op it differentiates (same autograd `seq_nr`).
+
+Requires: "traced". Provides: "stages_assigned".
+
+Before:                                  After (pp=2, 2 blocks):
+    addmm = addmm(b, x, t(w))  @h.0          addmm = addmm(...)   # stage 0
+    addmm_5 = addmm(...)       @h.1          addmm_5 = addmm(...) # stage 1
+    mm_9 = mm(...)  (backward) @h.1          mm_9 = mm(...)       # stage 1
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from autopar.cluster import ClusterSpec
+from autopar.compiler.ir import meta as M
+from autopar.compiler.ir.graph import TrainGraph
+from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
+from autopar.compiler.passes.manager import register_pass
+
+STAGE = "autopar.stage"  # int: the pipeline stage that runs this node
+
+
+class StageError(ValueError):
+    """The model cannot be cut as asked; the message says what would work."""
+
+
+def balanced_cuts(costs: list[float], parts: int, head: float = 0.0,
+                  tail: float = 0.0) -> list[int]:
+    """Start index of every part after the first, cutting `costs` (one per block) into
+    `parts` contiguous non-empty parts that minimise the costliest part; `head` and
+    `tail` are added to the first and the last part."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def part_cost(i: int, j: int, first: bool, last: bool) -> float:
+        return prefix[j] - prefix[i] + (head if first else 0.0) + (tail if last else 0.0)
+
+    inf = float("inf")
+    # best[k][j]: the least max cost of cutting costs[:j] into k parts
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    choice = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, parts + 1):
+        for j in range(k, n - (parts - k) + 1):
+            for i in range(k - 1, j):
+                cost = max(best[k - 1][i], part_cost(i, j, k == 1, k == parts))
+                if cost < best[k][j]:
+                    best[k][j], choice[k][j] = cost, i
+    cuts, j = [], n
+    for k in range(parts, 1, -1):
+        j = choice[k][j]
+        cuts.append(j)
+    return sorted(cuts)
+
+
+def node_time(node: fx.Node, cluster: ClusterSpec) -> float:
+    """Roofline estimate of one node (compute-bound or memory-bound)."""
+    device = cluster.device
+    flops = node.meta.get(M.FLOPS, 0) / device.peak_flops.get("fp32", max(device.peak_flops.values()))
+    return max(flops, node.meta.get(M.BYTES, 0) / device.memory_bandwidth)
+
+
+@register_pass
+class AssignStages(GraphPass):
+    name = "assign_stages"
+    requires = frozenset({"traced"})
+    provides = frozenset({"stages_assigned"})
+
+    def run(self, tg: TrainGraph, ctx: PassContext) -> tuple[TrainGraph, PassResult]:
+        stages = ctx.layout.pp * ctx.layout.virtual_stages
+        tg = tg.copy()
+        layers = sorted({n.meta[M.LAYER] for n in tg.call_nodes() if n.meta.get(M.LAYER) is not None})
+        if stages > max(len(layers), 1):
+            raise StageError(
+                f"{stages} pipeline stages (pp={ctx.layout.pp} x virtual_stages="
+                f"{ctx.layout.virtual_stages}) but the model has {len(layers)} repeated blocks to "
+                f"cut between; use pp*virtual_stages <= {max(len(layers), 1)}")
+        cluster = ctx.cluster if isinstance(ctx.cluster, ClusterSpec) else ClusterSpec.local(1)
+        stage_of_layer, cuts, costs = self._cut(tg, layers, stages, cluster, ctx.options)
+        self._assign_forward(tg, stage_of_layer)
+        self._assign_backward(tg, stages)
+        per_stage = [0.0] * stages
+        for n in tg.call_nodes():
+            per_stage[n.meta[STAGE]] += node_time(n, cluster)
+        stats = {"stages": stages, "first_block_of_stage": cuts,
+                 "estimated_stage_seconds": [round(t, 6) for t in per_stage]}
+        return tg, PassResult(self.name, changed=True, stats=stats)
+
+    def _cut(self, tg, layers, stages, cluster, options):
+        by_layer = {layer: 0.0 for layer in layers}
+        head = tail = 0.0
+        first_layer_seen = False
+        for n in tg.call_nodes():
+            layer = n.meta.get(M.LAYER)
+            if layer is not None:
+                by_layer[layer] += node_time(n, cluster)
+                first_layer_seen = True
+            elif n.meta[M.ROLE] != M.Role.BACKWARD:
+                if first_layer_seen:
+                    tail += node_time(n, cluster)
+                else:
+                    head += node_time(n, cluster)
+        costs = [by_layer[layer] for layer in layers]
+        pinned = options.get("pipeline_cuts")
+        if pinned:
+            cuts = self._pinned(tg, layers, pinned, stages)
+        else:
+            cuts = balanced_cuts(costs, stages, head, tail) if stages > 1 else []
+        stage_of_layer = {}
+        for index, layer in enumerate(layers):
+            stage_of_layer[layer] = sum(1 for c in cuts if index >= c)
+        return stage_of_layer, [layers[c] for c in cuts], costs
+
+    @staticmethod
+    def _pinned(tg, layers, pinned, stages) -> list[int]:
+        """Cut indices from block paths ("transformer.h.2": stage boundary before block 2)."""
+        blocks = tg.source.blocks if tg.source is not None else None
+        if blocks is None:
+            raise StageError("pipeline_cuts needs a model with a stack of repeated blocks")
+        container, count = blocks
+        known = [f"{container}.{i}" for i in range(count)]
+        cuts = []
+        for path in pinned:
+            if path not in known:
+                raise StageError(f"pipeline cut {path!r} is not a block of the model; the blocks "
+                                 f"are {known[0]} ... {known[-1]}")
+            cuts.append(layers.index(known.index(path)))
+        if len(cuts) != stages - 1 or sorted(set(cuts)) != cuts or 0 in cuts:
+            raise StageError(f"{stages} stages need {stages - 1} distinct cuts, in order, none at "
+                             f"the first block; got {list(pinned)}")
+        return cuts
+
+    @staticmethod
+    def _assign_forward(tg: TrainGraph, stage_of_layer: dict[int, int]) -> None:
+        forward = [n for n in tg.call_nodes() if n.meta[M.ROLE] != M.Role.BACKWARD]
+        deferred = []
+        for n in forward:
+            inputs = [a.meta[STAGE] for a in n.all_input_nodes if STAGE in a.meta]
+            layer = n.meta.get(M.LAYER)
+            if layer is not None:
+                n.meta[STAGE] = max([stage_of_layer[layer]] + inputs)
+            elif inputs:
+                n.meta[STAGE] = max(inputs)
+            else:  # fed only by parameters and inputs: decided by its users below
+                deferred.append(n)
+        for n in reversed(deferred):  # the earliest stage that uses it
+            users = [u.meta[STAGE] for u in n.users if STAGE in u.meta]
+            if users:
+                n.meta[STAGE] = min(users)
+        for n in deferred:  # used by backward ops only (saved statistics): with its inputs
+            if STAGE not in n.meta:
+                inputs = [a.meta[STAGE] for a in n.all_input_nodes if STAGE in a.meta]
+                n.meta[STAGE] = max(inputs, default=0)
+        for n in forward:  # a deferred input now known may raise a node's stage
+            n.meta[STAGE] = max([n.meta[STAGE]] + [a.meta[STAGE] for a in n.all_input_nodes
+                                                   if STAGE in a.meta])
+
+    @staticmethod
+    def _assign_backward(tg: TrainGraph, stages: int) -> None:
+        # NOTE: ops that create no autograd node keep the seq_nr of the last one that did,
+        # so the op a backward node differentiates is the first forward op of its seq_nr.
+        by_seq: dict[int, int] = {}
+        for n in tg.call_nodes():
+            if n.meta[M.ROLE] != M.Role.BACKWARD and "seq_nr" in n.meta:
+                by_seq.setdefault(n.meta["seq_nr"], n.meta[STAGE])
+        for n in tg.call_nodes():
+            if n.meta[M.ROLE] not in (M.Role.BACKWARD, M.Role.COMM) or STAGE in n.meta:
+                continue
+            if n.meta.get("seq_nr") in by_seq and not n.meta.get("is_gradient_acc"):
+                n.meta[STAGE] = by_seq[n.meta["seq_nr"]]
+            else:  # accumulation and seeds: where their latest backward input is
+                inputs = [a.meta[STAGE] for a in n.all_input_nodes if STAGE in a.meta
+                          and a.meta[M.ROLE] == M.Role.BACKWARD]
+                n.meta[STAGE] = min(inputs) if inputs else stages - 1

@@ -1,0 +1,289 @@
+"""The cost model: predicted step time and memory of one training step.
+
+Pure functions of (GraphSummary, ClusterSpec, Layout): no process groups, no clocks
+(STYLE habit 7). What it covers today is what the passes produce today: data
+parallelism with bucketed, overlapped gradient all-reduce.
+
+- compute: a roofline per op, max(flops / (peak * e_compute), bytes / (bw * e_memory));
+- collectives: alpha-beta (latency + bytes / bandwidth) on the link the mesh dimension
+  maps to: NVLink-class `intra_node` when the group fits in a node, else `inter_node`
+  with the hierarchical all-reduce;
+- overlap: the graph is replayed in order on a compute stream and one communication
+  stream; a collective starts when the op before it has run and its stream is free,
+  and a `wait_tensor` stalls compute until its collective is done;
+- memory: parameters, gradients, optimizer states, and the peak of live activation and
+  communication storage over the graph's order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from autopar.cluster import ClusterSpec, LinkSpec
+from autopar.compiler.planner.summary import GraphSummary, OpRecord
+from autopar.layout import Layout, Prediction
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fractions of the datasheet peaks that real kernels reach. The defaults are
+    assumptions until `autopar calibrate` fits them to measurements: large GEMMs in
+    cuBLAS typically reach 60-80% of dense peak, streaming kernels 80-90% of HBM
+    bandwidth, NCCL's bus bandwidth 70-90% of the link's."""
+
+    compute: float = 0.7
+    memory: float = 0.8
+    link: float = 0.8
+
+    def __post_init__(self) -> None:
+        for name in ("compute", "memory", "link"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ValueError(f"Efficiency.{name} must be in (0, 1], got {value!r}")
+
+
+DEFAULT_EFFICIENCY = Efficiency()
+
+# optimizer kind -> state tensors per parameter, each the size of the parameter
+# (torch.optim keeps them in the parameter's dtype), and a per-tensor step counter
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}
+_STEP_COUNTER_BYTES = {"adamw": 4, "adam": 4, "sgd-momentum": 0, "sgd": 0}  # fp32 scalar
+
+
+# -- compute -------------------------------------------------------------------------------
+
+def op_time(flops: float, nbytes: float, peak_flops: float, memory_bandwidth: float,
+            eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    """Roofline: an op is bound by its arithmetic or by its memory traffic."""
+    return max(flops / (peak_flops * eff.compute), nbytes / (memory_bandwidth * eff.memory))
+
+
+def _op_time(op: OpRecord, cluster: ClusterSpec, eff: Efficiency) -> float:
+    if not op.flops and not op.bytes:
+        return 0.0
+    peak = cluster.peak_flops_for(op.dtype or "fp32") if op.flops else 1.0
+    return op_time(op.flops, op.bytes, peak, cluster.device.memory_bandwidth, eff)
+
+
+# -- collectives ---------------------------------------------------------------------------
+
+def ring_all_reduce(nbytes: float, p: int, link: LinkSpec, eff: float = 1.0) -> float:
+    """Reduce-scatter then all-gather around a ring: 2(p-1) steps of n/p bytes."""
+    if p <= 1:
+        return 0.0
+    return 2 * (p - 1) / p * nbytes / (link.bandwidth * eff) + 2 * (p - 1) * link.latency_s
+
+
+def tree_all_reduce(nbytes: float, p: int, link: LinkSpec, eff: float = 1.0) -> float:
+    """Pipelined binary tree: reduce up, broadcast down; each rank sends and receives
+    the whole message once per direction, latency grows with the depth log2(p)."""
+    if p <= 1:
+        return 0.0
+    return 2 * nbytes / (link.bandwidth * eff) + 2 * math.ceil(math.log2(p)) * link.latency_s
+
+
+def ring_all_gather(nbytes: float, p: int, link: LinkSpec, eff: float = 1.0) -> float:
+    """All-gather (or reduce-scatter) of an n-byte full tensor: p-1 steps of n/p bytes."""
+    if p <= 1:
+        return 0.0
+    return (p - 1) / p * nbytes / (link.bandwidth * eff) + (p - 1) * link.latency_s
+
+
+def flat_all_reduce(nbytes: float, p: int, link: LinkSpec, eff: float = 1.0) -> float:
+    """NCCL chooses ring or tree per message size; the model takes the faster."""
+    return min(ring_all_reduce(nbytes, p, link, eff), tree_all_reduce(nbytes, p, link, eff))
+
+
+def hierarchical_all_reduce(nbytes: float, per_node: int, nodes: int, intra: LinkSpec,
+                            inter: LinkSpec, eff: float = 1.0) -> float:
+    """Intra-node reduce-scatter, inter-node all-reduce of each rank's n/per_node shard
+    (per_node such all-reduces run at once, one per device's network port), intra-node
+    all-gather."""
+    return (2 * ring_all_gather(nbytes, per_node, intra, eff)
+            + flat_all_reduce(nbytes / per_node, nodes, inter, eff))
+
+
+def collective_time(kind: str, nbytes: float, group_size: int, cluster: ClusterSpec,
+                    spans_nodes: bool, eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    """Seconds for one collective over `group_size` ranks; nbytes is the full tensor
+    (the reduced one, or the gathered output). A group that spans nodes is laid out
+    node-major: min(group_size, devices_per_node) ranks on each of its nodes."""
+    if kind not in ("all_reduce", "all_gather", "reduce_scatter"):
+        raise ValueError(f"unknown collective {kind!r}; expected all_reduce, all_gather "
+                         "or reduce_scatter")
+    if group_size <= 1:
+        return 0.0
+    link = cluster.inter_node if spans_nodes else cluster.intra_node
+    if kind != "all_reduce":
+        # a ring across nodes runs at the pace of its slowest (network) hop
+        return ring_all_gather(nbytes, group_size, link, eff.link)
+    if not spans_nodes:
+        return flat_all_reduce(nbytes, group_size, link, eff.link)
+    per_node = min(group_size, cluster.devices_per_node)
+    return hierarchical_all_reduce(nbytes, per_node, math.ceil(group_size / per_node),
+                                   cluster.intra_node, cluster.inter_node, eff.link)
+
+
+def group_spans_nodes(group_size: int, stride: int, cluster: ClusterSpec) -> bool:
+    """Whether a mesh dimension's group crosses a node boundary. Its ranks are `stride`
+    apart (the product of the inner mesh dimensions: 1 for dp while tp = pp = 1)."""
+    return group_size * stride > cluster.devices_per_node
+
+
+def mesh_dim_sizes(layout: Layout) -> dict[str, tuple[int, int]]:
+    """mesh dimension -> (group size, stride), mesh order (pp, dp, tp) with tp innermost."""
+    return {"tp": (layout.tp, 1), "dp": (layout.dp, layout.tp), "pp": (layout.pp, layout.tp * layout.dp)}
+
+
+# -- step time ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float  # every non-collective op, the packing around collectives included
+    comm_s: float  # every collective, as if nothing overlapped it
+    exposed_comm_s: float  # the part of comm_s that stalls the compute stream
+    optimizer_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.exposed_comm_s + self.optimizer_s
+
+
+def collective_seconds(op: OpRecord, cluster: ClusterSpec, layout: Layout,
+                       eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    dims = mesh_dim_sizes(layout)
+    if op.group not in dims:
+        raise ValueError(f"collective {op.name} names mesh dimension {op.group!r}; the cost "
+                         f"model knows {sorted(dims)}")
+    size, stride = dims[op.group]
+    return collective_time(op.collective, op.comm_bytes, size, cluster,
+                           group_spans_nodes(size, stride, cluster), eff)
+
+
+def simulate_streams(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
+                     eff: Efficiency = DEFAULT_EFFICIENCY) -> tuple[float, float, float]:
+    """Replay the ops in graph order: (compute seconds, collective seconds, end time).
+
+    Compute ops run back to back on one stream. Collectives queue on one communication
+    stream (NCCL runs a group's collectives in issue order) and start once issued;
+    a wait moves the compute stream to its collective's end. The graph returns after
+    its last op, so any collective still in flight is waited for at the end.
+    """
+    now = comm_free = compute = comm = 0.0
+    finish: dict[int, float] = {}
+    for i, op in enumerate(summary.ops):
+        if op.collective:
+            seconds = collective_seconds(op, cluster, layout, eff)
+            comm_free = max(now, comm_free) + seconds
+            finish[i] = comm_free
+            comm += seconds
+        elif op.waits_on is not None:
+            now = max(now, finish.get(op.waits_on, now))
+        else:
+            seconds = _op_time(op, cluster, eff)
+            now += seconds
+            compute += seconds
+    return compute, comm, max([now, *finish.values()])
+
+
+def optimizer_bytes(summary: GraphSummary, optimizer: str) -> int:
+    """Memory traffic of one optimizer step: read parameters, gradients and states,
+    write parameters and states (an elementwise update streams them all once)."""
+    states = OPTIMIZER_STATES[_check_optimizer(optimizer)]
+    return summary.param_bytes * (3 + 2 * states)
+
+
+def step_time(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
+              optimizer: str = "adamw", eff: Efficiency = DEFAULT_EFFICIENCY) -> StepTime:
+    compute, comm, end = simulate_streams(summary, cluster, layout, eff)
+    optim = optimizer_bytes(summary, optimizer) / (cluster.device.memory_bandwidth * eff.memory)
+    return StepTime(compute_s=compute, comm_s=comm, exposed_comm_s=end - compute,
+                    optimizer_s=optim)
+
+
+# -- memory ---------------------------------------------------------------------------------
+
+def _check_optimizer(optimizer: str) -> str:
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer kind {optimizer!r}; expected one of "
+                         f"{', '.join(OPTIMIZER_STATES)}")
+    return optimizer
+
+
+def optimizer_state_bytes(summary: GraphSummary, optimizer: str) -> int:
+    kind = _check_optimizer(optimizer)
+    return (OPTIMIZER_STATES[kind] * summary.param_bytes
+            + _STEP_COUNTER_BYTES[kind] * len(summary.param_numel))
+
+
+def live_peak(summary: GraphSummary) -> tuple[int, dict[str, int]]:
+    """Peak bytes of live storage over the step, and its split at the peak into
+    "activations" and "comm_buffers" (storage made by comm-role ops).
+
+    A storage is live from the op that allocates it to the last op that reads it
+    or any view of it. Storages the step returns (loss, gradients, new buffers)
+    are left out: the memory model counts gradients whole, on their own.
+    """
+    last_use = {}
+    for i, op in enumerate(summary.ops):
+        if op.storage is not None:
+            last_use[op.storage] = max(last_use.get(op.storage, i), i)
+        for u in op.uses:
+            s = summary.ops[u].storage
+            if s is not None:
+                last_use[s] = max(last_use.get(s, i), i)
+    freed_after: dict[int, list[int]] = {}
+    for s, last in last_use.items():
+        freed_after.setdefault(last, []).append(s)
+    live = {"activations": 0, "comm_buffers": 0}
+    peak, at_peak = 0, dict(live)
+    for i, op in enumerate(summary.ops):
+        if op.allocates and op.storage == i and i not in summary.output_storages:
+            live[_category(op)] += op.allocates
+        if sum(live.values()) > peak:
+            peak, at_peak = sum(live.values()), dict(live)
+        for s in freed_after.get(i, ()):
+            owner = summary.ops[s]
+            if owner.allocates and s not in summary.output_storages:
+                live[_category(owner)] -= owner.allocates
+    return peak, at_peak
+
+
+def _category(op: OpRecord) -> str:
+    return "comm_buffers" if op.role == "comm" else "activations"
+
+
+def memory_breakdown(summary: GraphSummary, optimizer: str = "adamw") -> dict[str, int]:
+    """Bytes per rank by category; their sum is the predicted peak."""
+    _, live = live_peak(summary)
+    return {"parameters": summary.param_bytes, "buffers": summary.buffer_bytes,
+            "gradients": summary.param_bytes,
+            "optimizer_states": optimizer_state_bytes(summary, optimizer), **live}
+
+
+# -- prediction -----------------------------------------------------------------------------
+
+def predict(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
+            optimizer: str = "adamw", eff: Efficiency = DEFAULT_EFFICIENCY,
+            model_flops: float | None = None) -> Prediction:
+    """The Prediction of DESIGN.md for one rank's `summary` under a data-parallel layout.
+
+    model_flops: one rank's model FLOPs (forward + backward, no recomputation) before
+    any pass; default: the summary's own (passes insert no FLOPs today). Scaled by dp
+    for the global batch.
+    """
+    times = step_time(summary, cluster, layout, optimizer, eff)
+    flops = (summary.model_flops if model_flops is None else model_flops) * layout.dp
+    seconds = times.total_s
+    devices = layout.world_size
+    per_device = flops / devices / seconds if seconds > 0 else 0.0
+    peak = cluster.peak_flops_for(summary.compute_dtype())
+    memory = memory_breakdown(summary, optimizer)
+    return Prediction(
+        step_time_s=seconds, flops_per_step=flops, tflops_per_device=per_device / 1e12,
+        mfu=per_device / peak, peak_memory_bytes=sum(memory.values()), bubble_fraction=0.0,
+        breakdown={"compute": times.compute_s, "comm": times.comm_s,
+                   "exposed_comm": times.exposed_comm_s, "bubble": 0.0,
+                   "optimizer": times.optimizer_s},
+        memory=memory)

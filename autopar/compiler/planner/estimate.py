@@ -1,0 +1,84 @@
+"""autopar.estimate: the predicted step time and memory of a model under one Layout.
+
+Traces one data-parallel rank's share of the batch (the model may live on the meta
+device, the inputs may be meta tensors: nothing is allocated), runs the same passes
+`autopar.compile` would run, and costs the rewritten graph (cost_model.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from autopar.api import _local_example, run_passes
+from autopar.cluster import ClusterSpec
+from autopar.compiler.ir.trace import LossFn, trace_train_step
+from autopar.compiler.passes.base import GraphPass
+from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, OPTIMIZER_STATES,
+                                                 Efficiency, predict)
+from autopar.compiler.planner.summary import summarize
+from autopar.layout import Layout, LayoutError, Prediction, unsupported_fields
+
+
+def estimate(model: torch.nn.Module, cluster: ClusterSpec, layout: Layout,
+             example_inputs: Sequence[torch.Tensor], loss_fn: LossFn | None = None,
+             optimizer: str = "adamw", efficiency: Efficiency = DEFAULT_EFFICIENCY,
+             passes: Sequence[GraphPass | str] | None = None) -> Prediction:
+    """Predict one training step of `model` on `cluster` under `layout`.
+
+    `example_inputs` is one global batch. `optimizer` is the optimizer's kind for the
+    memory and time of its step: "adamw", "adam", "sgd-momentum" or "sgd". `passes`
+    replaces the default pipeline, to score your own passes.
+    """
+    check_layout(layout, cluster)
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, "
+                         f"got {optimizer!r}")
+    example_inputs = tuple(example_inputs)
+    if not example_inputs:
+        raise ValueError("estimate needs example_inputs: one global batch (meta tensors will do)")
+    traced = trace_train_step(model, _local_example(example_inputs, layout), loss_fn)
+    rewritten, _ = run_passes(traced, layout, cluster, passes)
+    return predict(summarize(rewritten), cluster, layout, optimizer, efficiency,
+                   model_flops=summarize(traced).model_flops)
+
+
+def check_layout(layout: Any, cluster: ClusterSpec) -> None:
+    """Refuse what the cost model cannot honestly cost: a non-Layout, fields whose pass
+    has not landed (as compile does) or that the cost model does not model yet, a
+    device count that is not the cluster's."""
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout must be an autopar.Layout, got {type(layout).__name__}")
+    if not isinstance(cluster, ClusterSpec):
+        raise TypeError(f"cluster must be an autopar.ClusterSpec, got {type(cluster).__name__}")
+    todo = unsupported_fields(layout) + not_costed_fields(layout)
+    if todo:
+        raise LayoutError(f"{layout}: not supported yet: {', '.join(dict.fromkeys(todo))}. "
+                          "Supported by estimate now: dp, bucket_mb, overlap_comm")
+    if layout.world_size != cluster.world_size:
+        raise LayoutError(_world_size_message(layout, cluster))
+
+
+def not_costed_fields(layout: Layout) -> list[str]:
+    """Fields compile may run but the cost model cannot cost yet: refused, not guessed."""
+    out = []
+    if layout.pp > 1:
+        out.append("pp > 1 (pipeline parallelism: no bubble or point-to-point model yet)")
+    if layout.microbatches > 1:
+        out.append("microbatches > 1 (gradient accumulation / pipelining)")
+    return out
+
+
+def _world_size_message(layout: Layout, cluster: ClusterSpec) -> str:
+    per_node = cluster.devices_per_node
+    have = (f"cluster {cluster.name!r} has {cluster.world_size} ({cluster.nodes} node"
+            f"{'s' * (cluster.nodes != 1)} x {per_node})")
+    fixes = [f"a layout with dp*tp*pp = {cluster.world_size} (e.g. Layout(dp={cluster.world_size}))"]
+    if cluster.name == "local":
+        fixes.append(f"ClusterSpec.local(nprocs={layout.world_size})")
+    elif layout.world_size % per_node == 0:
+        fixes.append(f"a cluster of nodes={layout.world_size // per_node}")
+    return (f"{layout} uses dp*tp*pp = {layout.world_size} devices, but the {have}: "
+            f"use {' or '.join(fixes)}")

@@ -1,0 +1,175 @@
+"""GraphSummary: what the cost model needs from a TrainGraph, as plain data.
+
+The cost model (cost_model.py) reads only this summary, never FX nodes, so it can
+be tested on hand-made summaries and stays a pure function of (summary, cluster,
+layout). One `OpRecord` per op in execution order (the graph's node order, which is
+the order the runtime runs it), plus the user inputs, which occupy memory from the
+start of the step.
+
+Storage, not tensors, is what occupies memory: a view (`is_view` in the op's
+schema), a `getitem` of a multi-output op and a `wait_tensor` (it returns the very
+tensor its collective produced) own no storage; they point at the op that does.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, replace
+
+import torch
+import torch.fx as fx
+
+from autopar.compiler.ir import meta as M
+from autopar.compiler.ir.annotate import tensor_bytes
+from autopar.compiler.ir.graph import TrainGraph
+from autopar.runtime.program import MESH_TAG_PREFIX
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+
+# collective op -> (kind for collective_time, index of its group-name argument)
+COLLECTIVES = {
+    c10d.all_reduce.default: ("all_reduce", 2),
+    c10d.all_gather_into_tensor.default: ("all_gather", 2),
+    c10d.reduce_scatter_tensor.default: ("reduce_scatter", 3),
+}
+# NOTE: `_unsafe_view` has no alias annotation in its schema, yet eager returns a view
+# of its input (it follows ops whose result is already fresh); counting it would
+# double the bytes of every reshaped matmul output.
+_ALIASING = {c10d.wait_tensor.default, aten._unsafe_view.default, operator.getitem}
+
+DTYPE_NAMES = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16",
+               torch.float16: "fp16", torch.float8_e4m3fn: "fp8", torch.float8_e5m2: "fp8",
+               torch.int8: "int8"}
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """One op of the step. `storage` is the index of the record owning the memory its
+    output lives in (itself for an op that allocates, None for a view of a parameter
+    or buffer); `uses` are the indices of the records it reads."""
+
+    name: str
+    role: str  # autopar.compiler.ir.meta.Role value, or "input" for a user input
+    flops: int = 0  # what the kernel computes (attention backward recomputes scores)
+    bytes: int = 0  # read + written (0 for views)
+    model_flops: int = 0  # flops without recomputation (for MFU)
+    dtype: str | None = None  # cluster dtype name of the op's operands ("fp32", "bf16")
+    allocates: int = 0  # bytes of new storage the op creates
+    storage: int | None = None
+    uses: tuple[int, ...] = ()
+    collective: str | None = None  # "all_reduce" | "all_gather" | "reduce_scatter"
+    comm_bytes: int = 0  # the collective's full (reduced or gathered) tensor size
+    group: str | None = None  # mesh dimension of the collective ("dp")
+    waits_on: int | None = None  # a wait: index of the collective it waits for
+
+
+@dataclass(frozen=True)
+class GraphSummary:
+    """One rank's step: ops in order, parameter sizes, and which storages the step
+    returns (loss, gradients, new buffers: counted by the memory model apart from
+    activations)."""
+
+    ops: tuple[OpRecord, ...]
+    param_numel: tuple[int, ...]  # per parameter tensor
+    param_itemsize: tuple[int, ...]
+    buffer_bytes: int
+    output_storages: frozenset[int]
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(n * s for n, s in zip(self.param_numel, self.param_itemsize))
+
+    @property
+    def flops(self) -> int:
+        return sum(op.flops for op in self.ops)
+
+    @property
+    def model_flops(self) -> int:
+        return sum(op.model_flops for op in self.ops)
+
+    def compute_dtype(self) -> str:
+        """The dtype that carries most FLOPs (fp32 when nothing has FLOPs)."""
+        by_dtype: dict[str, int] = {}
+        for op in self.ops:
+            if op.flops and op.dtype:
+                by_dtype[op.dtype] = by_dtype.get(op.dtype, 0) + op.flops
+        return max(by_dtype, key=by_dtype.__getitem__) if by_dtype else "fp32"
+
+
+def summarize(tg: TrainGraph) -> GraphSummary:
+    """The summary of a (possibly rewritten) TrainGraph."""
+    n_state = len(tg.signature.params) + len(tg.signature.buffers)
+    index: dict[fx.Node, int] = {}
+    ops: list[OpRecord] = []
+    for node in tg.placeholders()[n_state:]:
+        index[node] = len(ops)
+        size = tensor_bytes(node.meta.get(M.VAL))
+        ops.append(OpRecord(node.name, "input", allocates=size, storage=len(ops)))
+    for node in tg.call_nodes():
+        index[node] = len(ops)
+        ops.append(_record(node, index, ops))
+    outputs = frozenset(ops[index[n]].storage for n in tg.outputs()
+                        if n in index and ops[index[n]].storage is not None)
+    params = tg.signature.params
+    return GraphSummary(ops=tuple(ops), param_numel=tuple(p.numel for p in params),
+                        param_itemsize=tuple(p.dtype.itemsize for p in params),
+                        buffer_bytes=sum(b.nbytes for b in tg.signature.buffers),
+                        output_storages=outputs)
+
+
+def _record(node: fx.Node, index: dict[fx.Node, int], earlier: list[OpRecord]) -> OpRecord:
+    uses = tuple(index[a] for a in node.all_input_nodes if a in index)
+    first = node.all_input_nodes[0] if node.all_input_nodes else None
+    aliases = node.target in _ALIASING or (isinstance(node.target, torch._ops.OpOverload)
+                                          and node.target.is_view)
+    kind, group_arg = COLLECTIVES.get(node.target, (None, None))
+    flops = node.meta.get(M.FLOPS, 0)
+    record = OpRecord(
+        name=node.name, role=node.meta[M.ROLE].value, flops=flops,
+        model_flops=flops - attention_recompute_flops(node),
+        bytes=node.meta.get(M.BYTES, 0), dtype=_dtype_of(node), uses=uses,
+        collective=kind, comm_bytes=tensor_bytes(node.meta.get(M.VAL)) if kind else 0,
+        group=_mesh_dim(node.args[group_arg]) if kind else None)
+    if aliases:
+        # a view of a parameter, buffer or constant owns nothing we count
+        owner = index.get(first)
+        storage = None if owner is None else earlier[owner].storage
+        waits = storage if node.target == c10d.wait_tensor.default else None
+        return replace(record, storage=storage, waits_on=waits)
+    return replace(record, storage=len(earlier), allocates=tensor_bytes(node.meta.get(M.VAL)))
+
+
+# SDPA backward kernels whose torch.utils.flop_counter count (sdpa_backward_flop_count)
+# includes recomputing the scores q @ k^T; all take (grad_out, query, key, value, ...)
+_ATTENTION_BACKWARD = {
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+    aten._scaled_dot_product_flash_attention_backward.default,
+    aten._scaled_dot_product_efficient_attention_backward.default,
+    aten._scaled_dot_product_cudnn_attention_backward.default,
+}
+
+
+def attention_recompute_flops(node: fx.Node) -> int:
+    """FLOPs an attention backward spends recomputing q @ k^T: not model FLOPs, so
+    that MFU follows the usual count (attention backward = 2x its forward)."""
+    if node.target not in _ATTENTION_BACKWARD:
+        return 0
+    query, key = node.args[1].meta[M.VAL], node.args[2].meta[M.VAL]
+    batch, heads, s_q, d = query.shape
+    return 2 * batch * heads * s_q * d * key.shape[2]
+
+
+def _mesh_dim(tag) -> str | None:
+    return tag[len(MESH_TAG_PREFIX):] if isinstance(tag, str) and tag.startswith(MESH_TAG_PREFIX) \
+        else None
+
+
+def _dtype_of(node: fx.Node) -> str | None:
+    """The dtype an op computes in: its first floating-point operand's (a matmul's inputs)."""
+    for arg in node.all_input_nodes:
+        val = arg.meta.get(M.VAL)
+        if isinstance(val, torch.Tensor) and val.is_floating_point():
+            return DTYPE_NAMES.get(val.dtype)
+    val = node.meta.get(M.VAL)
+    return DTYPE_NAMES.get(val.dtype) if isinstance(val, torch.Tensor) else None

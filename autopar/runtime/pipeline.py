@@ -1,0 +1,303 @@
+"""Run a pipelined (and/or micro-batched) program: one rank's stages, by the schedule.
+
+Each rank executes exactly its action list of the Schedule IR (runtime/schedule.py):
+F and B run a stage's forward / backward GraphModule on one micro-batch, SF/SB send
+the values later (earlier) stages need, RF/RB receive them. Values are keyed by the
+joint graph's node names. Sends are asynchronous (`isend`, completed at the end of
+the step); receives block, which the schedule's static check proves deadlock-free.
+
+After the last action: gradients (summed over micro-batches; the backward seed is
+already scaled by 1/(microbatches*dp)) are summed over data-parallel ranks, each
+parameter's gradient parts are summed over the pipeline ranks that read it (a tied
+embedding has one part per stage that uses it, accumulated locally), and every
+such rank updates its own copy with the same gradient.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from autopar.runtime.mesh import Mesh, build_mesh
+from autopar.runtime.program import TensorEntry
+from autopar.runtime.schedule import Schedule
+
+
+@dataclass(frozen=True)
+class ValueSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class StageProgram:
+    stage: int
+    forward: fx.GraphModule
+    f_inputs: tuple[str, ...]
+    f_outputs: tuple[str, ...]
+    backward: fx.GraphModule
+    b_inputs: tuple[str, ...]
+    b_outputs: tuple[str, ...]
+    send_forward: dict[int, tuple[str, ...]] = field(default_factory=dict)  # stage -> keys
+    send_backward: dict[int, tuple[str, ...]] = field(default_factory=dict)
+
+    def uses(self) -> set[str]:
+        return set(self.f_inputs) | set(self.b_inputs)
+
+
+@dataclass
+class PipelineProgram:
+    stages: tuple[StageProgram, ...]
+    schedule: Schedule
+    params: tuple[TensorEntry, ...]
+    buffers: tuple[TensorEntry, ...]
+    inputs: tuple[TensorEntry, ...]  # one micro-batch's shapes
+    batch_dims: tuple[int | None, ...]
+    keys: tuple[str, ...]  # placeholder key of each param, buffer, input (in that order)
+    grad_parts: tuple[tuple[str, ...], ...]  # per param: the nodes of its gradient's parts
+    loss_key: str
+    values: dict[str, ValueSpec]
+    mesh: tuple[tuple[str, int], ...]
+    layout: dict = field(default_factory=dict)
+
+    def receives(self, stage: int, kind: str) -> dict[int, tuple[str, ...]]:
+        """What `stage` receives before its F ("forward") or B ("backward"), by source stage."""
+        attr = "send_forward" if kind == "forward" else "send_backward"
+        return {p.stage: getattr(p, attr)[stage] for p in self.stages if stage in getattr(p, attr)}
+
+    def stages_reading(self, param_key: str, parts: tuple[str, ...]) -> set[int]:
+        """Stages whose programs read the parameter or produce a part of its gradient."""
+        return {p.stage for p in self.stages
+                if param_key in p.uses() or set(parts) & (set(p.b_outputs) | set(p.f_outputs))}
+
+
+class PipelineStep:
+    """The compiled step for pp > 1 or microbatches > 1 (same interface as DistributedStep)."""
+
+    def __init__(self, program: PipelineProgram, model: torch.nn.Module,
+                 optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+                 *, mesh: Mesh | None = None):
+        self.program = program
+        self.mesh = mesh or build_mesh(program.mesh)
+        self.pp, self.dp = dict(program.mesh)["pp"], dict(program.mesh)["dp"]
+        self.pp_rank, self.dp_rank = self.mesh.rank_in("pp"), self.mesh.rank_in("dp")
+        self.my_stages = [p for p in program.stages if p.stage % self.pp == self.pp_rank]
+        named = dict(model.named_parameters(remove_duplicate=False))
+        named.update(model.named_buffers(remove_duplicate=False))
+        entries = program.params + program.buffers
+        self.tensor_of = {key: named[e.name] for key, e in zip(program.keys, entries)}
+        self.param_key = {e.name: key for key, e in zip(program.keys, program.params)}
+        self.part_keys = {k for parts in program.grad_parts for k in parts}
+        # every rank that reads a parameter updates its own copy with the summed gradient
+        self.held = [(e, parts) for e, parts in zip(program.params, program.grad_parts)
+                     if self.pp_rank in self._ranks_reading(e, parts)]
+        self._model = model
+        self._groups = self._shared_groups()
+        self._sync_initial_weights()
+        self.optimizer = optimizer([self.tensor_of[self.param_key[e.name]] for e, _ in self.held])
+        self.pass_results: list = []
+
+    def _ranks_reading(self, entry: TensorEntry, parts: tuple[str, ...]) -> list[int]:
+        stages = self.program.stages_reading(self.param_key[entry.name], parts)
+        return sorted({s % self.pp for s in stages})
+
+    # -- process groups ----------------------------------------------------------------------
+
+    def _global_rank(self, pp_rank: int) -> int:
+        if self.mesh.device_mesh is None:
+            return 0
+        return int(self.mesh.device_mesh.mesh[self.dp_rank, pp_rank])
+
+    def _shared_groups(self) -> dict[str, object]:
+        """A process group per parameter that several pipeline ranks read (created by
+        every rank, in the same order, as torch.distributed requires)."""
+        groups = {}
+        if self.pp == 1:
+            return groups
+        for entry, parts in zip(self.program.params, self.program.grad_parts):
+            ranks = self._ranks_reading(entry, parts)
+            if len(ranks) < 2:
+                continue
+            for d in range(self.dp):
+                group = dist.new_group([int(self.mesh.device_mesh.mesh[d, r]) for r in ranks])
+                if d == self.dp_rank and self.pp_rank in ranks:
+                    groups[entry.name] = group
+        return groups
+
+    def _sync_initial_weights(self) -> None:
+        """Every data-parallel replica starts from replica 0's weights (as DDP does)."""
+        if self.dp == 1:
+            return
+        group = self.mesh.device_mesh.get_group("dp")
+        src = int(self.mesh.device_mesh.mesh[0, self.pp_rank])
+        with torch.no_grad():
+            for e in [e for e, _ in self.held] + list(self.program.buffers):
+                key = self.param_key.get(e.name)
+                tensor = self.tensor_of[key] if key else dict(self._model.named_buffers())[e.name]
+                dist.broadcast(tensor.data, src=src, group=group)
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def __call__(self, *global_batch: torch.Tensor) -> torch.Tensor:
+        micro = self._micro_batches(global_batch)
+        envs: dict[int, dict[str, torch.Tensor]] = {}
+        grads: dict[str, torch.Tensor] = {}
+        losses: list[torch.Tensor] = []
+        sends: list = []
+        by_stage = {p.stage: p for p in self.my_stages}
+        actions = self.program.schedule.ranks[self.pp_rank]
+        last_use = {a.microbatch: i for i, a in enumerate(actions)}
+        spans = []
+        start = time.perf_counter()
+        with torch.no_grad():
+            for i, action in enumerate(actions):
+                stage = by_stage[action.stage]
+                env = envs.setdefault(action.microbatch, self._inputs_env(micro[action.microbatch]))
+                begin = time.perf_counter()
+                self._do(action, stage, env, grads, losses, sends)
+                if action.kind in ("F", "B"):
+                    spans.append((action, begin - start, time.perf_counter() - start))
+                if last_use[action.microbatch] == i:
+                    del envs[action.microbatch]  # its activations are no longer needed here
+            for request, _tensor in sends:  # the tensor stays alive until its send is done
+                request.wait()
+            # measured compute spans of the schedule (compared with its simulation by
+            # benchmarks/pp_vs_pipelining.py)
+            self.last_timeline = (spans, time.perf_counter() - start)
+            loss = self._finish_loss(losses)
+            self._apply(self._sync_grads(grads))
+        return loss
+
+    def _do(self, action, stage, env, grads, losses, sends) -> None:
+        kind, mb = action.kind, action.microbatch
+        if kind == "F":
+            self._run(stage.forward, stage.f_inputs, stage.f_outputs, env)
+            if self.program.loss_key in stage.f_outputs:
+                losses.append(env[self.program.loss_key])
+        elif kind == "B":
+            self._run(stage.backward, stage.b_inputs, stage.b_outputs, env)
+            for grad_key in stage.b_outputs:
+                if grad_key in self.part_keys:
+                    value = env.pop(grad_key)
+                    grads[grad_key] = value if grad_key not in grads else grads[grad_key] + value
+        elif kind in ("SF", "SB"):
+            table = stage.send_forward if kind == "SF" else stage.send_backward
+            for dst, keys in sorted(table.items()):
+                if dst % self.pp == self.pp_rank:
+                    continue  # a later stage on this rank (interleaved) reads the same env
+                for i, key in enumerate(keys):
+                    tensor = env[key].contiguous()
+                    sends.append((dist.isend(tensor, self._global_rank(dst % self.pp),
+                                             tag=self._tag(stage.stage, dst, mb, i)), tensor))
+        elif kind in ("RF", "RB"):
+            sources = self.program.receives(stage.stage, "forward" if kind == "RF" else "backward")
+            for src, keys in sorted(sources.items()):
+                if src % self.pp == self.pp_rank:
+                    continue
+                for i, key in enumerate(keys):
+                    spec = self.program.values[key]
+                    buffer = torch.empty(spec.shape, dtype=spec.dtype)
+                    dist.recv(buffer, self._global_rank(src % self.pp), tag=self._tag(src, stage.stage, mb, i))
+                    env[key] = buffer
+        else:
+            raise NotImplementedError(f"action kind {kind} (split backward) is not supported by "
+                                      "the pipeline runtime yet")
+
+    def _tag(self, src: int, dst: int, mb: int, index: int) -> int:
+        stages = len(self.program.stages)
+        return ((mb * stages + src) * stages + dst) * 4096 + index
+
+    @staticmethod
+    def _run(gm: fx.GraphModule, inputs: tuple[str, ...], outputs: tuple[str, ...],
+             env: dict[str, torch.Tensor]) -> None:
+        results = gm(*[env[k] for k in inputs])
+        env.update(zip(outputs, results))
+
+    def _inputs_env(self, micro_inputs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        env = dict(self.tensor_of)
+        n = len(self.program.params) + len(self.program.buffers)
+        env.update(zip(self.program.keys[n:], micro_inputs))
+        return env
+
+    def _micro_batches(self, global_batch) -> list[list[torch.Tensor]]:
+        m = self.program.schedule.microbatches
+        out = [[] for _ in range(m)]
+        for entry, dim, x in zip(self.program.inputs, self.program.batch_dims, global_batch):
+            if dim is None:
+                for part in out:
+                    part.append(x)
+                continue
+            size = entry.shape[dim]
+            if x.shape[dim] != size * m * self.dp:
+                raise ValueError(f"{entry.name}: global batch of {x.shape[dim]} along dim {dim}, "
+                                 f"compiled for {size * m * self.dp} (micro-batches of {size} x "
+                                 f"{m} x dp={self.dp})")
+            local = x.narrow(dim, self.dp_rank * size * m, size * m)
+            for i, part in enumerate(out):
+                part.append(local.narrow(dim, i * size, size))
+        return out
+
+    # -- after the schedule ----------------------------------------------------------------------
+
+    def _finish_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The global mean loss on every rank (the last stage computed it)."""
+        total = torch.stack(losses).mean() if losses else torch.zeros(())
+        if self.mesh.device_mesh is None:
+            return total
+        total = total / self.dp
+        dist.all_reduce(total)
+        return total
+
+    def _sync_grads(self, parts: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """Each held parameter's gradient: its parts summed over the pipeline ranks that
+        share it, then over data-parallel ranks (the seed already divided by dp)."""
+        grads = []
+        for entry, keys in self.held:
+            mine = [parts[k] for k in keys if k in parts]
+            grad = sum(mine[1:], mine[0]) if mine else torch.zeros(entry.shape, dtype=entry.dtype)
+            if entry.name in self._groups:
+                dist.all_reduce(grad, group=self._groups[entry.name])
+            grads.append(grad)
+        if self.dp > 1 and grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.mesh.device_mesh.get_group("dp"))
+            grads = [chunk.view_as(g) for chunk, g in zip(flat.split([g.numel() for g in grads]), grads)]
+        return grads
+
+    def _apply(self, grads: list[torch.Tensor]) -> None:
+        params = [self.tensor_of[self.param_key[e.name]] for e, _ in self.held]
+        for p, g in zip(params, grads):
+            p.grad = g
+        self.optimizer.step()
+        for p in params:
+            p.grad = None
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def save(self, path) -> None:
+        raise NotImplementedError("checkpoints of pipelined / micro-batched steps are not "
+                                  "supported yet: save with pp=1 and microbatches=1")
+
+    load = save
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the whole model under its original names, on every rank."""
+        mine = {e.name: self.tensor_of[self.param_key[e.name]].detach().clone() for e, _ in self.held}
+        named_buffers = dict(self._model.named_buffers(remove_duplicate=False))
+        mine.update({b.name: named_buffers[b.name].detach().clone() for b in self.program.buffers})
+        parts = [mine]
+        if self.mesh.device_mesh is not None:
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, mine)
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:
+            merged.update(part)
+        for entry in self.program.params + self.program.buffers:
+            for alias in entry.aliases:
+                merged[alias] = merged[entry.name]
+        return merged

@@ -1,0 +1,44 @@
+"""Pipeline parallelism and micro-batching: parity with single-process PyTorch."""
+
+from __future__ import annotations
+
+import autopar
+from autopar.examples import gpt2, llama
+from tests.dist.cases_dp import adamw, check_parity, sgd
+from tests.dist.registry import case
+
+
+def pp_case(name, factory, optimizer, world=2, **layout):
+    def run():
+        check_parity(factory(), optimizer, autopar.Layout(**layout))
+    run.__name__ = name
+    case(world=world)(run)
+
+
+pp_case("pp2_1f1b_gpt2_tied_sgd", lambda: gpt2(layers=4), sgd, pp=2, microbatches=4)
+pp_case("pp2_1f1b_gpt2_tied_adamw", lambda: gpt2(layers=4), adamw, pp=2, microbatches=4)
+pp_case("pp2_1f1b_llama_sgd", lambda: llama(layers=4), sgd, pp=2, microbatches=4)
+pp_case("pp2_gpipe_llama_adamw", lambda: llama(layers=4), adamw, pp=2, microbatches=4,
+        schedule="gpipe")
+pp_case("pp2_interleaved_gpt2_sgd", lambda: gpt2(layers=4), sgd, pp=2, microbatches=4,
+        schedule="interleaved", virtual_stages=2)
+pp_case("dp2_microbatches4_gradient_accumulation_llama_sgd", lambda: llama(layers=2), sgd,
+        dp=2, microbatches=4)
+pp_case("dp2_pp2_1f1b_gpt2_sgd", lambda: gpt2(layers=4), sgd, world=4, dp=2, pp=2, microbatches=2)
+pp_case("dp2_pp2_1f1b_llama_adamw", lambda: llama(layers=4), adamw, world=4, dp=2, pp=2,
+        microbatches=2)
+
+
+@case(world=2)
+def pp2_bad_inputs_say_what_would_work():
+    from autopar.compiler.passes.assign_stages import StageError
+
+    example = gpt2(layers=1)
+    for layout, message in ((autopar.Layout(pp=2, microbatches=2), "use pp*virtual_stages <= 1"),
+                            (autopar.Layout(pp=2, microbatches=3), "multiple of")):
+        try:
+            autopar.compile(example.model, None, example.batch, example.loss_fn, layout=layout)
+        except (StageError, autopar.LayoutError) as exc:
+            assert message in str(exc), exc
+        else:
+            raise AssertionError(f"{layout} was accepted")

@@ -1,0 +1,318 @@
+"""The cost model: each formula against hand-computed values, FLOPs of a GPT against
+its closed form, memory against real optimizers, and properties (hypothesis)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import autopar
+from autopar.cluster import ClusterSpec, LinkSpec
+from autopar.compiler.planner import cost_model as cm
+from autopar.compiler.planner.summary import GraphSummary, OpRecord, summarize
+from autopar.examples import causal_lm_loss, gpt2, mlp
+
+EXACT = cm.Efficiency(compute=1.0, memory=1.0, link=1.0)
+
+
+def cluster(nodes=1, per_node=4, intra=(100e9, 1e-6), inter=(10e9, 10e-6), flops=1e12,
+            bandwidth=1e11) -> ClusterSpec:
+    return ClusterSpec.from_dict({
+        "name": "test", "nodes": nodes, "devices_per_node": per_node, "backend": "gloo",
+        "device": {"name": "d", "kind": "cpu", "peak_flops": {"fp32": flops},
+                   "memory_bytes": 10**10, "memory_bandwidth": bandwidth},
+        "intra_node": {"bandwidth": intra[0], "latency_s": intra[1]},
+        "inter_node": {"bandwidth": inter[0], "latency_s": inter[1]}})
+
+
+# -- formulas ------------------------------------------------------------------------------
+
+def test_roofline_compute_bound_and_memory_bound():
+    # 1e12 FLOPs at 1e12 FLOP/s * 0.5 = 2 s; 1e9 bytes at 1e10 B/s * 0.5 = 0.2 s
+    eff = cm.Efficiency(compute=0.5, memory=0.5)
+    assert cm.op_time(1e12, 1e9, 1e12, 1e10, eff) == pytest.approx(2.0)
+    # 1e9 FLOPs -> 2 ms; 1e11 bytes -> 20 s: memory-bound
+    assert cm.op_time(1e9, 1e11, 1e12, 1e10, eff) == pytest.approx(20.0)
+
+
+def test_ring_tree_and_all_gather_by_hand():
+    link = LinkSpec(bandwidth=1e9, latency_s=1e-6)
+    # ring, p=4, 1 GB: 2*3/4 * 1 s + 6 * 1 us
+    assert cm.ring_all_reduce(1e9, 4, link) == pytest.approx(1.5 + 6e-6)
+    # tree, p=4: 2 * 1 s + 2 * log2(4) * 1 us; p=5 rounds the depth up to 3
+    assert cm.tree_all_reduce(1e9, 4, link) == pytest.approx(2.0 + 4e-6)
+    assert cm.tree_all_reduce(1e9, 5, link) == pytest.approx(2.0 + 6e-6)
+    # all-gather / reduce-scatter: 3/4 * 1 s + 3 * 1 us
+    assert cm.ring_all_gather(1e9, 4, link) == pytest.approx(0.75 + 3e-6)
+    assert cm.ring_all_reduce(1e9, 1, link) == cm.tree_all_reduce(1e9, 1, link) == 0.0
+    # a tiny message on many ranks: the tree's log-depth latency wins
+    assert cm.flat_all_reduce(8, 64, link) == cm.tree_all_reduce(8, 64, link) \
+        < cm.ring_all_reduce(8, 64, link)
+
+
+def test_hierarchical_all_reduce_by_hand():
+    intra, inter = LinkSpec(bandwidth=100e9, latency_s=1e-6), LinkSpec(bandwidth=10e9, latency_s=1e-5)
+    n = 8e9  # 8 GB over 2 nodes x 4 ranks
+    reduce_scatter = 3 / 4 * n / 100e9 + 3 * 1e-6
+    shard = n / 4  # each rank all-reduces its quarter with its peer on the other node
+    inter_ring = 2 * 1 / 2 * shard / 10e9 + 2 * 1e-5
+    inter_tree = 2 * shard / 10e9 + 2 * 1 * 1e-5
+    expected = 2 * reduce_scatter + min(inter_ring, inter_tree)
+    assert cm.hierarchical_all_reduce(n, 4, 2, intra, inter) == pytest.approx(expected)
+    c = cluster(nodes=2, per_node=4, intra=(100e9, 1e-6), inter=(10e9, 1e-5))
+    assert cm.collective_time("all_reduce", n, 8, c, True, EXACT) == pytest.approx(expected)
+
+
+def test_collective_time_picks_the_link_of_the_group():
+    c = cluster(nodes=2, per_node=4)
+    inside = cm.collective_time("all_reduce", 1e8, 4, c, False, EXACT)
+    assert inside == pytest.approx(cm.flat_all_reduce(1e8, 4, c.intra_node))
+    gather = cm.collective_time("all_gather", 1e8, 8, c, True, EXACT)
+    assert gather == pytest.approx(cm.ring_all_gather(1e8, 8, c.inter_node))
+    assert cm.group_spans_nodes(4, 1, c) is False and cm.group_spans_nodes(8, 1, c) is True
+    assert cm.collective_time("all_reduce", 1e8, 1, c, False) == 0.0
+    with pytest.raises(ValueError, match="unknown collective 'broadcast'"):
+        cm.collective_time("broadcast", 1e8, 4, c, False)
+    with pytest.raises(ValueError, match=r"Efficiency.link must be in \(0, 1\]"):
+        cm.Efficiency(link=1.5)
+
+
+# -- stream simulation ---------------------------------------------------------------------
+
+def compute_op(name, seconds, c):
+    """An op taking `seconds` on cluster c's roofline at EXACT efficiency."""
+    return OpRecord(name, "backward", flops=int(seconds * c.device.peak_flops["fp32"]), dtype="fp32")
+
+
+def summary_of(ops, outputs=()):
+    return GraphSummary(tuple(ops), (), (), 0, frozenset(outputs))
+
+
+def test_overlap_hides_comm_behind_the_remaining_backward():
+    c = cluster(intra=(1e9, 1e-12))
+    layout = autopar.Layout(dp=2)
+    comm = cm.collective_time("all_reduce", 1e9, 2, c, False, EXACT)  # ~1 s
+    ops = [compute_op("a", 0.25, c),
+           OpRecord("ar", "comm", collective="all_reduce", comm_bytes=int(1e9), group="dp"),
+           compute_op("b", 0.5, c),
+           OpRecord("w", "comm", waits_on=1)]
+    compute, total_comm, end = cm.simulate_streams(summary_of(ops), c, layout, EXACT)
+    assert compute == pytest.approx(0.75) and total_comm == pytest.approx(comm)
+    assert end == pytest.approx(0.25 + comm)  # only comm - 0.5 s of it is exposed
+    times = cm.step_time(summary_of(ops), c, layout, "sgd", EXACT)
+    assert times.exposed_comm_s == pytest.approx(comm - 0.5)
+    # two collectives share one stream: the second waits for the first
+    ops2 = ops[:2] + [OpRecord("ar2", "comm", collective="all_reduce", comm_bytes=int(1e9),
+                               group="dp")] + ops[2:]
+    assert cm.simulate_streams(summary_of(ops2), c, layout, EXACT)[2] == pytest.approx(0.25 + 2 * comm)
+
+
+@st.composite
+def random_steps(draw):
+    ops: list[OpRecord] = []
+    for i in range(draw(st.integers(1, 12))):
+        if draw(st.booleans()):
+            ops.append(OpRecord(f"c{i}", "backward", flops=draw(st.integers(0, 10**12)), dtype="fp32",
+                                bytes=draw(st.integers(0, 10**10))))
+        else:
+            ops.append(OpRecord(f"ar{i}", "comm", collective="all_reduce",
+                                comm_bytes=draw(st.integers(0, 10**10)), group="dp"))
+    waits = [OpRecord(f"w{i}", "comm", waits_on=i) for i, op in enumerate(ops) if op.collective]
+    return summary_of(ops + waits)
+
+
+@settings(max_examples=60, deadline=None)
+@given(random_steps(), st.floats(1e8, 1e12), st.floats(1.0, 100.0))
+def test_overlap_bounds_and_more_bandwidth_is_never_slower(summary, bandwidth, factor):
+    layout = autopar.Layout(dp=4)
+    slow, fast = cluster(intra=(bandwidth, 1e-6)), cluster(intra=(bandwidth * factor, 1e-6))
+    t_slow = cm.step_time(summary, slow, layout, "adamw", EXACT)
+    t_fast = cm.step_time(summary, fast, layout, "adamw", EXACT)
+    for t in (t_slow, t_fast):  # overlap never hurts and never hides more than exists
+        assert -1e-12 <= t.exposed_comm_s <= t.comm_s * (1 + 1e-12) + 1e-12
+    assert t_fast.total_s <= t_slow.total_s * (1 + 1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(["all_reduce", "all_gather", "reduce_scatter"]), st.floats(1, 1e11),
+       st.floats(1, 10), st.integers(2, 64), st.booleans())
+def test_collectives_grow_with_bytes_and_shrink_with_bandwidth(kind, nbytes, factor, p, spans):
+    c, faster = cluster(nodes=8, per_node=8), cluster(nodes=8, per_node=8, intra=(100e9 * factor, 1e-6),
+                                                      inter=(10e9 * factor, 10e-6))
+    t = cm.collective_time(kind, nbytes, p, c, spans)
+    assert cm.collective_time(kind, nbytes * factor, p, c, spans) >= t
+    assert cm.collective_time(kind, nbytes, p, faster, spans) <= t
+
+
+# -- FLOPs of a GPT ------------------------------------------------------------------------
+
+def test_gpt_flops_equal_the_closed_form_of_its_matmuls():
+    layers, h, heads, vocab, batch, seq = 2, 64, 4, 256, 8, 32
+    ex = gpt2(layers=layers, hidden=h, heads=heads, vocab=vocab, batch=batch, seq=seq)
+    summary = summarize(autopar.trace(ex.model, ex.batch, ex.loss_fn))
+    tokens = batch * seq
+    # per block: qkv 2*T*h*3h, attention output 2*T*h*h, MLP 2*T*h*4h twice = 24*T*h^2;
+    # attention scores q@k^T and probabilities @ v, 2*B*S*S*h each; the tied LM head 2*T*h*V
+    forward = layers * (24 * tokens * h * h + 4 * batch * seq * seq * h) + 2 * tokens * h * vocab
+    assert summary.model_flops == 3 * forward  # backward: input and weight gradients, 2x
+    # the attention backward kernel also recomputes the scores: time, not model FLOPs
+    assert summary.flops == 3 * forward + layers * 2 * batch * seq * seq * h
+
+
+# -- memory --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind, make", [
+    ("adamw", lambda p: torch.optim.AdamW(p, lr=1e-3)),
+    ("sgd-momentum", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
+    ("sgd", lambda p: torch.optim.SGD(p, lr=0.1)),
+])
+def test_parameter_gradient_and_optimizer_bytes_match_torch(kind, make):
+    ex = mlp()
+    model = copy.deepcopy(ex.model)
+    summary = summarize(autopar.trace(model, ex.batch, ex.loss_fn))
+    opt = make(list(model.parameters()))
+    ex.loss_fn(model(*ex.batch), *ex.batch).backward()
+    opt.step()
+    state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor))
+    memory = cm.memory_breakdown(summary, kind)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert memory["parameters"] == memory["gradients"] == params
+    assert memory["optimizer_states"] == state
+    with pytest.raises(ValueError, match="unknown optimizer kind 'lamb'"):
+        cm.memory_breakdown(summary, "lamb")
+
+
+def test_activation_liveness_on_a_hand_made_chain():
+    # x -> a = relu(x) -> v = view(a) -> b = mul(v) -> loss = sum(b)   (100 bytes each)
+    ops = [OpRecord("x", "input", allocates=100, storage=0),
+           OpRecord("a", "forward", allocates=100, storage=1, uses=(0,)),
+           OpRecord("v", "forward", storage=1, uses=(1,)),
+           OpRecord("b", "forward", allocates=100, storage=3, uses=(2,)),
+           OpRecord("loss", "loss", allocates=4, storage=4, uses=(3,))]
+    # x dies after a; a lives through b (read via its view); the loss is returned
+    assert cm.live_peak(summary_of(ops, outputs={4})) == (200, {"activations": 200, "comm_buffers": 0})
+    # reading x again at the end keeps it alive: x + a + b at b
+    late = ops[:4] + [OpRecord("loss", "loss", allocates=4, storage=4, uses=(3, 0))]
+    assert cm.live_peak(summary_of(late, outputs={4}))[0] == 300
+    # a communication buffer is its own category; the split is the one at the peak
+    comm = ops[:4] + [OpRecord("buf", "comm", allocates=150, storage=4, uses=(3,))]
+    assert cm.live_peak(summary_of(comm)) == (250, {"activations": 100, "comm_buffers": 150})
+
+
+def test_summary_storage_of_views_waits_and_gradients():
+    ex = gpt2()
+    tg = autopar.trace(ex.model, (ex.batch[0][:4],), ex.loss_fn)
+    tg, _ = autopar.run_passes(tg, autopar.Layout(dp=2, bucket_mb=0.05))
+    summary = summarize(tg)
+    by_name = {op.name: op for op in summary.ops}
+    views = [n for n in tg.call_nodes()
+             if isinstance(n.target, torch._ops.OpOverload) and n.target.is_view]
+    assert views and all(by_name[n.name].allocates == 0 for n in views)
+    base = {n.name: by_name[n.all_input_nodes[0].name].storage for n in views
+            if n.all_input_nodes[0].name in by_name}
+    assert base and all(by_name[name].storage == s for name, s in base.items())
+    waits = [op for op in summary.ops if op.waits_on is not None]
+    assert waits and all(summary.ops[op.waits_on].collective == "all_reduce" for op in waits)
+    # the reduced buckets are the gradients (and the loss) the step returns
+    assert {op.waits_on for op in waits} == summary.output_storages - {None}
+
+
+def test_gathered_embedding_rows_are_costed_at_their_gathered_size():
+    ex = gpt2(layers=1, hidden=32, vocab=4096, batch=4, seq=16)
+    tg = autopar.trace(ex.model, (ex.batch[0][:2],), ex.loss_fn)
+    tg, results = autopar.run_passes(tg, autopar.Layout(dp=2))
+    assert results[0].stats["embedding_grads_gathered"]
+    gathers = [op for op in summarize(tg).ops if op.collective == "all_gather"]
+    # token embedding: both ranks' 2 x 16 tokens' fp32 row gradients (hidden 32) and
+    # int64 ids; position embedding: the 1 x 16 positions each rank shares over its batch
+    tokens = [2 * 2 * 16 * 32 * 4, 2 * 2 * 16 * 8]
+    positions = [2 * 16 * 32 * 4, 2 * 16 * 8]
+    assert sorted(op.comm_bytes for op in gathers) == sorted(tokens + positions)
+    assert all(op.group == "dp" for op in gathers)
+
+
+def test_overlapped_buckets_expose_less_than_a_reduce_after_backward():
+    ex = gpt2(layers=4, hidden=128, vocab=512)
+    tg = autopar.trace(ex.model, (ex.batch[0][:4],), ex.loss_fn)
+    slow = cluster(intra=(2e8, 1e-5), flops=1e11, bandwidth=1e10)
+
+    def exposed(overlap):
+        layout = autopar.Layout(dp=2, bucket_mb=0.2, overlap_comm=overlap)
+        new, results = autopar.run_passes(tg, layout)
+        assert results[0].stats["buckets"] > 2
+        return cm.step_time(summarize(new), slow, layout, "adamw", EXACT)
+
+    overlapped, serial = exposed(True), exposed(False)
+    assert overlapped.comm_s == pytest.approx(serial.comm_s)
+    assert overlapped.exposed_comm_s < 0.9 * serial.exposed_comm_s
+
+
+# -- estimate ------------------------------------------------------------------------------
+
+def meta_gpt2(layers=2, hidden=128, heads=4, vocab=1000, batch=16, seq=64):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab,
+                        n_positions=seq, use_cache=False)
+    with torch.device("meta"):
+        return GPT2LMHeadModel(config), (torch.randint(0, vocab, (batch, seq)),)
+
+
+def test_estimate_gpt2_on_dgx_h100_with_dp8():
+    model, batch = meta_gpt2()
+    c = ClusterSpec.preset("dgx-h100")
+    pred = autopar.estimate(model, c, autopar.Layout(dp=8), batch, causal_lm_loss)
+    params = sum(p.numel() * 4 for p in model.parameters())  # tied: counted once
+    assert 0 < pred.mfu <= 1 and pred.peak_memory_bytes > params
+    assert pred.peak_memory_bytes == sum(pred.memory.values())
+    assert pred.memory["parameters"] == pred.memory["gradients"] == params
+    assert pred.memory["optimizer_states"] >= 2 * params
+    b = pred.breakdown
+    assert b["comm"] > 0 and 0 <= b["exposed_comm"] <= b["comm"] and b["bubble"] == 0
+    assert pred.step_time_s == pytest.approx(b["compute"] + b["exposed_comm"] + b["optimizer"])
+    assert pred.tflops_per_device == pytest.approx(pred.flops_per_step / 8 / pred.step_time_s / 1e12)
+    # model FLOPs cover the global batch: the same whether 8 or 16 ranks share it
+    two = autopar.estimate(model, ClusterSpec.preset("dgx-h100", nodes=2), autopar.Layout(dp=16),
+                           batch, causal_lm_loss)
+    assert two.flops_per_step == pred.flops_per_step
+    assert two.memory["activations"] < pred.memory["activations"]
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_estimate_refuses_what_it_cannot_cost():
+    model, batch = meta_gpt2()
+    c = ClusterSpec.preset("dgx-h100")
+    with pytest.raises(autopar.LayoutError, match=r"not supported yet: tp > 1"):
+        autopar.estimate(model, c, autopar.Layout(dp=4, tp=2), batch, causal_lm_loss)
+    with pytest.raises(autopar.LayoutError, match=r"not supported yet: pp > 1"):
+        autopar.estimate(model, c, autopar.Layout(dp=2, pp=4, microbatches=4), batch,
+                         causal_lm_loss)
+    with pytest.raises(autopar.LayoutError, match=r"dp\*tp\*pp = 4 devices.* has 8 .*Layout\(dp=8\)"):
+        autopar.estimate(model, c, autopar.Layout(dp=4), batch, causal_lm_loss)
+    with pytest.raises(autopar.LayoutError, match="nodes=2"):
+        autopar.estimate(model, c, autopar.Layout(dp=16), batch, causal_lm_loss)
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        autopar.estimate(model, c, autopar.Layout(dp=8), batch, causal_lm_loss, optimizer="lamb")
+
+
+def test_cli_estimate_json(capsys):
+    import json
+
+    from autopar import cli
+
+    assert cli.main(["estimate", "gpt2-tiny", "--cluster", "dgx-h100", "--dp", "8", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["layout"]["dp"] == 8 and 0 < info["mfu"] <= 1
+    assert set(info["breakdown"]) == {"compute", "comm", "exposed_comm", "bubble", "optimizer"}
+    assert info["peak_memory_bytes"] == sum(info["memory"].values())
+    assert cli.main(["estimate", "mlp", "--cluster", "local", "--dp", "2"]) == 0
+    assert "memory per rank" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="has 8"):
+        cli.main(["estimate", "gpt2-tiny", "--cluster", "dgx-h100", "--dp", "2"])
+    assert math.isfinite(info["step_time_s"])

@@ -1,0 +1,131 @@
+"""Stage assignment and per-stage programs: balanced cuts, data-flow direction, and
+the stage programs run back to back equal the joint graph."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import autopar
+from autopar.compiler.ir import meta as M
+from autopar.compiler.lower_pipeline import lower_pipeline
+from autopar.compiler.passes.assign_stages import STAGE, AssignStages, StageError, balanced_cuts
+from autopar.compiler.passes.base import PassContext
+from autopar.examples import gpt2, hf_tiny, llama
+
+
+def brute_force(costs, parts, head, tail):
+    best = None
+    for cuts in itertools.combinations(range(1, len(costs)), parts - 1):
+        bounds = (0, *cuts, len(costs))
+        loads = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+        loads[0] += head
+        loads[-1] += tail
+        best = max(loads) if best is None else min(best, max(loads))
+    return best
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 20), min_size=2, max_size=9), st.integers(2, 4),
+       st.integers(0, 30), st.integers(0, 30))
+def test_balanced_cuts_equal_brute_force(costs, parts, head, tail):
+    parts = min(parts, len(costs))
+    cuts = balanced_cuts(costs, parts, head, tail)
+    bounds = (0, *cuts, len(costs))
+    loads = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+    loads[0] += head
+    loads[-1] += tail
+    assert len(cuts) == parts - 1 and all(b > a for a, b in zip(bounds, bounds[1:]))
+    assert max(loads) == brute_force(costs, parts, head, tail)
+
+
+def assigned(example, **layout):
+    tg = autopar.trace(example.model, example.batch, example.loss_fn)
+    return AssignStages().run(tg, PassContext(autopar.Layout(**layout)))
+
+
+@pytest.mark.parametrize("factory", [lambda: gpt2(layers=4), lambda: llama(layers=4),
+                                     lambda: hf_tiny("bert"), lambda: hf_tiny("mixtral")],
+                         ids=["gpt2", "llama", "bert", "mixtral"])
+def test_every_node_in_one_stage_and_data_flows_forward_then_back(factory):
+    tg, result = assigned(factory(), pp=2, microbatches=2)
+    assert result.stats["stages"] == 2
+    for node in tg.call_nodes():
+        assert node.meta[STAGE] in (0, 1)
+        for source in node.all_input_nodes:
+            if STAGE not in source.meta:
+                continue
+            if source.meta[M.ROLE] == M.Role.BACKWARD:  # gradients flow to earlier stages
+                assert source.meta[STAGE] >= node.meta[STAGE], (source.name, node.name)
+            else:  # activations to later ones (or the same stage's backward)
+                assert source.meta[STAGE] <= node.meta[STAGE], (source.name, node.name)
+    for node in tg.call_nodes():
+        if node.meta.get(M.LAYER) is not None:
+            assert node.meta[STAGE] == (node.meta[M.LAYER] >= result.stats["first_block_of_stage"][0])
+
+
+def test_pinned_cuts_and_errors():
+    ex = gpt2(layers=4)
+    tg = autopar.trace(ex.model, ex.batch, ex.loss_fn)
+    ctx = PassContext(autopar.Layout(pp=2, microbatches=2), options={"pipeline_cuts": ["transformer.h.3"]})
+    _, result = AssignStages().run(tg, ctx)
+    assert result.stats["first_block_of_stage"] == [3]
+    bad = PassContext(autopar.Layout(pp=2, microbatches=2), options={"pipeline_cuts": ["transformer.h.9"]})
+    with pytest.raises(StageError, match="not a block of the model; the blocks are transformer.h.0"):
+        AssignStages().run(tg, bad)
+    with pytest.raises(StageError, match="use pp\\*virtual_stages <= 4"):
+        AssignStages().run(tg, PassContext(autopar.Layout(pp=4, microbatches=4, virtual_stages=2,
+                                                          schedule="interleaved")))
+
+
+def run_back_to_back(program, model, batch):
+    """Every stage's forward in order, then every backward in reverse: one micro-batch."""
+    named = dict(model.named_parameters())
+    named.update(model.named_buffers())
+    entries = program.params + program.buffers
+    env = {key: named[e.name] for key, e in zip(program.keys, entries)}
+    env.update(zip(program.keys[len(entries):], batch))
+    with torch.no_grad():
+        for stage in program.stages:
+            env.update(zip(stage.f_outputs, stage.forward(*[env[k] for k in stage.f_inputs])))
+        for stage in reversed(program.stages):
+            env.update(zip(stage.b_outputs, stage.backward(*[env[k] for k in stage.b_inputs])))
+    return env[program.loss_key], [sum(env[k] for k in parts) for parts in program.grad_parts]
+
+
+@pytest.mark.parametrize("factory", [lambda: gpt2(layers=4), lambda: llama(layers=4),
+                                     lambda: hf_tiny("falcon")], ids=["gpt2", "llama", "falcon"])
+def test_stage_programs_back_to_back_equal_the_joint_graph(factory):
+    ex = factory()
+    layout = autopar.Layout(pp=2, microbatches=1)
+    tg, _ = assigned(ex, pp=2)
+    program = lower_pipeline(tg, layout)
+    loss, grads = run_back_to_back(program, ex.model, ex.batch)
+    named = dict(ex.model.named_parameters())
+    named.update(ex.model.named_buffers())
+    flat = [named[p.name] for p in tg.signature.params] + [named[b.name] for b in tg.signature.buffers]
+    with torch.no_grad():
+        expected = tg.gm(*flat, *ex.batch)
+    torch.testing.assert_close(loss, expected[0], rtol=0, atol=0)
+    for got, want in zip(grads, expected[1:]):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-8)
+    sends = {s.stage: s.send_forward for s in program.stages}
+    assert set(sends[0]) == {1} and sends[1] == {}  # activations go to the next stage only
+
+
+def test_tied_weight_gets_one_gradient_part_per_stage_and_nothing_big_crosses():
+    ex = gpt2(layers=4, vocab=1024)
+    tg, _ = assigned(ex, pp=2, microbatches=2)
+    program = lower_pipeline(tg, autopar.Layout(pp=2, microbatches=2))
+    names = [p.name for p in program.params]
+    assert len(program.grad_parts[names.index("transformer.wte.weight")]) == 2
+    assert all(len(parts) == 1 for name, parts in zip(names, program.grad_parts)
+               if name != "transformer.wte.weight")
+    table = 1024 * 64
+    for stage in program.stages:
+        for keys in list(stage.send_forward.values()) + list(stage.send_backward.values()):
+            assert all(torch.Size(program.values[k].shape).numel() < table for k in keys)
