@@ -12,10 +12,8 @@ the ratio autopar / DDP (target <= 1.0).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
-import statistics
 import time
 
 import torch
@@ -23,6 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import autopar
+import common  # benchmarks/common.py (the script's own folder is on sys.path)
 from autopar.examples import load_example
 
 
@@ -44,22 +43,10 @@ def ddp_step_fn(model, loss_fn, rank, world):
     return step
 
 
-def time_steps(step, batch, steps: int) -> list[float]:
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
-        step(*batch)
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--model", default="gpt2-small4")
+    parser = common.parser(__doc__.splitlines()[0], steps=5)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -73,14 +60,8 @@ def main() -> None:
                            optimizer=adamw, layout=autopar.Layout(dp=world, bucket_mb=args.bucket_mb))
     compile_s = time.perf_counter() - compile_start
     theirs = ddp_step_fn(copy.deepcopy(example.model), example.loss_fn, rank, world)
-    for fn in (ours, theirs):
-        time_steps(fn, batch, args.warmup)
-
-    samples: dict[str, list[float]] = {"autopar": [], "ddp": []}
-    for _ in range(args.rounds):
-        samples["autopar"] += time_steps(ours, batch, args.steps)
-        samples["ddp"] += time_steps(theirs, batch, args.steps)
-    medians = {k: statistics.median(v) for k, v in samples.items()}
+    medians = common.alternate({"autopar": ours, "ddp": theirs}, batch, args.rounds,
+                               args.steps, args.warmup)
     if rank == 0:
         result = {"benchmark": "dp_vs_ddp", "model": args.model, "world": world,
                   "rounds": args.rounds, "steps_per_round": args.steps,

@@ -12,7 +12,6 @@ the median step time of each and the ratio autopar / pipelining (target <= 0.95)
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import statistics
@@ -23,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline
 
 import autopar
+import common  # benchmarks/common.py (the script's own folder is on sys.path)
 from autopar.examples import causal_lm_loss, load_example
 from autopar.runtime.schedule import simulate
 
@@ -47,8 +47,8 @@ class Logits(torch.nn.Module):
 def pipelining_step_fn(model, batch, rank):
     ids = batch[0]
     micro = ids.chunk(MICROBATCHES)[0]
-    pipe = pipeline(Logits(model), mb_args=(micro,),
-                    split_spec={"model.transformer.h.2": SplitPoint.BEGINNING})
+    middle = f"model.transformer.h.{model.config.n_layer // 2}"
+    pipe = pipeline(Logits(model), mb_args=(micro,), split_spec={middle: SplitPoint.BEGINNING})
     stage = pipe.build_stage(rank, device=torch.device("cpu"))
     schedule = Schedule1F1B(stage, n_microbatches=MICROBATCHES,
                             loss_fn=lambda logits, target: causal_lm_loss(logits, target))
@@ -83,22 +83,10 @@ def measured_vs_simulated_bubble(step) -> dict:
             for rank, r in enumerate(everyone)]
 
 
-def time_steps(step, batch, steps: int) -> list[float]:
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
-        step(*batch)
-        times.append(time.perf_counter() - start)
-    return times
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--model", default="gpt2-small4")
+    parser = common.parser(__doc__.splitlines()[0], steps=4)
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -111,13 +99,8 @@ def main() -> None:
                            layout=autopar.Layout(pp=2, microbatches=MICROBATCHES, schedule="1f1b"))
     compile_s = time.perf_counter() - start
     theirs = pipelining_step_fn(copy.deepcopy(example.model), batch, rank)
-    for fn in (ours, theirs):
-        time_steps(fn, batch, args.warmup)
-    samples: dict[str, list[float]] = {"autopar": [], "pipelining": []}
-    for _ in range(args.rounds):
-        samples["autopar"] += time_steps(ours, batch, args.steps)
-        samples["pipelining"] += time_steps(theirs, batch, args.steps)
-    medians = {k: statistics.median(v) for k, v in samples.items()}
+    medians = common.alternate({"autopar": ours, "pipelining": theirs}, batch, args.rounds,
+                               args.steps, args.warmup)
     bubble = measured_vs_simulated_bubble(ours)
     if rank == 0:
         print(json.dumps({"benchmark": "pp_vs_pipelining", "model": args.model,

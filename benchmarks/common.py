@@ -1,0 +1,42 @@
+"""What every side-by-side benchmark shares: the arguments, and timing rounds that
+alternate between the implementations so machine noise hits them alike."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+
+def parser(description: str, steps: int) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=steps, help="timed steps per round and side")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--model", default="gpt2-small4")
+    return p
+
+
+def time_steps(step: Callable, batch: tuple, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        dist.barrier()  # every rank starts the step together
+        start = time.perf_counter()
+        step(*batch)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def alternate(sides: dict[str, Callable], batch: tuple, rounds: int, steps: int,
+              warmup: int) -> dict[str, float]:
+    """Median step time of each side over `rounds` rounds of `steps` steps each."""
+    for step in sides.values():
+        time_steps(step, batch, warmup)
+    samples: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(rounds):
+        for name, step in sides.items():
+            samples[name] += time_steps(step, batch, steps)
+    return {name: statistics.median(v) for name, v in samples.items()}
