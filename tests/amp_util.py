@@ -15,7 +15,8 @@ def pick_loss(out, batch, loss_fn):
     return out if isinstance(out, torch.Tensor) else out.loss
 
 
-def autocast_train(model, batches, loss_fn, optimizer_factory, amp: str, growth_interval=2000):
+def autocast_train(model, batches, loss_fn, optimizer_factory, amp: str, growth_interval=2000,
+                   init_scale=2.0**16):
     """Eager autocast training on one process: (losses, state, scales, skipped steps).
 
     Scales and skipped steps are GradScaler's (fp16 only): the scale used at each step
@@ -23,7 +24,8 @@ def autocast_train(model, batches, loss_fn, optimizer_factory, amp: str, growth_
     model = copy.deepcopy(model)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = optimizer_factory(params)
-    scaler = torch.amp.GradScaler("cpu", growth_interval=growth_interval) if amp == "fp16" else None
+    scaler = (torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
+              if amp == "fp16" else None)
     losses, scales, skipped = [], [], []
     for i, batch in enumerate(batches):
         with torch.autocast("cpu", dtype=HALF_DTYPES[amp]):

@@ -213,23 +213,9 @@ def test_fp16_scale_trajectory_and_skips_equal_grad_scaler(init_scale, growth_in
 
 
 def _grad_scaler_run(example, batches, init_scale, growth_interval):
-    model = copy.deepcopy(example.model)
-    opt = sgd(list(model.parameters()))
-    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
-    scales, skipped, losses = [], [], []
-    for i, batch in enumerate(batches):
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = pick_loss(model(*batch), batch, example.loss_fn)
-        opt.zero_grad(set_to_none=True)
-        scales.append(scaler.get_scale())
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        if sum(v.item() for v in scaler._found_inf_per_device(opt).values()):
-            skipped.append(i)
-        scaler.update()
-        losses.append(loss.item())
-    return {"scales": scales, "skipped": skipped, "losses": losses,
-            "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    losses, state, scales, skipped = autocast_train(example.model, batches, example.loss_fn, sgd,
+                                                    "fp16", growth_interval, init_scale)
+    return {"scales": scales, "skipped": skipped, "losses": losses, "state": state}
 
 
 def test_fp16_gpt2_matches_eager_autocast_with_grad_scaler():
