@@ -130,8 +130,6 @@ def unsupported_fields(layout: Layout) -> list[str]:
     out = []
     if layout.tp > 1:
         out.append("tp > 1 (tensor parallelism)")
-    if layout.schedule == "zero-bubble" and (layout.pp > 1 or layout.microbatches > 1):
-        out.append("schedule='zero-bubble' (the runtime does not split backward yet)")
     if layout.zero:
         out.append("zero > 0 (ZeRO sharding)")
     if layout.recompute != "none":

@@ -49,8 +49,10 @@ def lower_pipeline(tg: TrainGraph, layout: Layout) -> PipelineProgram:
     members: dict[tuple[int, str], list[fx.Node]] = {(s, k): [] for s in range(stages) for k in "FB"}
     for node in tg.call_nodes():
         members[_program_of(node)].append(node)
-    needed_by = _consumers(tg)
+    needed_by = _consumers(tg, _program_of)
     programs = [_stage_program(tg, s, members, needed_by) for s in range(stages)]
+    if layout.schedule == "zero-bubble":
+        _split_backwards(tg, programs, members)
     specs = {n.name: ValueSpec(tuple(n.meta[M.VAL].shape), n.meta[M.VAL].dtype)
              for n in tg.graph.nodes if n.op in ("call_function", "placeholder")
              and hasattr(n.meta.get(M.VAL), "shape")}
@@ -111,12 +113,12 @@ def _stage_from_inputs(node: fx.Node) -> int:
     return max((a.meta.get(STAGE, 0) for a in node.all_input_nodes), default=0)
 
 
-def _consumers(tg: TrainGraph) -> dict[fx.Node, set]:
+def _consumers(tg: TrainGraph, program_of) -> dict[fx.Node, set]:
     """For every value, the programs (stage, kind) that use it; "out" for graph outputs."""
     users: dict[fx.Node, set] = {}
     for node in tg.call_nodes():
         for a in node.all_input_nodes:
-            users.setdefault(a, set()).add(_program_of(node))
+            users.setdefault(a, set()).add(program_of(node))
     for out in tg.outputs():
         users.setdefault(out, set()).add("out")
     return users
@@ -145,6 +147,38 @@ def _stage_program(tg, s, members, needed_by) -> StageProgram:
         send_forward={d: tuple(sorted(k)) for d, k in sends_f.items()},
         send_backward={d: tuple(sorted(k)) for d, k in sends_b.items()},
     )
+
+
+def _split_backwards(tg, programs, members) -> None:
+    """Zero-bubble: each stage's backward as I (what the gradients sent to earlier
+    stages need: on the critical path) and W (the rest: weight gradients), W running
+    later to fill the bubbles."""
+    weight_side: set[fx.Node] = set()
+    for program in programs:
+        nodes = members[(program.stage, "B")]
+        sent = {k for keys in program.send_backward.values() for k in keys}
+        inside, needed = set(nodes), set()
+        stack = [n for n in nodes if n.name in sent]
+        while stack:
+            n = stack.pop()
+            if n not in needed:
+                needed.add(n)
+                stack += [a for a in n.all_input_nodes if a in inside]
+        weight_side |= inside - needed
+
+    def program_of(node):
+        kind = _program_of(node)
+        if kind is None or kind[1] == "F":
+            return kind
+        return kind[0], "W" if node in weight_side else "I"
+
+    needed_by = _consumers(tg, program_of)
+    for program in programs:
+        nodes = members[(program.stage, "B")]
+        program.input_grad = _cut(tg, [n for n in nodes if n not in weight_side],
+                                  (program.stage, "I"), needed_by)
+        program.weight_grad = _cut(tg, [n for n in nodes if n in weight_side],
+                                   (program.stage, "W"), needed_by)
 
 
 def _cut(tg, nodes, me, needed_by) -> tuple[fx.GraphModule, tuple[str, ...], tuple[str, ...]]:

@@ -45,6 +45,10 @@ class StageProgram:
     b_outputs: tuple[str, ...]
     send_forward: dict[int, tuple[str, ...]] = field(default_factory=dict)  # stage -> keys
     send_backward: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    # zero-bubble only: the backward split into input-gradient and weight-gradient
+    # programs, each (GraphModule, input keys, output keys)
+    input_grad: tuple | None = None
+    weight_grad: tuple | None = None
 
     def uses(self) -> set[str]:
         return set(self.f_inputs) | set(self.b_inputs)
@@ -160,7 +164,7 @@ class PipelineStep:
                 env = envs.setdefault(action.microbatch, self._inputs_env(micro[action.microbatch]))
                 begin = time.perf_counter()
                 self._do(action, stage, env, grads, losses, sends)
-                if action.kind in ("F", "B"):
+                if action.kind in ("F", "B", "I", "W"):
                     spans.append((action, begin - start, time.perf_counter() - start))
                 if last_use[action.microbatch] == i:
                     del envs[action.microbatch]  # its activations are no longer needed here
@@ -179,9 +183,11 @@ class PipelineStep:
             self._run(stage.forward, stage.f_inputs, stage.f_outputs, env)
             if self.program.loss_key in stage.f_outputs:
                 losses.append(env[self.program.loss_key])
-        elif kind == "B":
-            self._run(stage.backward, stage.b_inputs, stage.b_outputs, env)
-            for grad_key in stage.b_outputs:
+        elif kind in ("B", "I", "W"):
+            gm, inputs, outputs = {"B": (stage.backward, stage.b_inputs, stage.b_outputs),
+                                   "I": stage.input_grad, "W": stage.weight_grad}[kind]
+            self._run(gm, inputs, outputs, env)
+            for grad_key in outputs:
                 if grad_key in self.part_keys:
                     value = env.pop(grad_key)
                     grads[grad_key] = value if grad_key not in grads else grads[grad_key] + value
@@ -205,8 +211,7 @@ class PipelineStep:
                     dist.recv(buffer, self._global_rank(src % self.pp), tag=self._tag(src, stage.stage, mb, i))
                     env[key] = buffer
         else:
-            raise NotImplementedError(f"action kind {kind} (split backward) is not supported by "
-                                      "the pipeline runtime yet")
+            raise ValueError(f"unknown schedule action kind {kind!r} in {action}")
 
     def _tag(self, src: int, dst: int, mb: int, index: int) -> int:
         stages = len(self.program.stages)

@@ -42,3 +42,7 @@ def pp2_bad_inputs_say_what_would_work():
             assert message in str(exc), exc
         else:
             raise AssertionError(f"{layout} was accepted")
+pp_case("pp2_zero_bubble_gpt2_tied_sgd", lambda: gpt2(layers=4), sgd, pp=2, microbatches=4,
+        schedule="zero-bubble")
+pp_case("pp2_zero_bubble_llama_adamw", lambda: llama(layers=4), adamw, pp=2, microbatches=4,
+        schedule="zero-bubble")

@@ -129,3 +129,35 @@ def test_tied_weight_gets_one_gradient_part_per_stage_and_nothing_big_crosses():
     for stage in program.stages:
         for keys in list(stage.send_forward.values()) + list(stage.send_backward.values()):
             assert all(torch.Size(program.values[k].shape).numel() < table for k in keys)
+
+
+def test_zero_bubble_splits_each_backward_into_input_and_weight_gradients():
+    ex = llama(layers=4)
+    layout = autopar.Layout(pp=2, microbatches=1, schedule="zero-bubble")
+    tg, _ = assigned(ex, pp=2)
+    program = lower_pipeline(tg, layout)
+    first, last = program.stages
+    sent = set(last.send_backward[0])
+    i_gm, i_in, i_out = last.input_grad
+    w_gm, w_in, w_out = last.weight_grad
+    assert sent <= set(i_out) and not sent & set(w_out)
+    mm = torch.ops.aten.mm.default
+    assert any(n.target == mm for n in w_gm.graph.nodes)  # weight gradients wait for W
+    parts = {k for ps in program.grad_parts for k in ps}
+    assert parts & set(w_out)
+    # I then W computes what B computes
+    named = dict(ex.model.named_parameters())
+    entries = program.params + program.buffers
+    env = {key: named.get(e.name, dict(ex.model.named_buffers()).get(e.name))
+           for key, e in zip(program.keys, entries)}
+    env.update(zip(program.keys[len(entries):], ex.batch))
+    with torch.no_grad():
+        for stage in program.stages:
+            env.update(zip(stage.f_outputs, stage.forward(*[env[k] for k in stage.f_inputs])))
+        split_env = dict(env)
+        for stage in reversed(program.stages):
+            env.update(zip(stage.b_outputs, stage.backward(*[env[k] for k in stage.b_inputs])))
+            for gm, ins, outs in (stage.input_grad, stage.weight_grad):
+                split_env.update(zip(outs, gm(*[split_env[k] for k in ins])))
+    for k in parts:
+        torch.testing.assert_close(split_env[k], env[k], rtol=0, atol=0)
