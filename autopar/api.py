@@ -63,8 +63,8 @@ def compile(model: torch.nn.Module, cluster: Any = None,  # noqa: A001 - the con
     todo = unsupported_fields(layout)
     if todo:
         raise LayoutError(f"{layout}: not supported yet: {', '.join(todo)}. Supported now: dp, "
-                          "pp, microbatches, schedule (gpipe, 1f1b, interleaved), bucket_mb, "
-                          "overlap_comm, amp (without pipelining)")
+                          "pp, microbatches, schedule, bucket_mb, "
+                          "overlap_comm, amp (fp16 without pipelining)")
     parse_amp_lists(amp_lists)  # a misspelt op fails before the (slow) trace
     example_inputs = tuple(example_inputs)
     if not example_inputs:
