@@ -44,7 +44,7 @@ def compile(model: torch.nn.Module, cluster: Any = None,  # noqa: A001 - the con
             example_inputs: Sequence[torch.Tensor] = (), loss_fn: LossFn | None = None,
             optimizer: OptimizerFactory = _default_optimizer, layout: Layout | None = None,
             passes: Sequence[GraphPass | str] | None = None,
-            amp_lists: dict[str, Sequence[str]] | None = None) -> DistributedStep:
+            amp_lists: dict[str, Sequence[str]] | None = None) -> DistributedStep | PipelineStep:
     """Compile one training step of `model` for this job's processes and return it.
 
     `example_inputs` is one global batch (every rank passes the same one to the
