@@ -25,6 +25,7 @@ import torch.fx as fx
 from autopar.cluster import ClusterSpec
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.graph import TrainGraph
+from autopar.compiler.planner.cost_model import op_time
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
 from autopar.compiler.passes.manager import register_pass
 
@@ -67,10 +68,11 @@ def balanced_cuts(costs: list[float], parts: int, head: float = 0.0,
 
 
 def node_time(node: fx.Node, cluster: ClusterSpec) -> float:
-    """Roofline estimate of one node (compute-bound or memory-bound)."""
+    """The cost model's roofline time of one node, at the device's fp32 peak."""
     device = cluster.device
-    flops = node.meta.get(M.FLOPS, 0) / device.peak_flops.get("fp32", max(device.peak_flops.values()))
-    return max(flops, node.meta.get(M.BYTES, 0) / device.memory_bandwidth)
+    peak = device.peak_flops.get("fp32", max(device.peak_flops.values()))
+    return op_time(node.meta.get(M.FLOPS, 0), node.meta.get(M.BYTES, 0), peak,
+                   device.memory_bandwidth)
 
 
 @register_pass
