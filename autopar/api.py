@@ -24,7 +24,7 @@ from autopar.compiler.passes.pipeline import default_passes, is_pipelined
 from autopar.layout import Layout, LayoutError, unsupported_fields
 from autopar.logs import configure_from_env
 from autopar.runtime.executor import DistributedStep, OptimizerFactory
-from autopar.runtime.mesh import launched_world_size
+from autopar.runtime.mesh import launched_rank, launched_world_size
 from autopar.runtime.pipeline import PipelineStep
 
 log = logging.getLogger("autopar")
@@ -59,12 +59,12 @@ def compile(model: torch.nn.Module, cluster: Any = None,  # noqa: A001 - the con
     layout = layout if layout is not None else Layout(dp=world)
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be an autopar.Layout, got {type(layout).__name__}")
-    layout.check_world_size(world)
     todo = unsupported_fields(layout)
     if todo:
         raise LayoutError(f"{layout}: not supported yet: {', '.join(todo)}. Supported now: dp, "
-                          "pp, microbatches, schedule, bucket_mb, "
+                          "tp (with dp), pp, microbatches, schedule, bucket_mb, "
                           "overlap_comm, amp (fp16 without pipelining)")
+    layout.check_world_size(world)
     parse_amp_lists(amp_lists)  # a misspelt op fails before the (slow) trace
     example_inputs = tuple(example_inputs)
     if not example_inputs:
@@ -72,6 +72,8 @@ def compile(model: torch.nn.Module, cluster: Any = None,  # noqa: A001 - the con
     local = _local_example(example_inputs, layout)
     tg = trace_train_step(model, local, loss_fn)
     options = {"amp_lists": amp_lists} if amp_lists else {}
+    if layout.tp > 1:  # each rank's program holds its own blocks (tp is the inner mesh dim)
+        options["tp_rank"] = launched_rank() % layout.tp
     tg, results = run_passes(tg, layout, cluster, passes, options=options)
     if layout.amp != "off" and "amp" not in tg.provides:
         raise LayoutError(f"Layout.amp={layout.amp!r} but the passes given to compile have no "

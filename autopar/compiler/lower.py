@@ -8,12 +8,13 @@ from autopar.runtime.program import Program, TensorEntry
 
 
 def _entry(spec: TensorSpec) -> TensorEntry:
-    return TensorEntry(spec.name, spec.shape, spec.dtype, spec.aliases)
+    return TensorEntry(spec.name, spec.shape, spec.dtype, spec.aliases, spec.shard_dim)
 
 
 def mesh_dims(layout: Layout) -> tuple[tuple[str, int], ...]:
-    """Mesh dimensions, outermost first; size-1 dimensions are kept so names resolve."""
-    return (("dp", layout.dp),)
+    """Mesh dimensions, outermost first (tp innermost: its ranks are neighbours); dp is
+    kept at size 1 so its name resolves."""
+    return (("dp", layout.dp),) + ((("tp", layout.tp),) if layout.tp > 1 else ())
 
 
 def to_program(tg: TrainGraph, layout: Layout) -> Program:

@@ -27,7 +27,10 @@ class DistributedStep:
     """A compiled training step bound to this rank's mesh, weights and optimizer.
 
     The model's own parameters are the weights: the graph reads them and the
-    optimizer updates them in place, so `model` stays usable after training.
+    optimizer updates them in place, so `model` stays usable after training. With
+    tensor parallelism a rank holds only its block of each split parameter (a new
+    Parameter; the model's own keeps its initial value): `full_state_dict()` gathers
+    the trained weights.
     """
 
     def __init__(self, program: Program, model: torch.nn.Module,
@@ -42,6 +45,7 @@ class DistributedStep:
         self.buffers = [named[b.name] for b in program.buffers]
         self._model = model
         self._sync_initial_weights()
+        self.params = [self._own_block(t, e) for t, e in zip(self.params, program.params)]
         self.optimizer = optimizer(self.params)
         self.steps = 0
         # an fp16 AMP step takes the loss scale as its trailing input (not the user's)
@@ -103,6 +107,28 @@ class DistributedStep:
             for t in self.params + self.buffers:
                 dist.broadcast(t.data, src=0)
 
+    def _own_block(self, t: torch.nn.Parameter, entry) -> torch.nn.Parameter:
+        """This rank's block of a tensor-parallel parameter (the whole one otherwise)."""
+        if entry.shard_dim is None:
+            return t
+        size = entry.shape[entry.shard_dim]
+        block = t.detach().narrow(entry.shard_dim, self.mesh.rank_in("tp") * size, size)
+        return torch.nn.Parameter(block.clone(), requires_grad=t.requires_grad)
+
+    def _whole(self, t: torch.Tensor, entry) -> torch.Tensor:
+        """Collective over the tp group for a split parameter: all its blocks, joined."""
+        if entry.shard_dim is None:
+            return t.detach().clone()
+        parts = [torch.empty_like(t) for _ in range(self.program.mesh_size("tp"))]
+        dist.all_gather(parts, t.detach().contiguous(), group=self.mesh.device_mesh.get_group("tp"))
+        return torch.cat(parts, dim=entry.shard_dim)
+
+    def _refuse_sharded_checkpoint(self) -> None:
+        if any(e.shard_dim is not None for e in self.program.params):
+            raise NotImplementedError(
+                "checkpoints of tensor-parallel steps (Layout.tp > 1) are not supported yet; "
+                "full_state_dict() gathers the weights, and tp=1 steps save and load")
+
     # -- weights and checkpoints ------------------------------------------------------------
 
     def _named_tensors(self) -> dict[str, torch.Tensor]:
@@ -113,11 +139,13 @@ class DistributedStep:
         return named
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The whole model's weights under their original names (tied names included)."""
+        """The whole model's weights under their original names (tied names included);
+        collective when the step is tensor-parallel."""
         out = {}
         for entry, t in zip(self.program.params + self.program.buffers, self.params + self.buffers):
+            whole = self._whole(t, entry)
             for name in (entry.name, *entry.aliases):
-                out[name] = t.detach().clone()
+                out[name] = whole if name == entry.name else whole.clone()
         return out
 
     def _manifest(self) -> dict:
@@ -134,12 +162,14 @@ class DistributedStep:
 
     def save(self, path: str | Path) -> None:
         """Collective: write weights and optimizer state with torch.distributed.checkpoint."""
+        self._refuse_sharded_checkpoint()
         state = ckpt.optimizer_state_by_name(self.optimizer, self._param_names())
         ckpt.save_checkpoint(path, self._named_tensors(), state, self._manifest())
 
     def load(self, path: str | Path) -> None:
         """Collective: restore what `save` wrote; refuses a mismatched or corrupted checkpoint
         without changing anything."""
+        self._refuse_sharded_checkpoint()
         template = ckpt.optimizer_state_by_name(self.optimizer, self._param_names())
         state = ckpt.load_checkpoint(path, self._named_tensors(), self._manifest(), template)
         if state is not None:

@@ -30,6 +30,9 @@ class TensorEntry:
     shape: tuple[int, ...]
     dtype: torch.dtype
     aliases: tuple[str, ...] = ()
+    # tensor parallelism: the dim along which this rank holds one of the `tp` mesh
+    # dimension's equal blocks (shape is the block's); None: the whole tensor
+    shard_dim: int | None = None
 
 
 @dataclass

@@ -29,6 +29,8 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: torch.dtype
     aliases: tuple[str, ...] = ()  # other names of the same tensor (tied weights)
+    # tensor parallelism: the dim this rank holds one block of (shape is the block's)
+    shard_dim: int | None = None
 
     @property
     def numel(self) -> int:

@@ -101,6 +101,9 @@ class TraceSource:
     # fp16 loss scaling: the step takes a trailing fp32 0-dim input LOSS_SCALE_INPUT and
     # differentiates loss * scale (the returned loss stays unscaled)
     loss_scale: bool = False
+    # tensor parallelism: parameter (exported name) -> (dim, parts, index): the step
+    # takes only that block of the parameter (its gradient is that block's too)
+    param_shards: tuple[tuple[str, tuple[int, int, int]], ...] = ()
 
 
 def trace_train_step(model: torch.nn.Module, example_inputs: Sequence[Any],
@@ -117,9 +120,11 @@ def trace_train_step(model: torch.nn.Module, example_inputs: Sequence[Any],
     return _trace_from(source)
 
 
-def retrace(tg: TrainGraph, hook: ForwardHook, *, loss_scale: bool | None = None) -> TrainGraph:
+def retrace(tg: TrainGraph, hook: ForwardHook, *, loss_scale: bool | None = None,
+            param_shards: dict[str, tuple[int, int, int]] | None = None) -> TrainGraph:
     """The joint graph traced again from tg's source with one more forward hook
-    (and, if `loss_scale` is given, with loss scaling switched on or off).
+    (and, if `loss_scale` is given, with loss scaling switched on or off; with
+    `param_shards`, taking those parameters as blocks, see TraceSource).
 
     Only valid on a graph no joint-graph pass has rewritten (property "retraceable"):
     their rewrites would be lost.
@@ -130,6 +135,8 @@ def retrace(tg: TrainGraph, hook: ForwardHook, *, loss_scale: bool | None = None
     source = dataclasses.replace(tg.source, hooks=tg.source.hooks + (hook,))
     if loss_scale is not None:
         source = dataclasses.replace(source, loss_scale=loss_scale)
+    if param_shards is not None:
+        source = dataclasses.replace(source, param_shards=tuple(sorted(param_shards.items())))
     return dataclasses.replace(_trace_from(source), history=tg.history, attrs=dict(tg.attrs))
 
 
@@ -183,14 +190,7 @@ def _trace_joint(source: TraceSource) -> tuple[fx.GraphModule, GraphSignature]:
     ep, example_inputs = source.exported, source.example_inputs
     sig = ep.graph_signature
     state = {**ep.state_dict, **ep.constants}
-    # Export gives a tied weight one placeholder per name; the joint graph takes it
-    # once, so autograd sums the gradients of all its uses.
-    first_name: dict[int, str] = {}
-    for spec in sig.input_specs:
-        if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
-            first_name.setdefault(id(state[spec.target]), spec.target)
-    canonical = {s.target: first_name[id(state[s.target])] for s in sig.input_specs
-                 if s.kind in (InputKind.PARAMETER, InputKind.BUFFER)}
+    canonical = canonical_state_names(ep)
     unique = list(dict.fromkeys(canonical.values()))
     trainable = [n for n in unique if isinstance(state[n], torch.nn.Parameter) and state[n].requires_grad]
     # frozen parameters travel with the buffers: no gradient, not optimised
@@ -235,7 +235,8 @@ def _trace_joint(source: TraceSource) -> tuple[fx.GraphModule, GraphSignature]:
     # Our own fake mode: it lets the exported graph's tensor constants (real tensors, e.g.
     # Falcon's) meet the fake inputs; make_fx then keeps them as constants of the graph.
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    flat = ([fake_mode.from_tensor(state[n].detach()).requires_grad_(True) for n in trainable]
+    shards = dict(source.param_shards)
+    flat = ([_param_input(state[n], shards.get(n), fake_mode) for n in trainable]
             + [fake_mode.from_tensor(state[n].detach()) for n in buffers]
             + [fake_mode.from_tensor(x) for x in user_inputs])
     extra = [TensorSpec(LOSS_SCALE_INPUT, (), torch.float32)] if source.loss_scale else []
@@ -247,14 +248,39 @@ def _trace_joint(source: TraceSource) -> tuple[fx.GraphModule, GraphSignature]:
     _drop_shape_asserts(gm)
     _name_placeholders(gm, trainable, buffers, len(user_inputs), [s.name for s in extra])
     signature = GraphSignature(
-        params=_specs(trainable, state, source.aliases),
+        params=_specs(trainable, state, source.aliases, shards),
         buffers=_specs(buffers, state, source.aliases),
         inputs=tuple(TensorSpec(f"input_{i}", tuple(t.shape), t.dtype)
                      for i, t in enumerate(user_inputs)) + tuple(extra),
-        mutated_buffers=tuple(_strip(name) for name, _ in mutated),
+        mutated_buffers=tuple(strip_wrapper(name) for name, _ in mutated),
         batch_dims=batch_dims_of(user_inputs) + tuple(None for _ in extra),
     )
     return gm, signature
+
+
+def canonical_state_names(ep: torch.export.ExportedProgram) -> dict[str, str]:
+    """Parameter/buffer name -> the name the joint graph takes it under. Export gives a
+    tied weight one placeholder per name; the joint graph takes it once, so autograd
+    sums the gradients of all its uses."""
+    state = {**ep.state_dict, **ep.constants}
+    specs = [s for s in ep.graph_signature.input_specs
+             if s.kind in (InputKind.PARAMETER, InputKind.BUFFER)]
+    first_name: dict[int, str] = {}
+    for spec in specs:
+        first_name.setdefault(id(state[spec.target]), spec.target)
+    return {s.target: first_name[id(state[s.target])] for s in specs}
+
+
+def _param_input(t: torch.Tensor, shard: tuple[int, int, int] | None,
+                 fake_mode: FakeTensorMode) -> torch.Tensor:
+    """The fake value a parameter enters the joint graph as: whole, or one block."""
+    if shard is None:
+        return fake_mode.from_tensor(t.detach()).requires_grad_(True)
+    dim, parts, _ = shard
+    shape = list(t.shape)
+    shape[dim] //= parts
+    with fake_mode:
+        return torch.empty(shape, dtype=t.dtype, device=t.device).requires_grad_(True)
 
 
 def _drop_shape_asserts(gm: fx.GraphModule) -> None:
@@ -266,20 +292,26 @@ def _drop_shape_asserts(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _strip(name: str) -> str:
+def strip_wrapper(name: str) -> str:
     """The model's own name ("x.w") of a wrapper name ("model.x.w")."""
     prefix = _WRAPPED + "."
     return name[len(prefix):] if name.startswith(prefix) else name
 
 
 def _specs(names: list[str], state: dict[str, torch.Tensor],
-           aliases: dict[str, tuple[str, ...]]) -> tuple[TensorSpec, ...]:
+           aliases: dict[str, tuple[str, ...]],
+           shards: dict[str, tuple[int, int, int]] | None = None) -> tuple[TensorSpec, ...]:
     out = []
     for name in names:
         t = state[name]
-        short = _strip(name)
+        short = strip_wrapper(name)
         others = tuple(a for a in aliases.get(short, ()) if a != short)
-        out.append(TensorSpec(short, tuple(t.shape), t.dtype, others))
+        shape = list(t.shape)
+        shard = (shards or {}).get(name)
+        if shard is not None:
+            shape[shard[0]] //= shard[1]
+        out.append(TensorSpec(short, tuple(shape), t.dtype, others,
+                              shard_dim=shard[0] if shard else None))
     return tuple(out)
 
 
@@ -302,7 +334,7 @@ def batch_dims_of(inputs: list[torch.Tensor]) -> tuple[int | None, ...]:
 
 def _name_placeholders(gm: fx.GraphModule, params: list[str], buffers: list[str],
                        n_inputs: int, extra: Sequence[str] = ()) -> None:
-    names = ([_safe("p_" + _strip(n)) for n in params] + [_safe("b_" + _strip(n)) for n in buffers]
+    names = ([_safe("p_" + strip_wrapper(n)) for n in params] + [_safe("b_" + strip_wrapper(n)) for n in buffers]
              + [f"input_{i}" for i in range(n_inputs)] + list(extra))
     for node, name in zip([n for n in gm.graph.nodes if n.op == "placeholder"], names):
         node.name = node.target = name  # FX keeps names unique; these already are

@@ -6,6 +6,7 @@ from autopar.compiler.passes.amp import AutoMixedPrecision
 from autopar.compiler.passes.assign_stages import AssignStages
 from autopar.compiler.passes.base import GraphPass
 from autopar.compiler.passes.insert_allreduce import InsertAllReduce
+from autopar.compiler.passes.tensor_parallel import TensorParallel
 from autopar.layout import Layout
 
 
@@ -23,6 +24,8 @@ def default_passes(layout: Layout) -> list[GraphPass]:
     (in the pipeline runtime), so they get no all-reduce pass."""
     # AMP re-traces the forward pass, so it comes before every joint-graph pass
     first = [AutoMixedPrecision()] if layout.amp != "off" else []
+    # tensor parallelism re-traces the forward pass too (its hook outermost)
+    first += [TensorParallel()] if layout.tp > 1 else []
     if is_pipelined(layout):
         return first + [AssignStages()]
     return first + ([InsertAllReduce()] if layout.dp > 1 else [])

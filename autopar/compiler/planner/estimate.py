@@ -64,6 +64,9 @@ def check_layout(layout: Any, cluster: ClusterSpec) -> None:
 def not_costed_fields(layout: Layout) -> list[str]:
     """Fields compile may run but the cost model cannot cost yet: refused, not guessed."""
     out = []
+    if layout.tp > 1:
+        out.append("tp > 1 (tensor parallelism: compile's placement solver predicts its own "
+                   "terms, the step-time model does not take them yet)")
     if layout.pp > 1:
         out.append("pp > 1 (pipeline parallelism: no bubble or point-to-point model yet)")
     if layout.microbatches > 1:

@@ -1,0 +1,414 @@
+"""Sharding rules: for each forward op, the placements on the tensor-parallel mesh
+dimension under which it can run on local shards.
+
+A placement says how one tensor lives on the `tp` ranks:
+
+    "R"   replicated: every rank holds all of it
+    "P"   partial sum: every rank holds a full-shaped term, the value is their sum
+    d     (an int) sharded: rank r holds the r-th of tp equal blocks along dim d
+
+A Strategy of an op names the placement each tensor input must have, the placement
+of its output(s), which fraction of the op's work one rank does, and (for the few
+ops whose local form is not the op itself) a lowering the TensorParallel hook
+applies. Every op has the all-replicated strategy, so any graph has a valid plan.
+
+Where the rules come from:
+- views (view, reshape, expand, transpose, permute, unsqueeze, squeeze, flatten)
+  reuse torch.distributed.tensor's dimension maps (`_view_ops.dim_maps` and
+  `view_groups`): which output dim each input dim becomes, through flattening and
+  splitting;
+- pointwise ops are recognised by PyTorch's own `pointwise` op tag, with
+  broadcasting;
+- contractions (linear, mm, addmm, bmm) by their einsum form: shard any index;
+  an index the output keeps gives a sharded output, a contracted one a partial sum;
+- a handful of ops have their own rule (attention, embedding, cross-entropy,
+  layer norm, softmax, reductions, slice/cat/split/select).
+DTensor's strategy functions themselves are not called: they need a live
+DeviceMesh and DTensorSpecs, cover no CPU flash-attention op, and their local
+compute (vocabulary masks, view shapes) lives in DTensor's runtime dispatch, which
+a traced program does not go through. See docs/tensor_parallel.md.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor._ops._view_ops import (Flatten, InputDim, Split, dim_maps,
+                                                     view_groups)
+from torch.utils._pytree import tree_flatten
+
+aten = torch.ops.aten
+
+Placement = Union[str, int]
+R: Placement = "R"
+P: Placement = "P"
+
+
+def show(p: Placement | tuple) -> str:
+    if isinstance(p, tuple):
+        return "(" + ", ".join(show(x) for x in p) + ")"
+    return f"S({p})" if isinstance(p, int) else p
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run an op on local shards."""
+
+    inputs: tuple[Placement, ...]  # one per tensor input, in `tensor_inputs` order
+    output: Placement | tuple[Placement, ...]  # a tuple for ops with several outputs
+    work: float = 1.0  # fraction of the op's work one rank does (1/tp when split)
+    lowering: str | None = None  # how the hook runs it, if not as the op on local shards
+    # collectives the lowering issues itself: (kind, bytes of the full tensor)
+    comm: tuple[tuple[str, int], ...] = ()
+
+    def outputs(self) -> tuple[Placement, ...]:
+        return self.output if isinstance(self.output, tuple) else (self.output,)
+
+    @property
+    def splits_work(self) -> bool:
+        """Whether ranks do different parts of the op (then replicated inputs that need a
+        gradient get it as a partial sum, see tensor_parallel.py)."""
+        return any(p != R for p in self.outputs())
+
+    def describe(self) -> str:
+        text = f"{', '.join(show(p) for p in self.inputs)} -> {show(self.output)}"
+        return text + (f" [{self.lowering}]" if self.lowering else "")
+
+
+def is_tensor_node(arg: Any) -> bool:
+    return isinstance(arg, fx.Node) and isinstance(arg.meta.get("val"), torch.Tensor)
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """The node's tensor arguments, in pytree order of (args, kwargs)."""
+    return [a for a in tree_flatten((node.args, node.kwargs))[0] if is_tensor_node(a)]
+
+
+def output_vals(node: fx.Node) -> tuple[torch.Tensor | None, ...]:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return (val,)
+    if isinstance(val, (tuple, list)):
+        return tuple(v if isinstance(v, torch.Tensor) else None for v in val)
+    return ()
+
+
+def fits(val: torch.Tensor | None, p: Placement, tp: int) -> bool:
+    """Whether a tensor can take placement p on tp ranks (a sharded dim must divide)."""
+    if not isinstance(p, int):
+        return True
+    return val is not None and 0 <= p < val.dim() and val.shape[p] % tp == 0
+
+
+def replicated(node: fx.Node) -> Strategy:
+    outs = output_vals(node)
+    out: Placement | tuple = R if isinstance(node.meta.get("val"), torch.Tensor) \
+        else tuple(R for _ in outs)
+    return Strategy(tuple(R for _ in tensor_inputs(node)), out)
+
+
+def strategies(node: fx.Node, tp: int) -> list[Strategy]:
+    """Every valid strategy of `node` on tp ranks, all-replicated first."""
+    options = [replicated(node)]
+    rule = _rule_for(node.target)
+    if rule is not None:
+        ins, outs = [a.meta["val"] for a in tensor_inputs(node)], output_vals(node)
+        for s in rule(node, tp):
+            if s in options or len(s.inputs) != len(ins):
+                continue
+            if all(fits(v, p, tp) for v, p in zip(ins, s.inputs)) \
+                    and all(fits(v, p, tp) for v, p in zip(outs, s.outputs()) if v is not None):
+                options.append(s)
+    return options
+
+
+# -- the rules ------------------------------------------------------------------------------
+
+Rule = Callable[[fx.Node, int], list[Strategy]]
+_RULES: dict[Any, Rule] = {}
+
+
+def _rule(*ops):
+    def register(fn: Rule) -> Rule:
+        for op in ops:
+            _RULES[op] = fn
+        return fn
+    return register
+
+
+_SAME_SHAPE_UNARY = {aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default,
+                     aten.alias.default, aten.clone.default, aten.contiguous.default,
+                     aten.detach.default, aten.dropout.default, aten.type_as.default}
+
+
+def _rule_for(op) -> Rule | None:
+    if op in _RULES:
+        return _RULES[op]
+    if op in _SAME_SHAPE_UNARY:
+        return _unary_rule
+    if isinstance(op, torch._ops.OpOverload) and torch.Tag.pointwise in op.tags:
+        return _pointwise_rule
+    return None
+
+
+def _dims(node: fx.Node) -> int:
+    return node.meta["val"].dim()
+
+
+def _unary_rule(node: fx.Node, tp: int) -> list[Strategy]:
+    ins = tensor_inputs(node)
+    rest = tuple(R for _ in ins[1:])
+    # a linear map of its input: a partial sum stays one
+    return [Strategy((d,) + rest, d, 1 / tp) for d in range(_dims(node))] + \
+        [Strategy((P,) + rest, P)]
+
+
+def _pointwise_rule(node: fx.Node, tp: int) -> list[Strategy]:
+    """Shard any output dim; each input takes the same dim where it is not broadcast."""
+    out = node.meta["val"]
+    ins = [a.meta["val"] for a in tensor_inputs(node)]
+    options = []
+    for d in range(out.dim()):
+        placements = []
+        for v in ins:
+            aligned = d - (out.dim() - v.dim())
+            placements.append(aligned if aligned >= 0 and v.shape[aligned] != 1 else R)
+        options.append(Strategy(tuple(placements), d, 1 / tp))
+    return options
+
+
+# views: the aten op -> (torch function of dim_maps, how to call it with the node's args)
+_VIEW_MAPS: dict[Any, Callable[[torch.Tensor, tuple], tuple]] = {
+    aten.view.default: lambda x, a: view_groups(list(x.shape), list(a[0])),
+    aten.reshape.default: lambda x, a: view_groups(list(x.shape), list(a[0])),
+    aten._unsafe_view.default: lambda x, a: view_groups(list(x.shape), list(a[0])),
+    aten.expand.default: lambda x, a: dim_maps[torch.Tensor.expand](x, a[0]),
+    aten.unsqueeze.default: lambda x, a: dim_maps[torch.unsqueeze](x, a[0]),
+    aten.transpose.int: lambda x, a: dim_maps[torch.transpose](x, *a),
+    aten.t.default: lambda x, a: dim_maps[torch.transpose](x, 0, 1),
+    aten.permute.default: lambda x, a: dim_maps[torch.permute](x, a[0]),
+    aten.squeeze.dim: lambda x, a: dim_maps[torch.squeeze](x, a[0]),
+    aten.flatten.using_ints: lambda x, a: dim_maps[torch.flatten](x, *a),
+}
+# views whose argument is the output shape: the hook rewrites it to the local shape
+SHAPE_ARG_VIEWS = frozenset({aten.view.default, aten.reshape.default,
+                             aten._unsafe_view.default, aten.expand.default})
+
+
+def view_dim_map(node: fx.Node) -> dict[int, int]:
+    """input dim -> output dim for the input dims a view keeps as a block: a dim that
+    becomes an output dim, the first (outer) dim of a flattened group, or a dim split
+    into pieces whose outer piece takes it."""
+    x = node.args[0].meta["val"]
+    spec = _VIEW_MAPS[node.target](x, tuple(node.args[1:]))
+    out: dict[int, int] = {}
+    for o, s in enumerate(spec):
+        if isinstance(s, InputDim):
+            out[s.input_dim] = o
+        elif isinstance(s, Flatten) and isinstance(s.input_dims[0], InputDim):
+            out[s.input_dims[0].input_dim] = o
+        elif isinstance(s, Split) and s.split_id == 0 and isinstance(s.input_dim, InputDim):
+            out[s.input_dim.input_dim] = o
+    return out
+
+
+@_rule(*_VIEW_MAPS)
+def _view_rule(node: fx.Node, tp: int) -> list[Strategy]:
+    options = [Strategy((P,), P)]
+    out = node.meta["val"]
+    for d, o in view_dim_map(node).items():
+        # a split dim keeps a block only if its outer piece divides too (checked by fits)
+        if out.shape[o] % tp == 0:
+            options.append(Strategy((d,), o))
+    return options
+
+
+def _einsum_strategies(spec_in: Sequence[str], spec_out: str, tp: int,
+                       bias_of: fx.Node | None = None) -> list[Strategy]:
+    """Shard one index of a contraction: inputs that have it are sharded on it; the
+    output is sharded on it if it keeps it, else a partial sum. With a bias
+    (`bias_of` is the node), a contracted index has two forms: the bias joins one rank's
+    partial sum, or the sums are all-reduced first and the bias added after (Megatron's
+    row-parallel linear: the bias's gradient then needs no collective)."""
+    options = []
+    for letter in dict.fromkeys("".join(spec_in)):
+        ins = tuple(s.index(letter) if letter in s else R for s in spec_in)
+        if letter in spec_out:
+            options.append(Strategy(ins, spec_out.index(letter), 1 / tp))
+        elif bias_of is None:
+            options.append(Strategy(ins, P, 1 / tp))
+        else:
+            out = bias_of.meta["val"]
+            options += [Strategy(ins, P, 1 / tp, "bias_on_rank0"),
+                        Strategy(ins, R, 1 / tp, "reduce_then_bias",
+                                 comm=(("all_reduce", out.numel() * out.element_size()),))]
+    return options
+
+
+def _batch_letters(n: int) -> str:
+    return "abcdefgh"[:n]
+
+
+@_rule(aten.linear.default)
+def _linear_rule(node: fx.Node, tp: int) -> list[Strategy]:
+    lead = _batch_letters(node.args[0].meta["val"].dim() - 1)
+    ins = [lead + "k", "nk"] + (["n"] if len(tensor_inputs(node)) == 3 else [])
+    return _einsum_strategies(ins, lead + "n", tp, node if len(ins) == 3 else None)
+
+
+@_rule(aten.mm.default)
+def _mm_rule(node: fx.Node, tp: int) -> list[Strategy]:
+    return _einsum_strategies(["mk", "kn"], "mn", tp)
+
+
+@_rule(aten.bmm.default)
+def _bmm_rule(node: fx.Node, tp: int) -> list[Strategy]:
+    return _einsum_strategies(["bmk", "bkn"], "bmn", tp)
+
+
+@_rule(aten.addmm.default)
+def _addmm_rule(node: fx.Node, tp: int) -> list[Strategy]:
+    bias = node.args[0].meta["val"]
+    bias_spec = {0: "", 1: "n", 2: "mn"}[bias.dim()]
+    if (bias.dim() and bias.shape[-1] == 1) or node.kwargs or len(node.args) > 3:
+        return []  # a broadcast column bias, or beta/alpha scaling
+    return _einsum_strategies([bias_spec, "mk", "kn"], "mn", tp, node)
+
+
+def _attention_options(node: fx.Node, tp: int, n_outputs: int) -> list[Strategy]:
+    """Batch (dim 0) or heads (dim 1) of q, k, v split; a mask follows where it is not
+    broadcast. Grouped-query attention: contiguous head blocks of q map to contiguous
+    blocks of k/v when both head counts divide."""
+    ins = tensor_inputs(node)
+    options = []
+    for d in (0, 1):
+        placements = tuple(d if i < 3 or a.meta["val"].shape[d - a.meta["val"].dim() + 4] != 1
+                           else R for i, a in enumerate(ins))
+        out = d if n_outputs == 1 else tuple(d if i < 2 else R for i in range(n_outputs))
+        options.append(Strategy(placements, out, 1 / tp))
+    return options
+
+
+@_rule(aten.scaled_dot_product_attention.default)
+def _sdpa_rule(node: fx.Node, tp: int) -> list[Strategy]:
+    if node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0):
+        return []  # dropout inside attention draws per-rank random numbers
+    return _attention_options(node, tp, 1)
+
+
+@_rule(aten._scaled_dot_product_flash_attention_for_cpu.default)
+def _flash_cpu_rule(node: fx.Node, tp: int) -> list[Strategy]:
+    return _attention_options(node, tp, len(output_vals(node)))
+
+
+@_rule(aten.embedding.default)
+def _embedding_rule(node: fx.Node, tp: int) -> list[Strategy]:
+    weight, idx = node.args[0].meta["val"], node.args[1].meta["val"]
+    nbytes = node.meta["val"].numel() * node.meta["val"].element_size()
+    options = [Strategy((1, R), idx.dim(), 1 / tp),  # hidden split
+               # vocabulary split: each rank looks up the rows it holds, zero elsewhere
+               Strategy((0, R), P, 1 / tp, "vocab_parallel_embedding")]
+    options += [Strategy((R, d), d, 1 / tp) for d in range(idx.dim())]
+    del weight, nbytes
+    return options
+
+
+@_rule(aten.cross_entropy_loss.default)
+def _cross_entropy_rule(node: fx.Node, tp: int) -> list[Strategy]:
+    logits = node.args[0].meta["val"]
+    args = list(node.args) + [None] * (6 - len(node.args))
+    weight, label_smoothing = args[2], node.kwargs.get("label_smoothing", args[5] or 0.0)
+    if logits.dim() != 2 or weight is not None or label_smoothing or len(tensor_inputs(node)) != 2:
+        return []
+    rows = logits.shape[0] * logits.dtype.itemsize
+    # the classes split: max, sum of exponentials and the target's logit are combined
+    # across ranks (2 all-reduces of a few numbers per row); the logits are never gathered
+    return [Strategy((1, R), R, 1 / tp, "vocab_parallel_cross_entropy",
+                     comm=(("all_reduce", rows), ("all_reduce", 2 * rows)))]
+
+
+@_rule(aten.layer_norm.default)
+def _layer_norm_rule(node: fx.Node, tp: int) -> list[Strategy]:
+    x = node.args[0].meta["val"]
+    norm_dims = len(node.args[1])
+    rest = tuple(R for _ in tensor_inputs(node)[1:])
+    return [Strategy((d,) + rest, d, 1 / tp) for d in range(x.dim() - norm_dims)]
+
+
+@_rule(aten._softmax.default, aten._log_softmax.default, aten.softmax.int,
+       aten.log_softmax.int)
+def _softmax_rule(node: fx.Node, tp: int) -> list[Strategy]:
+    x = node.args[0].meta["val"]
+    dim = node.args[1] % x.dim()
+    return [Strategy((d,), d, 1 / tp) for d in range(x.dim()) if d != dim]
+
+
+def _reduced_dims(node: fx.Node) -> tuple[list[int], bool]:
+    x = node.args[0].meta["val"]
+    dims = node.args[1] if len(node.args) > 1 and node.args[1] is not None else range(x.dim())
+    dims = [dims] if isinstance(dims, int) else dims
+    keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    return sorted(d % max(x.dim(), 1) for d in dims), bool(keep)
+
+
+@_rule(aten.sum.dim_IntList, aten.mean.dim)
+def _reduction_rule(node: fx.Node, tp: int) -> list[Strategy]:
+    x = node.args[0].meta["val"]
+    reduced, keep = _reduced_dims(node)
+    if node.kwargs.get("dtype") is not None:
+        return []
+    options = []
+    for d in range(x.dim()):
+        if d in reduced:
+            # a sum over a split dim is a partial sum; a mean divides it by tp as well
+            lowering = "mean_over_shards" if node.target == aten.mean.dim else None
+            options.append(Strategy((d,), P, 1 / tp, lowering))
+        else:
+            options.append(Strategy((d,), d if keep else d - sum(r < d for r in reduced), 1 / tp))
+    return options + [Strategy((P,), P)] if node.target == aten.sum.dim_IntList else options
+
+
+def _other_dims(x: torch.Tensor, dim: int) -> list[int]:
+    return [d for d in range(x.dim()) if d != dim % x.dim()]
+
+
+@_rule(aten.slice.Tensor)
+def _slice_rule(node: fx.Node, tp: int) -> list[Strategy]:
+    x = node.args[0].meta["val"]
+    dim = node.args[1] if len(node.args) > 1 else 0
+    return [Strategy((d,), d, 1 / tp) for d in _other_dims(x, dim)] + [Strategy((P,), P)]
+
+
+@_rule(aten.select.int)
+def _select_rule(node: fx.Node, tp: int) -> list[Strategy]:
+    x = node.args[0].meta["val"]
+    dim = node.args[1] % x.dim()
+    return [Strategy((d,), d - (d > dim), 1 / tp) for d in _other_dims(x, dim)]
+
+
+@_rule(aten.cat.default)
+def _cat_rule(node: fx.Node, tp: int) -> list[Strategy]:
+    out = node.meta["val"]
+    dim = node.args[1] if len(node.args) > 1 else 0
+    n = len(tensor_inputs(node))
+    if any(a.meta["val"].dim() != out.dim() for a in tensor_inputs(node)):
+        return []  # legacy empty-tensor cat
+    return [Strategy(tuple(d for _ in range(n)), d, 1 / tp) for d in _other_dims(out, dim)]
+
+
+@_rule(aten.split.Tensor, aten.split_with_sizes.default)
+def _split_rule(node: fx.Node, tp: int) -> list[Strategy]:
+    x = node.args[0].meta["val"]
+    dim = node.args[2] if len(node.args) > 2 else 0
+    n = len(output_vals(node))
+    return [Strategy((d,), tuple(d for _ in range(n)), 1 / tp) for d in _other_dims(x, dim)]
+
+
+@_rule(operator.getitem)
+def _getitem_rule(node: fx.Node, tp: int) -> list[Strategy]:
+    return []  # follows its producer: handled by the solver, not by strategies

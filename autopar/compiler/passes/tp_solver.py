@@ -1,0 +1,366 @@
+"""Choose one sharding strategy per forward op: an integer program solved by HiGHS.
+
+Variables: x[v, s] = 1 if node v runs strategy s (exactly one per node). The cost,
+in seconds of one training step under the cost model (a pure function of the
+cluster, no clocks):
+
+- compute: each op's roofline time (forward and twice that for backward) times the
+  fraction of the work one rank does under s;
+- redistribution on every edge u -> v whose producer's output placement differs
+  from the placement v's strategy needs (y[e, p, q] >= o[u, p] + r[v, q] - 1):
+  all-gather, all-reduce, reduce-scatter or a local slice, plus the collective
+  its backward needs;
+- the gradient all-reduce of a replicated value that feeds ops whose work is
+  split (z[u] >= x[v, s]): each rank then holds only part of the value's gradient
+  (Megatron's "f"); one all-reduce per value, however many such consumers;
+- collectives a lowering issues itself (the vocabulary-parallel loss);
+- the optimizer's update of each parameter, which reads and writes about 7 values
+  per element (AdamW: weight, gradient, two moments; SGD fewer), on 1/tp of it when
+  sharded: what sharding a weight saves every step besides memory.
+
+All-replicated is always feasible, so the chosen plan is never predicted slower
+than replicating everything (tests/unit/test_tensor_parallel.py checks it).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import highspy
+import torch
+import torch.fx as fx
+
+from autopar.compiler.ir.annotate import node_bytes, node_flops, tensor_bytes
+from autopar.compiler.passes.tp_rules import (P, R, Placement, Strategy, is_tensor_node,
+                                              output_vals, strategies, tensor_inputs)
+from autopar.compiler.planner.cost_model import collective_time, op_time
+
+# bytes the optimizer reads and writes per parameter element per step, in units of the
+# element size: AdamW reads weight, gradient and two moments and writes three of them
+OPTIMIZER_TOUCHES = 7
+INF = math.inf
+
+
+@dataclass
+class TPCosts:
+    """The cost model's prices of what the solver trades: compute, collectives on the
+    tp group (one node, the intra-node link), optimizer updates."""
+
+    cluster: object  # autopar.ClusterSpec
+    tp: int
+
+    def compute(self, node: fx.Node, strategy: Strategy) -> float:
+        flops = node_flops(node) or _extra_flops(node)
+        nbytes = node_bytes(node)
+        if not flops and not nbytes:
+            return 0.0
+        dev = self.cluster.device
+        peak = self.cluster.peak_flops_for("fp32")
+        return 3 * strategy.work * op_time(flops, nbytes, peak, dev.memory_bandwidth)
+
+    def collective(self, kind: str, nbytes: float) -> float:
+        return collective_time(kind, nbytes, self.tp, self.cluster, spans_nodes=False)
+
+    def redistribute(self, src: Placement, dst: Placement, val: torch.Tensor,
+                     needs_grad: bool) -> float:
+        """Forward conversion src -> dst and the conversion its backward does."""
+        if src == dst:
+            return 0.0
+        n = tensor_bytes(val)
+        grad = (lambda kind: self.collective(kind, n)) if needs_grad else (lambda kind: 0.0)
+        if dst == P:
+            return INF  # nothing turns a whole value into a partial sum worth having
+        if src == P:
+            if dst == R:
+                return self.collective("all_reduce", n)
+            return self.collective("reduce_scatter", n) + grad("all_gather")
+        if src == R:  # a local slice; the backward gathers the gradient's blocks
+            return grad("all_gather")
+        if dst == R:  # gather the blocks; the backward keeps its own block
+            return self.collective("all_gather", n)
+        # one split dim for another: gather, then slice (and the same in backward)
+        return self.collective("all_gather", n) + grad("all_gather")
+
+    def lowering(self, strategy: Strategy) -> float:
+        return sum(self.collective(kind, n) for kind, n in strategy.comm)
+
+    def optimizer_update(self, val: torch.Tensor, placement: Placement) -> float:
+        share = 1 / self.tp if isinstance(placement, int) else 1.0
+        return share * OPTIMIZER_TOUCHES * tensor_bytes(val) / self.cluster.device.memory_bandwidth
+
+
+def _extra_flops(node: fx.Node) -> int:
+    """FLOPs of forward ops the joint graph's counter never sees (they decompose there)."""
+    if node.target == torch.ops.aten.linear.default:
+        out, x = node.meta["val"], node.args[0].meta["val"]
+        return 2 * out.numel() * x.shape[-1]
+    return 0
+
+
+@dataclass
+class TPPlan:
+    """The chosen strategy of every node, the placement of every value, and costs."""
+
+    tp: int
+    choice: dict[str, Strategy]
+    placement: dict[str, Placement | tuple[Placement, ...]]
+    cost_s: float  # predicted seconds of the cost terms above
+    replicated_cost_s: float  # the same with every op replicated
+    options: dict[str, int] = field(default_factory=dict)  # node -> number of strategies
+
+    def param_placement(self, node_name: str) -> Placement:
+        return self.placement[node_name]
+
+
+def needs_grad(graph: fx.Graph, params: set[str]) -> set[str]:
+    """Names of the nodes whose value gets a gradient (floating, downstream of a parameter)."""
+    out: set[str] = set()
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        floating = any(v is not None and v.is_floating_point() for v in output_vals(node)) \
+            if node.op != "placeholder" else isinstance(val, torch.Tensor) and val.is_floating_point()
+        if node.op == "placeholder":
+            if node.name in params:
+                out.add(node.name)
+        elif floating and node.op == "call_function" and not isinstance(
+                node.target, torch._ops.HigherOrderOperator) \
+                and any(a.name in out for a in node.all_input_nodes):
+            out.add(node.name)
+    return out
+
+
+def data_dims(graph: fx.Graph, inputs: Iterable[str], tp: int) -> dict[str, set[int]]:
+    """node -> the dims of its value that index samples or tokens: every dim of a user
+    input, and each output dim a strategy maps such a dim to (the batch and sequence of
+    the activations, through views and matmuls). Tensor parallelism leaves these to
+    data (and sequence) parallelism: splitting them would replicate the weights."""
+    out: dict[str, set[int]] = {n: set(range(_ndim(n, graph))) for n in inputs}
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            if node.op == "call_function" and node.args[0].name in out:
+                out[node.name] = set(out[node.args[0].name])
+            continue
+        ins = tensor_inputs(node)
+        found: set[int] = set()
+        for s in strategies(node, 1):
+            if any(isinstance(p, int) and p in out.get(a.name, ()) for a, p in zip(ins, s.inputs)):
+                found.update(p for p in s.outputs() if isinstance(p, int))
+        if found:
+            out[node.name] = found
+    return out
+
+
+def _ndim(name: str, graph: fx.Graph) -> int:
+    node = next(n for n in graph.nodes if n.name == name)
+    return node.meta["val"].dim()
+
+
+def _splits_data(s: Strategy, node: fx.Node, data: dict[str, set[int]]) -> bool:
+    if any(isinstance(p, int) and p in data.get(a.name, ())
+           for a, p in zip(tensor_inputs(node), s.inputs)):
+        return True
+    return any(isinstance(p, int) and p in data.get(node.name, ()) for p in s.outputs())
+
+
+def solve(graph: fx.Graph, tp: int, costs: TPCosts, param_options: dict[str, list[Placement]],
+          tied: Iterable[list[str]] = (), inputs: Iterable[str] = (),
+          param_budget: float | None = None) -> TPPlan:
+    """The cheapest strategy per node. `param_options`: placeholder -> placements the
+    parameter may take (other placeholders are replicated inputs); `tied`: groups of
+    placeholders that are one tensor and must take one placement; `inputs`: the user
+    inputs' placeholders (their dims are data dims, never split); `param_budget`: the
+    most bytes of parameters one rank may hold (None: no limit)."""
+    grads = needs_grad(graph, set(param_options))
+    options = _options(graph, tp, param_options, costs, data_dims(graph, inputs, tp))
+    model = _Model(costs)
+    x = {name: model.choose(name, opts) for name, opts in options.items()}
+    for group in tied:
+        for other in group[1:]:
+            for (a, _), (b, _) in zip(x[group[0]], x[other]):
+                model.equal(a, b)
+    if param_budget is not None:
+        model.budget(_param_bytes(graph, {n: x[n] for n in param_options}, tied, tp), param_budget)
+    out_expr = {}  # node -> {placement: [(var or None, strategy)]}
+    for node in graph.nodes:
+        if node.name in x:
+            out_expr[node.name] = _placement_expr(x[node.name], lambda s: s.output)
+        elif node.op == "call_function" and node.target is operator.getitem \
+                and node.args[0].name in x:
+            idx = node.args[1]
+            out_expr[node.name] = _placement_expr(x[node.args[0].name],
+                                                  lambda s, i=idx: s.outputs()[i])
+    for node in graph.nodes:
+        if node.name not in x:
+            continue
+        for slot, src in enumerate(tensor_inputs(node)):
+            need = _placement_expr(x[node.name], lambda s, i=slot: s.inputs[i])
+            model.edge(out_expr[src.name], need, lambda p, q, v=src.meta["val"], g=src.name in grads:
+                       costs.redistribute(p, q, v, g))
+            if src.name in grads:
+                split_users = [var for var, s in x[node.name] if s.inputs[slot] == R and s.splits_work]
+                model.grad_allreduce(src.name, split_users,
+                                     costs.collective("all_reduce", tensor_bytes(src.meta["val"])))
+    for out in graph.output_node().args[0]:
+        if is_tensor_node(out):
+            model.require(out_expr[out.name], R)
+    model.solve()
+    choice = {name: model.chosen(opts) for name, opts in x.items()}
+    placement = {name: s.output for name, s in choice.items()}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is operator.getitem \
+                and node.args[0].name in choice:
+            placement[node.name] = choice[node.args[0].name].outputs()[node.args[1]]
+    return TPPlan(tp, choice, placement, model.objective(), model.replicated_objective(),
+                  {name: len(opts) for name, opts in options.items()})
+
+
+def _param_bytes(graph: fx.Graph, x: dict, tied: Iterable[list[str]], tp: int) -> list:
+    """(variable or None, bytes one rank holds) for each parameter's placement choice;
+    a tied parameter is counted once."""
+    repeats = {name for group in tied for name in group[1:]}
+    terms = []
+    for node in graph.nodes:
+        if node.op == "placeholder" and node.name in x and node.name not in repeats:
+            full = tensor_bytes(node.meta["val"])
+            terms += [(var, full / tp if isinstance(s.output, int) else full)
+                      for var, s in x[node.name]]
+    return terms
+
+
+def _options(graph: fx.Graph, tp: int, param_options: dict[str, list[Placement]],
+             costs: TPCosts, data: dict[str, set[int]]) -> dict[str, list[tuple[Strategy, float]]]:
+    """node -> [(strategy, its own cost)] for every node whose output is a tensor (or tuple)."""
+    out: dict[str, list[tuple[Strategy, float]]] = {}
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            val = node.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                continue
+            places = param_options.get(node.name, [R])
+            out[node.name] = [(Strategy((), p), costs.optimizer_update(val, p)
+                               if node.name in param_options else 0.0) for p in places]
+        elif node.op == "call_function" and node.target is not operator.getitem \
+                and output_vals(node):
+            out[node.name] = [(s, costs.compute(node, s) + costs.lowering(s))
+                              for s in strategies(node, tp) if not _splits_data(s, node, data)]
+    return out
+
+
+def _placement_expr(vars_: list, pick) -> dict[Placement, list]:
+    expr: dict[Placement, list] = {}
+    for var, s in vars_:
+        expr.setdefault(pick(s), []).append(var)
+    return expr
+
+
+class _Model:
+    """The integer program, with constant folding for nodes that have one option."""
+
+    def __init__(self, costs: TPCosts):
+        self.h = highspy.Highs()
+        self.h.setOptionValue("output_flag", False)
+        self.constant = 0.0
+        self.replicated = 0.0  # the objective of the all-replicated plan
+        self.all_vars: list[tuple] = []  # (var, cost) of the strategy choices
+        self.edges: list[tuple] = []  # (var, cost) of redistribution and gradient terms
+        self._grad_vars: dict[str, object] = {}
+
+    def choose(self, name: str, opts: list[tuple[Strategy, float]]) -> list[tuple]:
+        self.replicated += next((c for s, c in opts if all(p == R for p in s.outputs())),
+                                opts[0][1])
+        if len(opts) == 1:
+            self.constant += opts[0][1]
+            return [(None, opts[0][0])]
+        vars_ = [self.h.addBinary(obj=cost) for _, cost in opts]
+        self.h.addConstr(sum(vars_) == 1)
+        self.all_vars += [(v, c) for v, (_, c) in zip(vars_, opts)]
+        return list(zip(vars_, (s for s, _ in opts)))
+
+    def equal(self, a, b) -> None:
+        if a is not None and b is not None:
+            self.h.addConstr(a - b == 0)  # NOTE: `a == b` of two variables compares them
+
+    def edge(self, have: dict, need: dict, price) -> None:
+        for p, src_vars in have.items():
+            for q, dst_vars in need.items():
+                cost = price(p, q)
+                if cost == 0.0:
+                    continue
+                lhs = _sum(src_vars) + _sum(dst_vars)
+                if cost == INF:
+                    self._at_most(lhs, 1)
+                elif _is_const(lhs):
+                    self.constant += cost if lhs >= 2 else 0.0
+                else:
+                    y = self.h.addVariable(lb=0, ub=1, obj=cost)
+                    self.h.addConstr(y >= lhs - 1)
+                    self.edges.append((y, cost))
+
+    def grad_allreduce(self, value: str, split_users: list, cost: float) -> None:
+        """One all-reduce of `value`'s gradient if any of split_users is chosen."""
+        if not split_users or cost == 0.0:
+            return
+        known = value in self._grad_vars
+        z = self._grad_vars.get(value)
+        if known and z is None:
+            return  # already paid for unconditionally
+        if any(v is None for v in split_users):
+            self.constant += cost
+            self._grad_vars[value] = None
+            return
+        if not known:
+            z = self._grad_vars[value] = self.h.addVariable(lb=0, ub=1, obj=cost)
+            self.edges.append((z, cost))
+        for v in split_users:
+            self.h.addConstr(z >= v)
+
+    def budget(self, terms: list, limit: float) -> None:
+        const = sum(b for v, b in terms if v is None)
+        live = [(v, b) for v, b in terms if v is not None]
+        if not live:
+            return
+        self.h.addConstr(sum(b * v for v, b in live) <= limit - const)
+
+    def require(self, expr: dict, placement: Placement) -> None:
+        for p, vars_ in expr.items():
+            if p != placement:
+                self._at_most(_sum(vars_), 0)
+
+    def _at_most(self, lhs, bound: int) -> None:
+        if _is_const(lhs):
+            if lhs > bound:
+                raise ValueError("the tensor-parallel constraints cannot be met")
+            return
+        self.h.addConstr(lhs <= bound)
+
+    def solve(self) -> None:
+        if self.all_vars:
+            self.h.minimize()
+            status = self.h.getModelStatus()
+            if status != highspy.HighsModelStatus.kOptimal:
+                raise RuntimeError(f"the tensor-parallel placement program ended {status}")
+
+    def chosen(self, vars_: list[tuple]) -> Strategy:
+        if vars_[0][0] is None:
+            return vars_[0][1]
+        return max(vars_, key=lambda vs: self.h.val(vs[0]))[1]
+
+    def objective(self) -> float:
+        return self.constant + (self.h.getObjectiveValue() if self.all_vars else 0.0)
+
+    def replicated_objective(self) -> float:
+        return self.replicated
+
+
+def _sum(vars_: list):
+    """Sum of binary variables, None standing for a constant 1."""
+    const = sum(1 for v in vars_ if v is None)
+    live = [v for v in vars_ if v is not None]
+    return const + sum(live) if live else const
+
+
+def _is_const(expr) -> bool:
+    return isinstance(expr, (int, float))
