@@ -1,0 +1,100 @@
+"""autopar tp=2 against torch.distributed.tensor.parallel (DTensor), side by side.
+
+Same Llama (transformers; 4 layers, hidden 256, 8 heads, 4 key/value heads, vocab
+32000), same batch (16 x 128 tokens) on both tensor-parallel ranks, AdamW, same gloo
+process group, one thread per process. DTensor gets the standard plan:
+ColwiseParallel on q/k/v/gate/up and RowwiseParallel on o/down in every layer
+(embedding and head replicated); autopar gets Layout(tp=2) and its solver's plan.
+Rounds alternate between the two. Prints the median step time of each, the ratio
+autopar / DTensor (target <= 0.9), and the parameter + optimizer-state elements one
+rank holds against the unsharded model's (target <= 0.55).
+
+    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 2 \\
+        benchmarks/tp_vs_dtensor.py --rounds 5 --steps 3
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                               parallelize_module)
+
+import autopar
+import common  # benchmarks/common.py (the script's own folder is on sys.path)
+from autopar.examples import load_example
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+def dtensor_step_fn(model, loss_fn, world):
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        plan = {f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")}
+        plan.update({f"mlp.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj")})
+        plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+        parallelize_module(layer, mesh, plan)
+    opt = adamw([p for p in model.parameters() if p.requires_grad])
+
+    def step(ids):
+        loss = loss_fn(model(ids), ids)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+    return step, model, opt
+
+
+def held_elements(tensors) -> int:
+    """Elements this rank stores (a DTensor's local shard, a tensor whole)."""
+    return sum((t.to_local() if hasattr(t, "to_local") else t).numel() for t in tensors)
+
+
+def optimizer_elements(opt) -> int:
+    return held_elements(t for s in opt.state.values() for t in s.values()
+                         if isinstance(t, torch.Tensor) and t.dim() > 0)
+
+
+def main() -> None:
+    parser = common.parser(__doc__.splitlines()[0], steps=3)
+    parser.set_defaults(model="llama-small4")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    example = load_example(args.model)
+    batch = example.batch
+    start = time.perf_counter()
+    ours = autopar.compile(copy.deepcopy(example.model), None, batch, example.loss_fn,
+                           optimizer=adamw, layout=autopar.Layout(tp=world))
+    compile_s = time.perf_counter() - start
+    theirs, dt_model, dt_opt = dtensor_step_fn(copy.deepcopy(example.model), example.loss_fn, world)
+    medians = common.alternate({"autopar": ours, "dtensor": theirs}, batch, args.rounds,
+                               args.steps, args.warmup)
+    whole = sum(p.numel() for p in example.model.parameters())
+    ours_held = held_elements(ours.params) + optimizer_elements(ours.optimizer)
+    theirs_held = held_elements(dt_model.parameters()) + optimizer_elements(dt_opt)
+    if rank == 0:
+        result = {"benchmark": "tp_vs_dtensor", "model": args.model, "world": world,
+                  "rounds": args.rounds, "steps_per_round": args.steps,
+                  "median_step_s": medians,
+                  "ratio_autopar_over_dtensor": medians["autopar"] / medians["dtensor"],
+                  "params_and_adam_state_per_rank_over_unsharded": {
+                      "autopar": ours_held / (3 * whole), "dtensor": theirs_held / (3 * whole)},
+                  "autopar_compile_s": compile_s,
+                  "autopar_params": ours.pass_results[0].stats["params"],
+                  "torch": torch.__version__}
+        print(json.dumps(result, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
