@@ -287,11 +287,17 @@ def _attention_options(node: fx.Node, tp: int, n_outputs: int) -> list[Strategy]
     ins = tensor_inputs(node)
     options = []
     for d in (0, 1):
-        placements = tuple(d if i < 3 or a.meta["val"].shape[d - a.meta["val"].dim() + 4] != 1
-                           else R for i, a in enumerate(ins))
+        placements = tuple(d if i < 3 else _mask_dim(a.meta["val"], d) for i, a in enumerate(ins))
         out = d if n_outputs == 1 else tuple(d if i < 2 else R for i in range(n_outputs))
         options.append(Strategy(placements, out, 1 / tp))
     return options
+
+
+def _mask_dim(mask: torch.Tensor, d: int) -> Placement:
+    """An attention mask broadcasts against (batch, heads, queries, keys): it is split
+    where it has dim d of its own, replicated where it broadcasts."""
+    aligned = d - (4 - mask.dim())
+    return aligned if aligned >= 0 and mask.shape[aligned] != 1 else R
 
 
 @_rule(aten.scaled_dot_product_attention.default)
@@ -308,14 +314,13 @@ def _flash_cpu_rule(node: fx.Node, tp: int) -> list[Strategy]:
 
 @_rule(aten.embedding.default)
 def _embedding_rule(node: fx.Node, tp: int) -> list[Strategy]:
-    weight, idx = node.args[0].meta["val"], node.args[1].meta["val"]
-    nbytes = node.meta["val"].numel() * node.meta["val"].element_size()
-    options = [Strategy((1, R), idx.dim(), 1 / tp),  # hidden split
-               # vocabulary split: each rank looks up the rows it holds, zero elsewhere
-               Strategy((0, R), P, 1 / tp, "vocab_parallel_embedding")]
-    options += [Strategy((R, d), d, 1 / tp) for d in range(idx.dim())]
-    del weight, nbytes
-    return options
+    idx = node.args[1].meta["val"]
+    options = [Strategy((1, R), idx.dim(), 1 / tp)]  # hidden split
+    scale_grad_by_freq = len(node.args) > 3 and node.args[3]
+    if not scale_grad_by_freq:  # (masked ids would all count as row 0)
+        # vocabulary split: each rank looks up the rows it holds, zero elsewhere
+        options.append(Strategy((0, R), P, 1 / tp, "vocab_parallel_embedding"))
+    return options + [Strategy((R, d), d, 1 / tp) for d in range(idx.dim())]
 
 
 @_rule(aten.cross_entropy_loss.default)

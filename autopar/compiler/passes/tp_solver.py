@@ -111,9 +111,6 @@ class TPPlan:
     replicated_cost_s: float  # the same with every op replicated
     options: dict[str, int] = field(default_factory=dict)  # node -> number of strategies
 
-    def param_placement(self, node_name: str) -> Placement:
-        return self.placement[node_name]
-
 
 def needs_grad(graph: fx.Graph, params: set[str]) -> set[str]:
     """Names of the nodes whose value gets a gradient (floating, downstream of a parameter)."""
@@ -213,7 +210,7 @@ def solve(graph: fx.Graph, tp: int, costs: TPCosts, param_options: dict[str, lis
         if node.op == "call_function" and node.target is operator.getitem \
                 and node.args[0].name in choice:
             placement[node.name] = choice[node.args[0].name].outputs()[node.args[1]]
-    return TPPlan(tp, choice, placement, model.objective(), model.replicated_objective(),
+    return TPPlan(tp, choice, placement, model.objective(), model.replicated,
                   {name: len(opts) for name, opts in options.items()})
 
 
@@ -264,8 +261,7 @@ class _Model:
         self.h.setOptionValue("output_flag", False)
         self.constant = 0.0
         self.replicated = 0.0  # the objective of the all-replicated plan
-        self.all_vars: list[tuple] = []  # (var, cost) of the strategy choices
-        self.edges: list[tuple] = []  # (var, cost) of redistribution and gradient terms
+        self.has_choices = False
         self._grad_vars: dict[str, object] = {}
 
     def choose(self, name: str, opts: list[tuple[Strategy, float]]) -> list[tuple]:
@@ -276,7 +272,7 @@ class _Model:
             return [(None, opts[0][0])]
         vars_ = [self.h.addBinary(obj=cost) for _, cost in opts]
         self.h.addConstr(sum(vars_) == 1)
-        self.all_vars += [(v, c) for v, (_, c) in zip(vars_, opts)]
+        self.has_choices = True
         return list(zip(vars_, (s for s, _ in opts)))
 
     def equal(self, a, b) -> None:
@@ -297,7 +293,6 @@ class _Model:
                 else:
                     y = self.h.addVariable(lb=0, ub=1, obj=cost)
                     self.h.addConstr(y >= lhs - 1)
-                    self.edges.append((y, cost))
 
     def grad_allreduce(self, value: str, split_users: list, cost: float) -> None:
         """One all-reduce of `value`'s gradient if any of split_users is chosen."""
@@ -313,7 +308,6 @@ class _Model:
             return
         if not known:
             z = self._grad_vars[value] = self.h.addVariable(lb=0, ub=1, obj=cost)
-            self.edges.append((z, cost))
         for v in split_users:
             self.h.addConstr(z >= v)
 
@@ -337,7 +331,7 @@ class _Model:
         self.h.addConstr(lhs <= bound)
 
     def solve(self) -> None:
-        if self.all_vars:
+        if self.has_choices:
             self.h.minimize()
             status = self.h.getModelStatus()
             if status != highspy.HighsModelStatus.kOptimal:
@@ -349,10 +343,7 @@ class _Model:
         return max(vars_, key=lambda vs: self.h.val(vs[0]))[1]
 
     def objective(self) -> float:
-        return self.constant + (self.h.getObjectiveValue() if self.all_vars else 0.0)
-
-    def replicated_objective(self) -> float:
-        return self.replicated
+        return self.constant + (self.h.getObjectiveValue() if self.has_choices else 0.0)
 
 
 def _sum(vars_: list):
