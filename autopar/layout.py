@@ -133,8 +133,6 @@ def unsupported_fields(layout: Layout) -> list[str]:
                    "hold tensor-parallel shards yet)")
     if layout.tp > 1 and layout.amp != "off":
         out.append("tp > 1 with amp (the vocabulary-parallel loss is not cast yet)")
-    if layout.sequence_parallel:
-        out.append("sequence_parallel=True")
     if layout.zero:
         out.append("zero > 0 (ZeRO sharding)")
     if layout.recompute != "none":

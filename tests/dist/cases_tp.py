@@ -50,6 +50,10 @@ for _name, _factory in {"gpt2_tied": gpt2, "llama_gqa": llama, "mlp": mlp}.items
         tp_case(f"tp2_parity_{_name}_{_opt.__name__}", _factory, _opt, tp=2)
     tp_case(f"dp2_tp2_parity_{_name}_adamw", _factory, adamw, world=4, dp=2, tp=2)
 tp_case("dp2_tp2_parity_llama_gqa_sgd", llama, sgd, world=4, dp=2, tp=2)
+tp_case("tp2_sequence_parallel_parity_llama_gqa_adamw", llama, adamw, tp=2, sequence_parallel=True)
+tp_case("tp2_sequence_parallel_parity_gpt2_tied_sgd", gpt2, sgd, tp=2, sequence_parallel=True)
+tp_case("dp2_tp2_sequence_parallel_parity_gpt2_tied_adamw", gpt2, adamw, world=4, dp=2, tp=2,
+        sequence_parallel=True)
 
 
 @case(world=2)

@@ -64,7 +64,7 @@ def test_fields_without_their_pass_are_listed():
     assert unsupported_fields(Layout(tp=2, pp=2)) == [
         "tp > 1 with pp > 1 or microbatches > 1 (the pipeline runtime does not hold "
         "tensor-parallel shards yet)"]
-    assert unsupported_fields(Layout(tp=2, sequence_parallel=True)) == ["sequence_parallel=True"]
+    assert unsupported_fields(Layout(tp=2, sequence_parallel=True)) == []
     assert unsupported_fields(Layout(pp=2, amp="bf16")) == []
     assert unsupported_fields(Layout(pp=2, amp="fp16", grad_comm_dtype="bf16")) == [
         "amp='fp16' with pp > 1 or microbatches > 1 (the pipeline runtime has no loss scaler "

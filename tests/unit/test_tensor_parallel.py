@@ -73,6 +73,23 @@ def test_megatron_mlp_block_one_all_reduce_each_way():
     assert result.stats["predicted_speedup"] > 1
 
 
+def test_sequence_parallel_gathers_and_scatters_instead_of_all_reduce():
+    tg = trace_train_step(MegatronBlock(), (torch.randn(8, 64, 256),), block_loss)
+    out, _ = run_passes(tg, autopar.Layout(tp=2, sequence_parallel=True), DGX,
+                        options={"tp_rank": 0})
+    ops = {r["node"]: r["strategy"] for r in out.attrs["tp"]["ops"]}
+    assert ops["layer_norm"].startswith("S(1)")  # the norm runs on a sequence block
+    assert ops["add"] == "S(1), S(1) -> S(1)"  # and the residual add
+    forward = collectives(out, backward=False)
+    # gathered before the column-parallel matmul (and for the loss), reduce-scattered after
+    # the row-parallel one: no all-reduce
+    assert forward == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 1}, forward
+    shapes = {n.name: tuple(n.meta[M.VAL].shape) for n in out.call_nodes()
+              if n.target == c10d.reduce_scatter_tensor.default}
+    # forward and backward (the gathered input's gradient): half the sequence per rank
+    assert set(shapes.values()) == {(32, 8, 256)}, shapes
+
+
 def test_llama_attention_by_heads_and_vocabulary_parallel_loss():
     ex = llama(layers=2, hidden=256, heads=8, kv_heads=4, vocab=8192, batch=4, seq=64)
     out, _ = tp_graph(ex.model, ex.batch, ex.loss_fn)

@@ -105,8 +105,7 @@ class TensorParallelHook:
         done = self._converted.setdefault(x, {})
         key = (want, wrap)
         if key not in done:
-            y = tp_comm.redistribute(x, have, want, self.group)
-            done[key] = tp_comm.grad_split(y, self.group) if wrap else y
+            done[key] = tp_comm.redistribute(x, have, want, self.group, split_work=wrap)
         return done[key]
 
 
@@ -205,7 +204,8 @@ class TensorParallel(GraphPass):
         if tp == 1:
             return tg, PassResult(self.name, changed=False,
                                   declined=[("tensor parallelism", "Layout.tp=1")])
-        plan, exported = plan_tensor_parallel(tg, tp, ctx.cluster, ctx.layout.world_size)
+        plan, exported = plan_tensor_parallel(tg, tp, ctx.cluster, ctx.layout.world_size,
+                                              sequence_parallel=ctx.layout.sequence_parallel)
         rank = int(ctx.options.get("tp_rank", 0))
         hook = TensorParallelHook(plan, tp_comm.TPGroup(mesh_group_tag("tp"), tp, rank))
         shards = {target: (plan.placement[name], tp, rank)
@@ -225,7 +225,8 @@ class TensorParallel(GraphPass):
 
 
 def plan_tensor_parallel(tg: TrainGraph, tp: int, cluster: Any, world_size: int,
-                         param_budget: bool = True) -> tuple[TPPlan, dict[str, str]]:
+                         param_budget: bool = True, sequence_parallel: bool = False,
+                         ) -> tuple[TPPlan, dict[str, str]]:
     """The solver's plan for tg's exported forward, and the trainable parameters'
     placeholders -> exported names (the keys TraceSource.param_shards takes).
     `param_budget=False` drops the limit on each rank's parameter bytes."""
@@ -251,10 +252,32 @@ def plan_tensor_parallel(tg: TrainGraph, tp: int, cluster: Any, world_size: int,
         tied.setdefault(target, []).append(name)
     cluster = cluster if cluster is not None else ClusterSpec.local(world_size)
     inputs = [s.arg.name for s in ep.graph_signature.input_specs if s.kind == InputKind.USER_INPUT]
+    ndims = {n: placeholders[n].meta["val"].dim() for n in inputs}
+    unsplit = unsplit_dims(ndims, tg.signature.batch_dims, sequence_parallel)
+    split = {n: set(range(d)) - unsplit[n] for n, d in ndims.items()}
     groups = [g for g in tied.values() if len(g) > 1]
     budget = budget_bytes(placeholders, options, groups, tp) if param_budget else None
-    plan = solve(graph, tp, TPCosts(cluster, tp), options, groups, inputs, budget)
+    plan = solve(graph, tp, TPCosts(cluster, tp), options, groups, unsplit, budget, split)
     return plan, params
+
+
+def unsplit_dims(ndims: dict[str, int], batch_dims: tuple[int | None, ...],
+                 sequence_parallel: bool) -> dict[str, set[int]]:
+    """User input -> the dims tp must not split in anything derived from them.
+
+    Without sequence parallelism: every dim of an input (batch and sequence: what the
+    activations index samples and tokens by). Splitting those is data parallelism in
+    disguise and would leave every weight whole; it is the dp dimension's job. With
+    sequence parallelism only the batch dim: the other dims (the sequence) are split
+    wherever an op can run so (norms, dropout, residual adds between the matmuls; not
+    attention or matmuls, which take their input gathered), with all-gather /
+    reduce-scatter at the edges of those regions instead of all-reduce. It trades
+    collectives for activation memory, which the solver's time objective does not
+    price, so it is the user's choice, not the solver's."""
+    out = {}
+    for (name, ndim), batch in zip(ndims.items(), batch_dims):
+        out[name] = {batch} if sequence_parallel and batch is not None else set(range(ndim))
+    return out
 
 
 # NOTE: the share of the parameters a rank may keep whole beyond the splittable ones'

@@ -9,9 +9,12 @@ collectives by construction.
     S(d) -> R        all_gather along d            keep this rank's block
     S(a) -> S(b)     all_gather a, keep block b    the same, reversed
     grad_split(R)    nothing                       all_reduce(sum)  (Megatron's "f")
+    S(d) -> R, split all_gather along d            reduce_scatter along d
 
 `grad_split` marks a replicated value whose consumers split their work: each rank's
-backward then yields only its part of the value's gradient.
+backward then yields only its part of the value's gradient. A value gathered for such
+consumers (sequence parallelism's all-gather before a column-parallel matmul) sums
+and splits that gradient in one reduce-scatter.
 
 The group is named by its mesh tag (`autopar.mesh.tp`); the runtime binds it to the
 real process group. The rank is a compile-time constant of each rank's program.
@@ -43,14 +46,20 @@ def all_gather(x: torch.Tensor, dim: int, group: TPGroup) -> torch.Tensor:
     """Concatenate every rank's x along dim."""
     moved = x.movedim(dim, 0).contiguous()
     out = c10d.wait_tensor(c10d.all_gather_into_tensor(moved, group.size, group.tag))
-    return out.movedim(0, dim)
+    return _back_to(out, dim)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group: TPGroup) -> torch.Tensor:
     """This rank's block along dim of the sum over ranks."""
     moved = x.movedim(dim, 0).contiguous()
     out = c10d.wait_tensor(c10d.reduce_scatter_tensor(moved, "sum", group.size, group.tag))
-    return out.movedim(0, dim)
+    return _back_to(out, dim)
+
+
+def _back_to(out: torch.Tensor, dim: int) -> torch.Tensor:
+    """The collective's dim 0 moved back to `dim`, laid out contiguously: the graph's
+    views (reshape to rows before a matmul) expect the layout the op had unsplit."""
+    return out if dim == 0 else out.movedim(0, dim).contiguous()
 
 
 def local_block(x: torch.Tensor, dim: int, group: TPGroup) -> torch.Tensor:
@@ -101,6 +110,17 @@ class _Gather(torch.autograd.Function):
         return local_block(grad, ctx.dim, ctx.group).contiguous(), None, None
 
 
+class _GatherForSplitWork(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
 class _GradSplit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -120,8 +140,14 @@ def grad_split(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
     return _GradSplit.apply(x, group)
 
 
-def redistribute(x: torch.Tensor, have: Placement, want: Placement,
-                 group: TPGroup) -> torch.Tensor:
+def redistribute(x: torch.Tensor, have: Placement, want: Placement, group: TPGroup,
+                 split_work: bool = False) -> torch.Tensor:
+    """x moved from `have` to `want`; `split_work`: the consumer splits its work, so the
+    gradient coming back is each rank's part (see grad_split)."""
+    if split_work:
+        if isinstance(have, int) and want == R:
+            return _GatherForSplitWork.apply(x, have, group)
+        return grad_split(redistribute(x, have, want, group), group)
     if have == want:
         return x
     if have == P and want == R:

@@ -79,7 +79,8 @@ class TPCosts:
             return self.collective("reduce_scatter", n) + grad("all_gather")
         if src == R:  # a local slice; the backward gathers the gradient's blocks
             return grad("all_gather")
-        if dst == R:  # gather the blocks; the backward keeps its own block
+        if dst == R:  # gather the blocks; the backward keeps its own block (or, when the
+            # consumers split their work, reduce-scatters: priced as their all-reduce)
             return self.collective("all_gather", n)
         # one split dim for another: gather, then slice (and the same in backward)
         return self.collective("all_gather", n) + grad("all_gather")
@@ -129,12 +130,11 @@ def needs_grad(graph: fx.Graph, params: set[str]) -> set[str]:
     return out
 
 
-def data_dims(graph: fx.Graph, inputs: Iterable[str], tp: int) -> dict[str, set[int]]:
-    """node -> the dims of its value that index samples or tokens: every dim of a user
-    input, and each output dim a strategy maps such a dim to (the batch and sequence of
-    the activations, through views and matmuls). Tensor parallelism leaves these to
-    data (and sequence) parallelism: splitting them would replicate the weights."""
-    out: dict[str, set[int]] = {n: set(range(_ndim(n, graph))) for n in inputs}
+def data_dims(graph: fx.Graph, inputs: dict[str, Iterable[int]]) -> dict[str, set[int]]:
+    """node -> the dims of its value that derive from the given dims of the user inputs
+    (`inputs`: placeholder -> dims), through each output dim a strategy maps such a dim
+    to: the batch and sequence of the activations, through views and matmuls."""
+    out: dict[str, set[int]] = {n: set(dims) for n, dims in inputs.items()}
     for node in graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem:
             if node.op == "call_function" and node.args[0].name in out:
@@ -150,11 +150,6 @@ def data_dims(graph: fx.Graph, inputs: Iterable[str], tp: int) -> dict[str, set[
     return out
 
 
-def _ndim(name: str, graph: fx.Graph) -> int:
-    node = next(n for n in graph.nodes if n.name == name)
-    return node.meta["val"].dim()
-
-
 def _splits_data(s: Strategy, node: fx.Node, data: dict[str, set[int]]) -> bool:
     if any(isinstance(p, int) and p in data.get(a.name, ())
            for a, p in zip(tensor_inputs(node), s.inputs)):
@@ -163,15 +158,21 @@ def _splits_data(s: Strategy, node: fx.Node, data: dict[str, set[int]]) -> bool:
 
 
 def solve(graph: fx.Graph, tp: int, costs: TPCosts, param_options: dict[str, list[Placement]],
-          tied: Iterable[list[str]] = (), inputs: Iterable[str] = (),
-          param_budget: float | None = None) -> TPPlan:
+          tied: Iterable[list[str]] = (), unsplit: dict[str, Iterable[int]] | None = None,
+          param_budget: float | None = None,
+          split: dict[str, Iterable[int]] | None = None) -> TPPlan:
     """The cheapest strategy per node. `param_options`: placeholder -> placements the
     parameter may take (other placeholders are replicated inputs); `tied`: groups of
-    placeholders that are one tensor and must take one placement; `inputs`: the user
-    inputs' placeholders (their dims are data dims, never split); `param_budget`: the
-    most bytes of parameters one rank may hold (None: no limit)."""
+    placeholders that are one tensor and must take one placement; `unsplit`: user
+    input placeholder -> its dims that no value derived from them may be split on (see
+    tensor_parallel.unsplit_dims); `param_budget`: the most bytes of parameters one
+    rank may hold (None: no limit); `split`: user input placeholder -> dims that every
+    value derived from them is split on wherever its op can run so (sequence
+    parallelism), rather than kept whole."""
     grads = needs_grad(graph, set(param_options))
-    options = _options(graph, tp, param_options, costs, data_dims(graph, inputs, tp))
+    banned = data_dims(graph, unsplit or {})
+    wanted = {n: dims - banned.get(n, set()) for n, dims in data_dims(graph, split or {}).items()}
+    options = _options(graph, tp, param_options, costs, banned, wanted)
     model = _Model(costs)
     x = {name: model.choose(name, opts) for name, opts in options.items()}
     for group in tied:
@@ -228,7 +229,8 @@ def _param_bytes(graph: fx.Graph, x: dict, tied: Iterable[list[str]], tp: int) -
 
 
 def _options(graph: fx.Graph, tp: int, param_options: dict[str, list[Placement]],
-             costs: TPCosts, data: dict[str, set[int]]) -> dict[str, list[tuple[Strategy, float]]]:
+             costs: TPCosts, banned: dict[str, set[int]],
+             wanted: dict[str, set[int]]) -> dict[str, list[tuple[Strategy, float]]]:
     """node -> [(strategy, its own cost)] for every node whose output is a tensor (or tuple)."""
     out: dict[str, list[tuple[Strategy, float]]] = {}
     for node in graph.nodes:
@@ -241,8 +243,10 @@ def _options(graph: fx.Graph, tp: int, param_options: dict[str, list[Placement]]
                                if node.name in param_options else 0.0) for p in places]
         elif node.op == "call_function" and node.target is not operator.getitem \
                 and output_vals(node):
-            out[node.name] = [(s, costs.compute(node, s) + costs.lowering(s))
-                              for s in strategies(node, tp) if not _splits_data(s, node, data)]
+            allowed = [s for s in strategies(node, tp) if not _splits_data(s, node, banned)]
+            if any(p in wanted.get(node.name, ()) for s in allowed for p in s.outputs()):
+                allowed = [s for s in allowed if any(p != R for p in s.outputs())]
+            out[node.name] = [(s, costs.compute(node, s) + costs.lowering(s)) for s in allowed]
     return out
 
 
