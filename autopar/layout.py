@@ -131,8 +131,6 @@ def unsupported_fields(layout: Layout) -> list[str]:
     if layout.tp > 1 and (layout.pp > 1 or layout.microbatches > 1):
         out.append("tp > 1 with pp > 1 or microbatches > 1 (the pipeline runtime does not "
                    "hold tensor-parallel shards yet)")
-    if layout.tp > 1 and layout.amp != "off":
-        out.append("tp > 1 with amp (the vocabulary-parallel loss is not cast yet)")
     if layout.zero:
         out.append("zero > 0 (ZeRO sharding)")
     if layout.recompute != "none":

@@ -59,8 +59,7 @@ def test_dict_round_trip_and_unknown_fields():
 def test_fields_without_their_pass_are_listed():
     assert unsupported_fields(Layout(dp=4, bucket_mb=1)) == []
     assert unsupported_fields(Layout(dp=2, tp=2)) == []
-    assert unsupported_fields(Layout(tp=2, amp="bf16")) == [
-        "tp > 1 with amp (the vocabulary-parallel loss is not cast yet)"]
+    assert unsupported_fields(Layout(tp=2, amp="bf16")) == []
     assert unsupported_fields(Layout(tp=2, pp=2)) == [
         "tp > 1 with pp > 1 or microbatches > 1 (the pipeline runtime does not hold "
         "tensor-parallel shards yet)"]

@@ -22,10 +22,11 @@ def default_passes(layout: Layout) -> list[GraphPass]:
 
     Pipelined steps sum gradients over data-parallel ranks after the last micro-batch
     (in the pipeline runtime), so they get no all-reduce pass."""
-    # AMP re-traces the forward pass, so it comes before every joint-graph pass
-    first = [AutoMixedPrecision()] if layout.amp != "off" else []
-    # tensor parallelism re-traces the forward pass too (its hook outermost)
-    first += [TensorParallel()] if layout.tp > 1 else []
+    # forward-level passes re-trace the forward, so they come before every joint-graph
+    # pass; AMP's hook wraps tensor parallelism's: it casts each op's inputs by its lists
+    # before the op runs on local shards (collectives then carry half-precision values)
+    first = [TensorParallel()] if layout.tp > 1 else []
+    first += [AutoMixedPrecision()] if layout.amp != "off" else []
     if is_pipelined(layout):
         return first + [AssignStages()]
     return first + ([InsertAllReduce()] if layout.dp > 1 else [])
