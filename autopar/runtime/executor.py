@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autopar.runtime import checkpoint as ckpt
 from autopar.runtime.loss_scaler import LossScaler
@@ -123,16 +124,32 @@ class DistributedStep:
         dist.all_gather(parts, t.detach().contiguous(), group=self.mesh.device_mesh.get_group("tp"))
         return torch.cat(parts, dim=entry.shard_dim)
 
-    def _refuse_sharded_checkpoint(self) -> None:
-        if any(e.shard_dim is not None for e in self.program.params):
-            raise NotImplementedError(
-                "checkpoints of tensor-parallel steps (Layout.tp > 1) are not supported yet; "
-                "full_state_dict() gathers the weights, and tp=1 steps save and load")
+    def _global_view(self, t: torch.Tensor, entry) -> torch.Tensor:
+        """A split parameter's block (or a state tensor of its shape) as a DTensor over the
+        mesh, sharing the block's storage: checkpoints write each block once and load
+        into any layout (DCP reshards)."""
+        if entry.shard_dim is None or t.shape != entry.shape:
+            return t
+        placements = [Shard(entry.shard_dim) if name == "tp" else Replicate()
+                      for name, _ in self.program.mesh]
+        return DTensor.from_local(t, self.mesh.device_mesh, placements, run_check=False)
+
+    def _optimizer_state(self, as_global: bool) -> dict:
+        """The optimizer's state by parameter name; a split parameter's state tensors as
+        DTensor views (as_global) for checkpoints."""
+        state = ckpt.optimizer_state_by_name(self.optimizer, self._param_names())
+        if as_global:
+            entries = {e.name: e for e in self.program.params}
+            state["state"] = {name: {k: self._global_view(v, entries[name])
+                                     if isinstance(v, torch.Tensor) else v
+                                     for k, v in values.items()}
+                              for name, values in state["state"].items()}
+        return state
 
     # -- weights and checkpoints ------------------------------------------------------------
 
     def _named_tensors(self) -> dict[str, torch.Tensor]:
-        named = {p.name: t for p, t in zip(self.program.params, self.params)}
+        named = {p.name: self._global_view(t, p) for p, t in zip(self.program.params, self.params)}
         named.update({b.name: t for b, t in zip(self.program.buffers, self.buffers)})
         if self.loss_scaler is not None:  # checkpoints carry the scale (updated in place)
             named.update(self.loss_scaler.state_tensors())
@@ -161,18 +178,22 @@ class DistributedStep:
         return {id(t): p.name for p, t in zip(self.program.params, self.params)}
 
     def save(self, path: str | Path) -> None:
-        """Collective: write weights and optimizer state with torch.distributed.checkpoint."""
-        self._refuse_sharded_checkpoint()
-        state = ckpt.optimizer_state_by_name(self.optimizer, self._param_names())
-        ckpt.save_checkpoint(path, self._named_tensors(), state, self._manifest())
+        """Collective: write weights and optimizer state with torch.distributed.checkpoint
+        (a tensor-parallel step writes each block once; any layout can load it)."""
+        ckpt.save_checkpoint(path, self._named_tensors(), self._optimizer_state(True),
+                             self._manifest())
 
     def load(self, path: str | Path) -> None:
         """Collective: restore what `save` wrote; refuses a mismatched or corrupted checkpoint
-        without changing anything."""
-        self._refuse_sharded_checkpoint()
-        template = ckpt.optimizer_state_by_name(self.optimizer, self._param_names())
+        without changing anything. The checkpoint may come from another layout of the same
+        model (tensor-parallel blocks are resharded)."""
+        template = self._optimizer_state(True)
         state = ckpt.load_checkpoint(path, self._named_tensors(), self._manifest(), template)
         if state is not None:
+            for values in state["state"].values():  # the optimizer holds plain blocks
+                for k, v in values.items():
+                    if isinstance(v, DTensor):
+                        values[k] = v.to_local()
             ckpt.load_optimizer_state_by_name(self.optimizer, self._param_names(), state)
 
     def parameters(self) -> Iterable[torch.nn.Parameter]:
