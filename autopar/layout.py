@@ -128,9 +128,6 @@ def _check_choice(name: str, value: Any, choices: tuple) -> None:
 def unsupported_fields(layout: Layout) -> list[str]:
     """Fields set to values whose pass has not landed yet (compile refuses them)."""
     out = []
-    if layout.tp > 1 and (layout.pp > 1 or layout.microbatches > 1):
-        out.append("tp > 1 with pp > 1 or microbatches > 1 (the pipeline runtime does not "
-                   "hold tensor-parallel shards yet)")
     if layout.zero:
         out.append("zero > 0 (ZeRO sharding)")
     if layout.recompute != "none":

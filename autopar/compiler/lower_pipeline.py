@@ -69,7 +69,7 @@ def lower_pipeline(tg: TrainGraph, layout: Layout) -> PipelineProgram:
         grad_parts=grad_parts,
         loss_key=tg.loss_node().name,
         values=specs,
-        mesh=(("dp", layout.dp), ("pp", layout.pp)),
+        mesh=(("dp", layout.dp), ("pp", layout.pp)) + ((("tp", layout.tp),) if layout.tp > 1 else ()),
         layout=layout.to_dict(),
     )
 

@@ -14,6 +14,7 @@ from autopar.runtime import checkpoint as ckpt
 from autopar.runtime.loss_scaler import LossScaler
 from autopar.runtime.mesh import Mesh, build_mesh
 from autopar.runtime.program import LOSS_SCALE_INPUT, Program, bind_groups
+from autopar.runtime.shards import own_block, whole
 
 log = logging.getLogger("autopar.runtime")
 
@@ -46,7 +47,8 @@ class DistributedStep:
         self.buffers = [named[b.name] for b in program.buffers]
         self._model = model
         self._sync_initial_weights()
-        self.params = [self._own_block(t, e) for t, e in zip(self.params, program.params)]
+        self.params = [own_block(t, e, self.mesh.rank_in("tp"))
+                       for t, e in zip(self.params, program.params)]
         self.optimizer = optimizer(self.params)
         self.steps = 0
         # an fp16 AMP step takes the loss scale as its trailing input (not the user's)
@@ -108,22 +110,6 @@ class DistributedStep:
             for t in self.params + self.buffers:
                 dist.broadcast(t.data, src=0)
 
-    def _own_block(self, t: torch.nn.Parameter, entry) -> torch.nn.Parameter:
-        """This rank's block of a tensor-parallel parameter (the whole one otherwise)."""
-        if entry.shard_dim is None:
-            return t
-        size = entry.shape[entry.shard_dim]
-        block = t.detach().narrow(entry.shard_dim, self.mesh.rank_in("tp") * size, size)
-        return torch.nn.Parameter(block.clone(), requires_grad=t.requires_grad)
-
-    def _whole(self, t: torch.Tensor, entry) -> torch.Tensor:
-        """Collective over the tp group for a split parameter: all its blocks, joined."""
-        if entry.shard_dim is None:
-            return t.detach().clone()
-        parts = [torch.empty_like(t) for _ in range(self.program.mesh_size("tp"))]
-        dist.all_gather(parts, t.detach().contiguous(), group=self.mesh.device_mesh.get_group("tp"))
-        return torch.cat(parts, dim=entry.shard_dim)
-
     def _global_view(self, t: torch.Tensor, entry) -> torch.Tensor:
         """A split parameter's block (or a state tensor of its shape) as a DTensor over the
         mesh, sharing the block's storage: checkpoints write each block once and load
@@ -160,9 +146,9 @@ class DistributedStep:
         collective when the step is tensor-parallel."""
         out = {}
         for entry, t in zip(self.program.params + self.program.buffers, self.params + self.buffers):
-            whole = self._whole(t, entry)
+            full = whole(t, entry, self.mesh.group("tp"), self.program.mesh_size("tp"))
             for name in (entry.name, *entry.aliases):
-                out[name] = whole if name == entry.name else whole.clone()
+                out[name] = full if name == entry.name else full.clone()
         return out
 
     def _manifest(self) -> dict:

@@ -46,6 +46,21 @@ class Mesh:
     def rank_in(self, dim: str) -> int:
         return self.coords.get(dim, 0)
 
+    def group(self, dim: str):
+        """The process group of mesh dimension `dim` (None without a process group or when
+        the mesh has no such dimension)."""
+        if self.device_mesh is None or dim not in self.group_names:
+            return None
+        return self.device_mesh.get_group(dim)
+
+    def global_rank(self, **coords: int) -> int:
+        """The rank at these mesh coordinates; dimensions not named are this rank's own."""
+        if self.device_mesh is None:
+            return 0
+        names = self.device_mesh.mesh_dim_names
+        index = tuple(coords.get(name, self.coords[name]) for name in names)
+        return int(self.device_mesh.mesh[index])
+
 
 def build_mesh(dims: tuple[tuple[str, int], ...]) -> Mesh:
     """Initialise the process group (gloo on CPU, NCCL on GPU) and the mesh.

@@ -15,6 +15,7 @@ such rank updates its own copy with the same gradient.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,7 +25,8 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autopar.runtime.mesh import Mesh, build_mesh
-from autopar.runtime.program import TensorEntry
+from autopar.runtime.program import TensorEntry, bind_groups
+from autopar.runtime.shards import own_block, whole
 from autopar.runtime.schedule import Schedule
 
 
@@ -89,8 +91,10 @@ class PipelineStep:
         self.program = program
         self.mesh = mesh or build_mesh(program.mesh)
         self.pp, self.dp = dict(program.mesh)["pp"], dict(program.mesh)["dp"]
+        self.tp = dict(program.mesh).get("tp", 1)
         self.pp_rank, self.dp_rank = self.mesh.rank_in("pp"), self.mesh.rank_in("dp")
-        self.my_stages = [p for p in program.stages if p.stage % self.pp == self.pp_rank]
+        self.my_stages = [self._bound(p) for p in program.stages
+                          if p.stage % self.pp == self.pp_rank]
         named = dict(model.named_parameters(remove_duplicate=False))
         named.update(model.named_buffers(remove_duplicate=False))
         entries = program.params + program.buffers
@@ -103,8 +107,21 @@ class PipelineStep:
         self._model = model
         self._groups = self._shared_groups()
         self._sync_initial_weights()
+        for key, entry in zip(program.keys, program.params):  # tensor parallelism: blocks
+            self.tensor_of[key] = own_block(self.tensor_of[key], entry, self.mesh.rank_in("tp"))
         self.optimizer = optimizer([self.tensor_of[self.param_key[e.name]] for e, _ in self.held])
         self.pass_results: list = []
+
+    def _bound(self, stage: StageProgram) -> StageProgram:
+        """The stage's programs with their collectives (tensor parallelism's) bound to this
+        rank's process groups."""
+        if not self.mesh.group_names:
+            return stage
+        bind = lambda gm: bind_groups(gm, self.mesh.group_names)  # noqa: E731
+        split = {k: (bind(v[0]),) + tuple(v[1:]) for k, v in
+                 (("input_grad", stage.input_grad), ("weight_grad", stage.weight_grad)) if v}
+        return dataclasses.replace(stage, forward=bind(stage.forward),
+                                   backward=bind(stage.backward), **split)
 
     def _ranks_reading(self, entry: TensorEntry, parts: tuple[str, ...]) -> list[int]:
         stages = self.program.stages_reading(self.param_key[entry.name], parts)
@@ -113,9 +130,7 @@ class PipelineStep:
     # -- process groups ----------------------------------------------------------------------
 
     def _global_rank(self, pp_rank: int) -> int:
-        if self.mesh.device_mesh is None:
-            return 0
-        return int(self.mesh.device_mesh.mesh[self.dp_rank, pp_rank])
+        return self.mesh.global_rank(pp=pp_rank)
 
     def _shared_groups(self) -> dict[str, object]:
         """A process group per parameter that several pipeline ranks read (created by
@@ -128,22 +143,25 @@ class PipelineStep:
             if len(ranks) < 2:
                 continue
             for d in range(self.dp):
-                group = dist.new_group([int(self.mesh.device_mesh.mesh[d, r]) for r in ranks])
-                if d == self.dp_rank and self.pp_rank in ranks:
-                    groups[entry.name] = group
+                for t in range(self.tp):
+                    group = dist.new_group([self.mesh.global_rank(dp=d, pp=r, tp=t)
+                                            for r in ranks])
+                    if (d, t) == (self.dp_rank, self.mesh.rank_in("tp")) and self.pp_rank in ranks:
+                        groups[entry.name] = group
         return groups
 
     def _sync_initial_weights(self) -> None:
-        """Every data-parallel replica starts from replica 0's weights (as DDP does)."""
-        if self.dp == 1:
-            return
-        group = self.mesh.device_mesh.get_group("dp")
-        src = int(self.mesh.device_mesh.mesh[0, self.pp_rank])
-        with torch.no_grad():
-            for e in [e for e, _ in self.held] + list(self.program.buffers):
-                key = self.param_key.get(e.name)
-                tensor = self.tensor_of[key] if key else dict(self._model.named_buffers())[e.name]
-                dist.broadcast(tensor.data, src=src, group=group)
+        """Every data-parallel replica and tensor-parallel peer starts from the weights of
+        replica 0 / peer 0 (as DDP does), before tensor parallelism takes its blocks."""
+        for dim, size in (("dp", self.dp), ("tp", self.tp)):
+            if size == 1:
+                continue
+            src = self.mesh.global_rank(**{dim: 0})
+            with torch.no_grad():
+                for e in [e for e, _ in self.held] + list(self.program.buffers):
+                    key = self.param_key.get(e.name)
+                    tensor = self.tensor_of[key] if key else dict(self._model.named_buffers())[e.name]
+                    dist.broadcast(tensor.data, src=src, group=self.mesh.group(dim))
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -254,7 +272,7 @@ class PipelineStep:
         total = torch.stack(losses).mean() if losses else torch.zeros(())
         if self.mesh.device_mesh is None:
             return total
-        total = total / self.dp
+        total = total / (self.dp * self.tp)  # every tp peer of the last stage holds it
         dist.all_reduce(total)
         return total
 
@@ -292,7 +310,9 @@ class PipelineStep:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the whole model under its original names, on every rank."""
-        mine = {e.name: self.tensor_of[self.param_key[e.name]].detach().clone() for e, _ in self.held}
+        tp_group = self.mesh.group("tp")
+        mine = {e.name: whole(self.tensor_of[self.param_key[e.name]], e, tp_group, self.tp)
+                for e, _ in self.held}
         named_buffers = dict(self._model.named_buffers(remove_duplicate=False))
         mine.update({b.name: named_buffers[b.name].detach().clone() for b in self.program.buffers})
         parts = [mine]

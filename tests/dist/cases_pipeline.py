@@ -27,6 +27,14 @@ pp_case("dp2_microbatches4_gradient_accumulation_llama_sgd", lambda: llama(layer
 pp_case("dp2_pp2_1f1b_gpt2_sgd", lambda: gpt2(layers=4), sgd, world=4, dp=2, pp=2, microbatches=2)
 pp_case("dp2_pp2_1f1b_llama_adamw", lambda: llama(layers=4), adamw, world=4, dp=2, pp=2,
         microbatches=2)
+pp_case("tp2_pp2_1f1b_gpt2_tied_sgd", lambda: gpt2(layers=4), sgd, world=4, tp=2, pp=2,
+        microbatches=2)
+pp_case("tp2_pp2_1f1b_llama_adamw", lambda: llama(layers=4), adamw, world=4, tp=2, pp=2,
+        microbatches=4)
+pp_case("tp2_pp2_zero_bubble_llama_sgd", lambda: llama(layers=4), sgd, world=4, tp=2, pp=2,
+        microbatches=2, schedule="zero-bubble")
+pp_case("tp2_microbatches4_gradient_accumulation_gpt2_adamw", lambda: gpt2(layers=2), adamw,
+        tp=2, microbatches=4)
 
 
 @case(world=2)

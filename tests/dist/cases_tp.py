@@ -87,6 +87,13 @@ def tp2_redistributions_are_exact():
         assert torch.allclose(tp_comm.redistribute(term, P, R, group), whole, atol=1e-6)
         assert torch.allclose(tp_comm.redistribute(term, P, b, group),
                               tp_comm.redistribute(whole, R, b, group), atol=1e-6)
+        # the backward of R -> S(a) -> S(b) -> R is the identity too
+        x = whole.clone().requires_grad_(True)
+        y = tp_comm.redistribute(
+            tp_comm.redistribute(tp_comm.redistribute(x, R, a, group), a, b, group), b, R, group)
+        weight = torch.arange(whole.numel(), dtype=whole.dtype).reshape(whole.shape)
+        (y * weight).sum().backward()
+        assert torch.equal(x.grad, weight)
 
     check()
 

@@ -60,9 +60,7 @@ def test_fields_without_their_pass_are_listed():
     assert unsupported_fields(Layout(dp=4, bucket_mb=1)) == []
     assert unsupported_fields(Layout(dp=2, tp=2)) == []
     assert unsupported_fields(Layout(tp=2, amp="bf16")) == []
-    assert unsupported_fields(Layout(tp=2, pp=2)) == [
-        "tp > 1 with pp > 1 or microbatches > 1 (the pipeline runtime does not hold "
-        "tensor-parallel shards yet)"]
+    assert unsupported_fields(Layout(tp=2, pp=2)) == []
     assert unsupported_fields(Layout(tp=2, sequence_parallel=True)) == []
     assert unsupported_fields(Layout(pp=2, amp="bf16")) == []
     assert unsupported_fields(Layout(pp=2, amp="fp16", grad_comm_dtype="bf16")) == [

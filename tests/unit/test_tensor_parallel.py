@@ -159,7 +159,8 @@ def test_dims_that_do_not_divide_stay_whole_and_are_reported():
     assert all(p.shard_dim is None for p in out.signature.params)
 
 
-def test_compile_refuses_tp_with_pipelining():
+def test_compile_refuses_a_world_size_that_does_not_fit_tp():
     ex = llama(layers=2)
-    with pytest.raises(autopar.LayoutError, match="tp > 1 with pp > 1"):
+    with pytest.raises(autopar.LayoutError, match=r"needs dp\*tp\*pp = 4 processes.*"
+                                                  r"torchrun --nproc-per-node 4"):
         autopar.compile(ex.model, None, ex.batch, ex.loss_fn, layout=autopar.Layout(tp=2, pp=2))

@@ -7,7 +7,7 @@ collectives by construction.
     P -> S(d)        reduce_scatter along d        all_gather along d
     R -> S(d)        keep this rank's block        all_gather along d
     S(d) -> R        all_gather along d            keep this rank's block
-    S(a) -> S(b)     all_gather a, keep block b    the same, reversed
+    S(a) -> S(b)     all_to_all                    all_to_all back
     grad_split(R)    nothing                       all_reduce(sum)  (Megatron's "f")
     S(d) -> R, split all_gather along d            reduce_scatter along d
 
@@ -60,6 +60,18 @@ def _back_to(out: torch.Tensor, dim: int) -> torch.Tensor:
     """The collective's dim 0 moved back to `dim`, laid out contiguously: the graph's
     views (reshape to rows before a matmul) expect the layout the op had unsplit."""
     return out if dim == 0 else out.movedim(0, dim).contiguous()
+
+
+def all_to_all(x: torch.Tensor, src: int, dst: int, group: TPGroup) -> torch.Tensor:
+    """From blocks along `src` to blocks along `dst`: each rank sends the r-th block of
+    its dst dim to rank r and joins what it receives along src."""
+    parts = x.unflatten(dst, (group.size, x.shape[dst] // group.size)).movedim(dst, 0)
+    rows = parts.shape[1]
+    flat = parts.contiguous().flatten(0, 1)
+    sizes = [rows] * group.size
+    out = c10d.wait_tensor(c10d.all_to_all_single(flat, sizes, sizes, group.tag))
+    out = out.unflatten(0, (group.size, rows)).movedim(0, src)
+    return out.flatten(src, src + 1).contiguous()
 
 
 def local_block(x: torch.Tensor, dim: int, group: TPGroup) -> torch.Tensor:
@@ -121,6 +133,17 @@ class _GatherForSplitWork(torch.autograd.Function):
         return reduce_scatter(grad, ctx.dim, ctx.group), None, None
 
 
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, src, dst, group):
+        ctx.src, ctx.dst, ctx.group = src, dst, group
+        return all_to_all(x, src, dst, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_to_all(grad, ctx.dst, ctx.src, ctx.group), None, None, None
+
+
 class _GradSplit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -159,5 +182,5 @@ def redistribute(x: torch.Tensor, have: Placement, want: Placement, group: TPGro
     if isinstance(have, int) and want == R:
         return _Gather.apply(x, have, group)
     if isinstance(have, int) and isinstance(want, int):
-        return _Scatter.apply(_Gather.apply(x, have, group), want, group)
+        return _AllToAll.apply(x, have, want, group)
     raise ValueError(f"no redistribution from {have} to {want}")

@@ -82,8 +82,9 @@ class TPCosts:
         if dst == R:  # gather the blocks; the backward keeps its own block (or, when the
             # consumers split their work, reduce-scatters: priced as their all-reduce)
             return self.collective("all_gather", n)
-        # one split dim for another: gather, then slice (and the same in backward)
-        return self.collective("all_gather", n) + grad("all_gather")
+        # one split dim for another: an all-to-all moves (tp-1)/tp of each rank's block, as
+        # an all-gather of one block's size would (and the same back in backward)
+        return self.collective("all_gather", n / self.tp) + grad("all_gather") / self.tp
 
     def lowering(self, strategy: Strategy) -> float:
         return sum(self.collective(kind, n) for kind, n in strategy.comm)
