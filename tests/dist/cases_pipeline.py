@@ -27,6 +27,9 @@ pp_case("dp2_microbatches4_gradient_accumulation_llama_sgd", lambda: llama(layer
 pp_case("dp2_pp2_1f1b_gpt2_sgd", lambda: gpt2(layers=4), sgd, world=4, dp=2, pp=2, microbatches=2)
 pp_case("dp2_pp2_1f1b_llama_adamw", lambda: llama(layers=4), adamw, world=4, dp=2, pp=2,
         microbatches=2)
+# a vocabulary large enough that the last stage holds only final norm, head and loss
+pp_case("pp2_1f1b_gpt2_head_only_last_stage_sgd", lambda: gpt2(layers=2, vocab=16384), sgd,
+        pp=2, microbatches=4)
 pp_case("tp2_pp2_1f1b_gpt2_tied_sgd", lambda: gpt2(layers=4), sgd, world=4, tp=2, pp=2,
         microbatches=2)
 pp_case("tp2_pp2_1f1b_llama_adamw", lambda: llama(layers=4), adamw, world=4, tp=2, pp=2,

@@ -20,7 +20,8 @@ from autopar.examples import gpt2, hf_tiny, llama
 
 def brute_force(costs, parts, head, tail):
     best = None
-    for cuts in itertools.combinations(range(1, len(costs)), parts - 1):
+    last = len(costs) + (tail > 0)  # the last part may hold only the tail
+    for cuts in itertools.combinations(range(1, last), parts - 1):
         bounds = (0, *cuts, len(costs))
         loads = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
         loads[0] += head
@@ -39,8 +40,19 @@ def test_balanced_cuts_equal_brute_force(costs, parts, head, tail):
     loads = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
     loads[0] += head
     loads[-1] += tail
-    assert len(cuts) == parts - 1 and all(b > a for a, b in zip(bounds, bounds[1:]))
+    assert len(cuts) == parts - 1 and all(b > a for a, b in zip(bounds[:-1], bounds[1:-1]))
+    assert bounds[-2] < bounds[-1] or tail > 0  # only a tail may stand alone
     assert max(loads) == brute_force(costs, parts, head, tail)
+
+
+def test_a_large_output_head_gets_a_stage_of_its_own():
+    tg, result = assigned(gpt2(layers=2, vocab=16384), pp=2, microbatches=2)
+    assert result.stats["first_block_of_stage"] == [None]
+    for node in tg.call_nodes():
+        if node.meta.get(M.LAYER) is not None and node.meta[M.ROLE] != M.Role.BACKWARD:
+            assert node.meta[STAGE] == 0, node.name
+    head = [n for n in tg.call_nodes() if n.meta.get(M.MODULE_PATH) == "lm_head"]
+    assert head and all(n.meta[STAGE] == 1 for n in head)
 
 
 def assigned(example, **layout):

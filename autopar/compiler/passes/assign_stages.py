@@ -39,8 +39,16 @@ class StageError(ValueError):
 def balanced_cuts(costs: list[float], parts: int, head: float = 0.0,
                   tail: float = 0.0) -> list[int]:
     """Start index of every part after the first, cutting `costs` (one per block) into
-    `parts` contiguous non-empty parts that minimise the costliest part; `head` and
-    `tail` are added to the first and the last part."""
+    `parts` contiguous parts that minimise the costliest part; `head` and `tail` are
+    added to the first and the last part. Every part holds at least one block, except
+    that the last may hold only a nonzero tail (a cut at len(costs)): an output head
+    over a large vocabulary can outweigh several blocks."""
+    # the tail as a block of its own, which always falls in the last part
+    ends = list(costs) + [tail] * (tail > 0)
+    return _balanced(ends, min(parts, len(ends)), head, 0.0)
+
+
+def _balanced(costs: list[float], parts: int, head: float, tail: float) -> list[int]:
     n = len(costs)
     prefix = [0.0]
     for c in costs:
@@ -92,11 +100,12 @@ class AssignStages(GraphPass):
                 f"cut between; use pp*virtual_stages <= {max(len(layers), 1)}")
         cluster = ctx.cluster if isinstance(ctx.cluster, ClusterSpec) else ClusterSpec.local(1)
         stage_of_layer, cuts, costs = self._cut(tg, layers, stages, cluster, ctx.options)
-        self._assign_forward(tg, stage_of_layer)
+        self._assign_forward(tg, stage_of_layer, stages - 1)
         self._assign_backward(tg, stages)
         per_stage = [0.0] * stages
         for n in tg.call_nodes():
             per_stage[n.meta[STAGE]] += node_time(n, cluster)
+        # first_block_of_stage: None for a stage of only final norm, head and loss
         stats = {"stages": stages, "first_block_of_stage": cuts,
                  "estimated_stage_seconds": [round(t, 6) for t in per_stage]}
         return tg, PassResult(self.name, changed=True, stats=stats)
@@ -124,7 +133,8 @@ class AssignStages(GraphPass):
         stage_of_layer = {}
         for index, layer in enumerate(layers):
             stage_of_layer[layer] = sum(1 for c in cuts if index >= c)
-        return stage_of_layer, [layers[c] for c in cuts], costs
+        # a cut after the last block: that stage holds only what follows the stack
+        return stage_of_layer, [layers[c] if c < len(layers) else None for c in cuts], costs
 
     @staticmethod
     def _pinned(tg, layers, pinned, stages) -> list[int]:
@@ -146,14 +156,18 @@ class AssignStages(GraphPass):
         return cuts
 
     @staticmethod
-    def _assign_forward(tg: TrainGraph, stage_of_layer: dict[int, int]) -> None:
+    def _assign_forward(tg: TrainGraph, stage_of_layer: dict[int, int], last: int) -> None:
         forward = [n for n in tg.call_nodes() if n.meta[M.ROLE] != M.Role.BACKWARD]
+        in_stack = [i for i, n in enumerate(forward) if n.meta.get(M.LAYER) is not None]
+        after_stack = in_stack[-1] if in_stack else len(forward)
         deferred = []
-        for n in forward:
+        for i, n in enumerate(forward):
             inputs = [a.meta[STAGE] for a in n.all_input_nodes if STAGE in a.meta]
             layer = n.meta.get(M.LAYER)
             if layer is not None:
                 n.meta[STAGE] = max([stage_of_layer[layer]] + inputs)
+            elif inputs and i > after_stack:  # final norm, head, loss: the last stage's
+                n.meta[STAGE] = max(inputs + [last])
             elif inputs:
                 n.meta[STAGE] = max(inputs)
             else:  # fed only by parameters and inputs: decided by its users below
