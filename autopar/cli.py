@@ -1,7 +1,7 @@
 """The `autopar` command line (also `python -m autopar`).
 
     autopar trace MODEL             summary of the traced training graph
-    autopar train MODEL --dp 2      train under torchrun, with progress
+    autopar train MODEL --dp 2      train under torchrun, with progress (also --tp, --pp, ...)
     autopar estimate MODEL --cluster dgx-h100 --dp 8    predicted step time and memory
 
 MODEL is a built-in example (`autopar trace --list`) or `pkg.module:factory`.
@@ -96,7 +96,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from autopar.train_worker import EVENT_PREFIX
 
     try:
-        layout = Layout(dp=args.dp, bucket_mb=args.bucket_mb)
+        layout = _train_layout(args)
     except LayoutError as exc:
         raise SystemExit(f"autopar train: {exc}") from exc
     nproc = args.nproc or layout.world_size
@@ -125,6 +125,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         console.print(f"[red]training failed[/red] (torchrun exit code {code})")
         return code
     return 0 if parity_ok else 3
+
+
+def _train_layout(args: argparse.Namespace):
+    """The Layout of `autopar train`'s flags; --dp defaults to 2 when nothing else splits."""
+    from autopar.layout import Layout
+
+    dp = args.dp if args.dp is not None else (2 if args.tp == args.pp == 1 else 1)
+    return Layout(dp=dp, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
+                  schedule=args.schedule, virtual_stages=args.virtual_stages,
+                  sequence_parallel=args.sequence_parallel, amp=args.amp,
+                  bucket_mb=args.bucket_mb)
 
 
 class _Progress:
@@ -259,7 +270,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train MODEL under torchrun with a layout")
     train.add_argument("model", help="built-in example or pkg.module:factory")
-    train.add_argument("--dp", type=int, default=2, help="data-parallel degree")
+    train.add_argument("--dp", type=int, default=None,
+                       help="data-parallel degree (default 2, or 1 with --tp/--pp)")
+    train.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    train.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    train.add_argument("--microbatches", type=int, default=1, help="micro-batches per step")
+    train.add_argument("--schedule", default="1f1b",
+                       choices=("1f1b", "gpipe", "interleaved", "zero-bubble"))
+    train.add_argument("--virtual-stages", type=int, default=1,
+                       help="stages per pipeline rank (with --schedule interleaved)")
+    train.add_argument("--sequence-parallel", action="store_true",
+                       help="with --tp: split norm/dropout regions along the sequence")
+    train.add_argument("--amp", default="off", choices=("off", "bf16", "fp16"))
     train.add_argument("--nproc", type=int, default=None, help="processes (default dp*tp*pp)")
     train.add_argument("--bucket-mb", type=float, default=25.0, help="all-reduce bucket size")
     train.add_argument("--steps", type=int, default=10)

@@ -20,6 +20,10 @@ pp_case("pp2_1f1b_gpt2_tied_adamw", lambda: gpt2(layers=4), adamw, pp=2, microba
 pp_case("pp2_1f1b_llama_sgd", lambda: llama(layers=4), sgd, pp=2, microbatches=4)
 pp_case("pp2_gpipe_llama_adamw", lambda: llama(layers=4), adamw, pp=2, microbatches=4,
         schedule="gpipe")
+pp_case("pp2_gpipe_gpt2_tied_sgd", lambda: gpt2(layers=4), sgd, pp=2, microbatches=4,
+        schedule="gpipe")
+pp_case("pp2_interleaved_llama_adamw", lambda: llama(layers=4), adamw, pp=2, microbatches=4,
+        schedule="interleaved", virtual_stages=2)
 pp_case("pp2_interleaved_gpt2_sgd", lambda: gpt2(layers=4), sgd, pp=2, microbatches=4,
         schedule="interleaved", virtual_stages=2)
 pp_case("dp2_microbatches4_gradient_accumulation_llama_sgd", lambda: llama(layers=2), sgd,

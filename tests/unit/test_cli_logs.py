@@ -55,3 +55,14 @@ def test_train_command_reports_progress_and_parity(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "step 3/3" in done.stdout and "equal" in done.stdout
     assert "checkpoint saved" in done.stdout and (tmp_path / "ck").is_dir()
+
+
+def test_train_layout_flags():
+    import autopar
+    from autopar.cli import _train_layout, build_parser
+
+    parse = build_parser().parse_args
+    assert _train_layout(parse(["train", "mlp"])) == autopar.Layout(dp=2)
+    layout = _train_layout(parse(["train", "gpt2-tiny", "--tp", "2", "--pp", "2",
+                                  "--microbatches", "2", "--sequence-parallel"]))
+    assert layout == autopar.Layout(tp=2, pp=2, microbatches=2, sequence_parallel=True)
