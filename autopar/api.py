@@ -62,8 +62,8 @@ def compile(model: torch.nn.Module, cluster: Any = None,  # noqa: A001 - the con
     todo = unsupported_fields(layout)
     if todo:
         raise LayoutError(f"{layout}: not supported yet: {', '.join(todo)}. Supported now: dp, "
-                          "tp (with dp), pp, microbatches, schedule, bucket_mb, "
-                          "overlap_comm, amp (fp16 without pipelining)")
+                          "tp, pp, microbatches, schedule, sequence_parallel, bucket_mb, "
+                          "overlap_comm, amp, grad_comm_dtype")
     layout.check_world_size(world)
     parse_amp_lists(amp_lists)  # a misspelt op fails before the (slow) trace
     example_inputs = tuple(example_inputs)

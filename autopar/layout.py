@@ -132,14 +132,8 @@ def unsupported_fields(layout: Layout) -> list[str]:
         out.append("zero > 0 (ZeRO sharding)")
     if layout.recompute != "none":
         out.append(f"recompute={layout.recompute!r}")
-    if layout.amp == "fp16" and (layout.pp > 1 or layout.microbatches > 1):
-        out.append("amp='fp16' with pp > 1 or microbatches > 1 (the pipeline runtime has no "
-                   "loss scaler yet; amp='bf16' needs none)")
     if layout.fusion:
         out.append("fusion=True")
-    if layout.grad_comm_dtype not in (None, "fp32") and (layout.pp > 1 or layout.microbatches > 1):
-        out.append(f"grad_comm_dtype={layout.grad_comm_dtype!r} with pp > 1 or microbatches > 1 "
-                   "(the pipeline runtime sums gradients in fp32)")
     return out
 
 

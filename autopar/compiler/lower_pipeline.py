@@ -22,6 +22,7 @@ from autopar.compiler.passes.builder import NodeBuilder, scale_backward_seed
 from autopar.compiler.passes.insert_allreduce import gradient_terms
 from autopar.layout import Layout
 from autopar.runtime.pipeline import PipelineProgram, StageProgram, ValueSpec
+from autopar.runtime.program import LOSS_SCALE_INPUT
 from autopar.runtime.schedule import build as build_schedule
 
 
@@ -39,9 +40,14 @@ def lower_pipeline(tg: TrainGraph, layout: Layout) -> PipelineProgram:
                          "running statistics); use microbatches=1 and pp=1 for this model")
     tg = tg.copy()
     divisor = layout.microbatches * layout.dp
+    grad_divisor = 1
     if not scale_backward_seed(tg, NodeBuilder(tg.graph, "lower_pipeline"), divisor) and divisor > 1:
-        raise StageError("cannot average gradients over micro-batches: the graph has no "
-                         "ones_like(loss) seed to scale (was it rewritten by another pass?)")
+        if not _loss_scaled(tg):
+            raise StageError("cannot average gradients over micro-batches: the graph has no "
+                             "ones_like(loss) seed to scale (was it rewritten by another pass?)")
+        # fp16: the backward starts from d(loss * scale); the runtime divides the summed
+        # gradients instead (before unscaling them)
+        grad_divisor = divisor
     stages = layout.pp * layout.virtual_stages
     for node in tg.call_nodes():
         node.meta.setdefault(STAGE, _stage_from_inputs(node))
@@ -70,8 +76,14 @@ def lower_pipeline(tg: TrainGraph, layout: Layout) -> PipelineProgram:
         loss_key=tg.loss_node().name,
         values=specs,
         mesh=(("dp", layout.dp), ("pp", layout.pp)) + ((("tp", layout.tp),) if layout.tp > 1 else ()),
+        grad_divisor=grad_divisor,
         layout=layout.to_dict(),
     )
+
+
+def _loss_scaled(tg: TrainGraph) -> bool:
+    inputs = tg.signature.inputs
+    return bool(inputs) and inputs[-1].name == LOSS_SCALE_INPUT
 
 
 def _split_shared_gradients(tg: TrainGraph) -> tuple[tuple[str, ...], ...]:

@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from autopar.runtime.loss_scaler import LossScaler
 from autopar.runtime.mesh import Mesh, build_mesh
-from autopar.runtime.program import TensorEntry, bind_groups
+from autopar.runtime.program import LOSS_SCALE_INPUT, TensorEntry, bind_groups
 from autopar.runtime.shards import own_block, whole
 from autopar.runtime.schedule import Schedule
 
@@ -70,6 +71,13 @@ class PipelineProgram:
     values: dict[str, ValueSpec]
     mesh: tuple[tuple[str, int], ...]
     layout: dict = field(default_factory=dict)
+    # the summed gradients are divided by this (fp16 steps, whose backward seed is
+    # d(loss * scale) and not scaled by 1/(microbatches * dp) in the graph)
+    grad_divisor: int = 1
+
+    @property
+    def loss_scaled(self) -> bool:
+        return bool(self.inputs) and self.inputs[-1].name == LOSS_SCALE_INPUT
 
     def receives(self, stage: int, kind: str) -> dict[int, tuple[str, ...]]:
         """What `stage` receives before its F ("forward") or B ("backward"), by source stage."""
@@ -111,6 +119,9 @@ class PipelineStep:
             self.tensor_of[key] = own_block(self.tensor_of[key], entry, self.mesh.rank_in("tp"))
         self.optimizer = optimizer([self.tensor_of[self.param_key[e.name]] for e, _ in self.held])
         self.pass_results: list = []
+        self.loss_scaler = LossScaler() if program.loss_scaled else None
+        wire = program.layout.get("grad_comm_dtype")
+        self._wire_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(wire)
 
     def _bound(self, stage: StageProgram) -> StageProgram:
         """The stage's programs with their collectives (tensor parallelism's) bound to this
@@ -167,6 +178,9 @@ class PipelineStep:
 
     def __call__(self, *global_batch: torch.Tensor) -> torch.Tensor:
         micro = self._micro_batches(global_batch)
+        if self.loss_scaler is not None:  # the step's trailing input: the loss scale
+            scale = self.loss_scaler.scale_input()
+            micro = [inputs + [scale] for inputs in micro]
         envs: dict[int, dict[str, torch.Tensor]] = {}
         grads: dict[str, torch.Tensor] = {}
         losses: list[torch.Tensor] = []
@@ -193,6 +207,8 @@ class PipelineStep:
             self.last_timeline = (spans, time.perf_counter() - start)
             loss = self._finish_loss(losses)
             self._apply(self._sync_grads(grads))
+            if self.loss_scaler is not None:
+                self.loss_scaler.update()
         return loss
 
     def _do(self, action, stage, env, grads, losses, sends) -> None:
@@ -288,11 +304,19 @@ class PipelineStep:
             grads.append(grad)
         if self.dp > 1 and grads:
             flat = torch.cat([g.reshape(-1) for g in grads])
+            if self._wire_dtype is not None:  # Layout.grad_comm_dtype: half the bytes
+                flat = flat.to(self._wire_dtype)
             dist.all_reduce(flat, group=self.mesh.device_mesh.get_group("dp"))
+            flat = flat.to(grads[0].dtype)
             grads = [chunk.view_as(g) for chunk, g in zip(flat.split([g.numel() for g in grads]), grads)]
         return grads
 
     def _apply(self, grads: list[torch.Tensor]) -> None:
+        """The optimizer step (skipped everywhere when a loss-scaled step overflowed)."""
+        for g in grads if self.program.grad_divisor > 1 else ():
+            g.div_(self.program.grad_divisor)
+        if self.loss_scaler is not None and not self.loss_scaler.unscale_and_check(grads):
+            return
         params = [self.tensor_of[self.param_key[e.name]] for e, _ in self.held]
         for p, g in zip(params, grads):
             p.grad = g

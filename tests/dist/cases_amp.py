@@ -79,18 +79,18 @@ for _name, _factory in {"gpt2": gpt2, "llama": llama}.items():
         case(world=2)(_case)
 
 
-@case(world=2)
-def dp2_amp_fp16_overflow_on_one_rank_skips_everywhere():
-    """The overflow sits in rank 1's half of the batch only: both ranks must skip the step
-    and back off the scale, exactly as GradScaler on the whole batch."""
+def _overflow_on_one_rank_skips_everywhere(**layout):
+    """The overflow sits in the second half of the batch only (rank 1's slice, or the last
+    micro-batches): every rank must skip the step and back off the scale, exactly as
+    GradScaler on the whole batch."""
     example = mlp()
     batches = make_batches(example.batch, 6)
     x = batches[2][0].clone()
-    x[x.shape[0] // 2:] *= 1e6  # rank 1's slice
+    x[x.shape[0] // 2:] *= 1e6
     batches[2] = (x,)
     ref_losses, ref_state, ref_scales, ref_skipped = autocast_train(
         example.model, batches, example.loss_fn, sgd, "fp16", growth_interval=2)
-    model, step = _compiled(example, "fp16")
+    model, step = _compiled(example, "fp16", **layout)
     step.loss_scaler = LossScaler(growth_interval=2)
     scales = []
     for b in batches:
@@ -101,42 +101,69 @@ def dp2_amp_fp16_overflow_on_one_rank_skips_everywhere():
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, scales)
     assert gathered[0] == gathered[1]
+    state = step.full_state_dict()
     for name, ref in ref_state.items():
         if ref.is_floating_point():
-            err = (model.state_dict()[name] - ref).abs().max().item()
+            err = (state[name] - ref).abs().max().item()
             assert err <= EPS["fp16"] * ref.abs().max().item(), (name, err)
     assert math.isfinite(ref_losses[0])
 
 
 @case(world=2)
+def dp2_amp_fp16_overflow_on_one_rank_skips_everywhere():
+    _overflow_on_one_rank_skips_everywhere()
+
+
+@case(world=2)
+def dp2_microbatches2_amp_fp16_overflow_in_some_micro_batches_skips_everywhere():
+    _overflow_on_one_rank_skips_everywhere(dp=2, microbatches=2)
+
+
+@case(world=2)
+def pp2_amp_fp16_1f1b_gpt2():
+    """fp16 across two stages: the loss scale enters the last stage's backward; gradients
+    summed over micro-batches are divided, unscaled and checked as GradScaler does."""
+    check_amp_parity(gpt2(layers=4), "fp16", pp=2, microbatches=4)
+
+
+@case(world=2)
+def dp2_microbatches2_grad_comm_bf16_parity_llama():
+    _grad_comm_bf16_parity(llama(), dp=2, microbatches=2)
+
+
+@case(world=2)
 def dp2_grad_comm_bf16_parity_gpt2():
+    step = _grad_comm_bf16_parity(gpt2(), dp=2)
+    assert step.pass_results[0].stats["grad_comm_dtype"] == "torch.bfloat16"
+
+
+def _grad_comm_bf16_parity(example, **layout):
     """Gradient buckets all-reduced in bf16 against fp32 single-process training (SGD):
     each summed gradient is rounded to bf16 once, so weights stay within bf16 eps of
     how far they moved (plus fp32 rounding of the weight per step)."""
     from autopar.testing import reference_train
 
-    example = gpt2()
     init = {k: v.clone() for k, v in example.model.state_dict().items()}
     batches = make_batches(example.batch, STEPS)
     ref_losses, ref_state = reference_train(example.model, batches, example.loss_fn, sgd)
     model = copy.deepcopy(example.model)
     step = autopar.compile(model, autopar.ClusterSpec.local(2), example_inputs=example.batch,
                            loss_fn=example.loss_fn, optimizer=sgd,
-                           layout=autopar.Layout(dp=2, grad_comm_dtype="bf16"))
+                           layout=autopar.Layout(grad_comm_dtype="bf16", **layout))
     losses = [step(*b).item() for b in batches]
-    stats = step.pass_results[0].stats
-    assert stats["grad_comm_dtype"] == "torch.bfloat16", stats
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)) <= EPS["bf16"]
+    state = step.full_state_dict()
     exact = 0
     for name, ref in ref_state.items():
         if not ref.is_floating_point():
             continue
         moved = (ref - init[name]).abs().max().item()
-        err = (model.state_dict()[name] - ref).abs().max().item()
+        err = (state[name] - ref).abs().max().item()
         floor = STEPS * torch.finfo(torch.float32).eps * ref.abs().max().item()
         assert err <= EPS["bf16"] * moved + floor, (name, err, moved)
         exact += err == 0
     assert exact < len(ref_state) // 2  # the bf16 rounding is really there
+    return step
 
 
 @case(world=2)

@@ -316,3 +316,26 @@ def test_cli_estimate_json(capsys):
     with pytest.raises(SystemExit, match="has 8"):
         cli.main(["estimate", "gpt2-tiny", "--cluster", "dgx-h100", "--dp", "2"])
     assert math.isfinite(info["step_time_s"])
+
+
+def test_estimate_prices_bf16_gradient_buckets_at_half_the_bytes():
+    """Layout.grad_comm_dtype: the cost model reads the rewritten graph, whose buckets
+    travel in bf16, so the predicted communication shrinks (the wire bytes halve; the
+    fixed per-message latency stays)."""
+    from autopar.compiler.ir.trace import trace_train_step
+    from autopar.compiler.planner.summary import summarize
+
+    model, batch = meta_gpt2(layers=2, hidden=1024, heads=8, vocab=32000, batch=16, seq=64)
+    c = ClusterSpec.preset("dgx-h100", nodes=2)
+    layouts = [autopar.Layout(dp=16, amp="bf16"),
+               autopar.Layout(dp=16, amp="bf16", grad_comm_dtype="bf16")]
+    preds = [autopar.estimate(model, c, lay, batch, causal_lm_loss) for lay in layouts]
+    # not 0.5: per-message latency, and embedding rows gathered in their own dtype
+    assert preds[1].breakdown["comm"] < 0.7 * preds[0].breakdown["comm"], preds
+    sent = []
+    for lay in layouts:
+        local = (batch[0][: batch[0].shape[0] // 16],)
+        tg, _ = autopar.api.run_passes(trace_train_step(model, local, causal_lm_loss), lay, c)
+        sent.append(sum(op.comm_bytes for op in summarize(tg).ops  # gradient buckets
+                        if op.collective == "all_reduce" and op.comm_bytes > 1024))
+    assert sent[1] * 2 == sent[0], sent

@@ -63,11 +63,8 @@ def test_fields_without_their_pass_are_listed():
     assert unsupported_fields(Layout(tp=2, pp=2)) == []
     assert unsupported_fields(Layout(tp=2, sequence_parallel=True)) == []
     assert unsupported_fields(Layout(pp=2, amp="bf16")) == []
-    assert unsupported_fields(Layout(pp=2, amp="fp16", grad_comm_dtype="bf16")) == [
-        "amp='fp16' with pp > 1 or microbatches > 1 (the pipeline runtime has no loss scaler "
-        "yet; amp='bf16' needs none)",
-        "grad_comm_dtype='bf16' with pp > 1 or microbatches > 1 (the pipeline runtime sums "
-        "gradients in fp32)"]
+    assert unsupported_fields(Layout(pp=2, amp="fp16", grad_comm_dtype="bf16")) == []
+    assert unsupported_fields(Layout(dp=2, zero=1)) == ["zero > 0 (ZeRO sharding)"]
 
 
 @given(st.integers(1, 8), st.integers(1, 8), st.integers(1, 8))
