@@ -158,13 +158,17 @@ def test_unknown_op_and_list_names_suggest_a_fix():
                         layout=Layout(amp="bf16"), amp_lists={"black": ["softmx"]})
 
 
-def test_wiring_amp_first_and_pipelining_refused():
+def test_wiring_amp_after_tensor_parallel_and_fp16_micro_batches():
     assert [p.name for p in default_passes(Layout(amp="bf16", dp=2))] == ["amp", "insert_allreduce"]
+    assert [p.name for p in default_passes(Layout(amp="bf16", dp=2, tp=2))] == [
+        "tensor_parallel", "amp", "insert_allreduce"]  # AMP's hook wraps TP's
     assert [p.name for p in default_passes(Layout())] == []
     example = mlp()
-    with pytest.raises(LayoutError, match="amp='fp16' with pp > 1 or microbatches"):
-        autopar.compile(example.model, None, example.batch, example.loss_fn,
-                        layout=Layout(amp="fp16", microbatches=2))
+    accumulated = autopar.compile(copy.deepcopy(example.model), None, example.batch,
+                                  example.loss_fn, layout=Layout(amp="fp16", microbatches=2))
+    assert accumulated.program.grad_divisor == 2 and accumulated.loss_scaler is not None
+    accumulated(*example.batch)
+    assert accumulated.loss_scaler.get_scale() == 2.0 ** 16
     with pytest.raises(LayoutError, match="no 'amp' pass"):
         autopar.compile(example.model, None, example.batch, example.loss_fn,
                         layout=Layout(amp="bf16"), passes=[])
