@@ -28,4 +28,5 @@ def to_program(tg: TrainGraph, layout: Layout) -> Program:
         mutated_buffers=sig.mutated_buffers,
         mesh=mesh_dims(layout),
         layout=layout.to_dict(),
+        grad_blocks=sig.grad_blocks,
     )

@@ -430,17 +430,21 @@ def load_checkpoint(
     tensors: dict[str, torch.Tensor],
     manifest: dict,
     optimizer_state_template: dict | None,
+    state_like: dict[str, torch.Tensor] | None = None,
 ) -> dict | None:
     """Load ``path`` into ``tensors`` in place and return the name-keyed optimizer state. Collective.
 
     Only the template's ``param_groups[i]["params"]`` names are used (they must
     match the saved ones); its state may be empty. Without a template no
     optimizer state is read and None is returned. On any error nothing is changed.
+    ``state_like``: per parameter name, the tensor its state tensors are shaped and
+    placed like (default ``tensors``; a ZeRO step's optimizer updates blocks).
     """
     path = Path(path)
     record = _on_rank0(lambda: _verify(path, manifest, optimizer_state_template))
     fresh = {name: torch.empty_like(t) for name, t in tensors.items()}
-    optimizer = None if optimizer_state_template is None else _optimizer_template(record["optimizer"], tensors)
+    optimizer = None if optimizer_state_template is None else _optimizer_template(
+        record["optimizer"], tensors if state_like is None else state_like)
     flat = _flat_state_dict(fresh, optimizer)
     try:
         with _quiet_single_process():

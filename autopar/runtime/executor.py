@@ -49,7 +49,11 @@ class DistributedStep:
         self._sync_initial_weights()
         self.params = [own_block(t, e, self.mesh.rank_in("tp"))
                        for t, e in zip(self.params, program.params)]
-        self.optimizer = optimizer(self.params)
+        # ZeRO: the optimizer updates this rank's dim-0 block of each parameter that divides
+        # by dp (its state is 1/dp), then the blocks are gathered back into the parameter
+        self.zero = int(program.layout.get("zero", 0))
+        self.updated = [self._zero_block(p) for p in self.params] if self.zero else self.params
+        self.optimizer = optimizer(self.updated)
         self.steps = 0
         # an fp16 AMP step takes the loss scale as its trailing input (not the user's)
         scaled = bool(program.inputs) and program.inputs[-1].name == LOSS_SCALE_INPUT
@@ -65,14 +69,16 @@ class DistributedStep:
             outs = self.gm(*self.params, *self.buffers, *local, *scale)
             loss, rest = outs[0], outs[1:]
             grads, new_buffers = rest[:len(self.params)], rest[len(self.params):]
-            for p, g in zip(self.params, grads):
-                p.grad = g
+            grads = [self._grad_of_updated(u, g) for u, g in zip(self.updated, grads)]
+            for u, g in zip(self.updated, grads):
+                u.grad = g
             if self.loss_scaler is None or self.loss_scaler.unscale_and_check(grads):
                 self.optimizer.step()
+                self._gather_zero_blocks()
             if self.loss_scaler is not None:
                 self.loss_scaler.update()
-            for p in self.params:
-                p.grad = None
+            for u in self.updated:
+                u.grad = None
             by_name = {b.name: t for b, t in zip(self.program.buffers, self.buffers)}
             for name, value in zip(self.program.mutated_buffers, new_buffers):
                 by_name[name].copy_(value)
@@ -110,15 +116,49 @@ class DistributedStep:
             for t in self.params + self.buffers:
                 dist.broadcast(t.data, src=0)
 
+    # -- ZeRO ----------------------------------------------------------------------------
+
+    def _zero_block(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
+        """This rank's dim-0 block of a parameter, for the optimizer (the parameter itself
+        when its dim 0 does not divide by dp: every rank then updates all of it)."""
+        dp = self.program.mesh_size("dp")
+        if p.dim() == 0 or p.shape[0] % dp:
+            return p
+        rows = p.shape[0] // dp
+        block = p.detach().narrow(0, self.mesh.rank_in("dp") * rows, rows)
+        return torch.nn.Parameter(block.clone(), requires_grad=p.requires_grad)
+
+    def _grad_of_updated(self, updated: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """The gradient of what the optimizer updates: the step's output, or (ZeRO-1, or a
+        ZeRO-2 gradient all-reduced whole) this rank's block of it."""
+        if grad.shape == updated.shape:
+            return grad
+        return grad.narrow(0, self.mesh.rank_in("dp") * updated.shape[0], updated.shape[0])
+
+    def _gather_zero_blocks(self) -> None:
+        """Every rank's updated blocks, gathered back into the whole parameters."""
+        for p, u in zip(self.params, self.updated):
+            if u is not p:
+                dist.all_gather_into_tensor(p.data, u.data, group=self.mesh.group("dp"))
+
     def _global_view(self, t: torch.Tensor, entry) -> torch.Tensor:
-        """A split parameter's block (or a state tensor of its shape) as a DTensor over the
-        mesh, sharing the block's storage: checkpoints write each block once and load
-        into any layout (DCP reshards)."""
-        if entry.shard_dim is None or t.shape != entry.shape:
+        """A tensor-parallel block of a parameter, or a state tensor of a block (tp, and
+        ZeRO's dim-0 block over dp), as a DTensor over the mesh sharing its storage:
+        checkpoints write each block once and load into any layout (DCP reshards)."""
+        if t.dim() == 0:  # a step counter: the same on every rank
             return t
-        placements = [Shard(entry.shard_dim) if name == "tp" else Replicate()
-                      for name, _ in self.program.mesh]
-        return DTensor.from_local(t, self.mesh.device_mesh, placements, run_check=False)
+        zero_block = tuple(t.shape) != entry.shape
+        if entry.shard_dim is None and not zero_block:
+            return t
+        if zero_block and entry.shard_dim == 0:
+            raise NotImplementedError(
+                f"checkpoint of {entry.name}: split on dim 0 by both tensor parallelism and "
+                "ZeRO; use zero=0, or a layout where tp splits another dim")
+        placements = {"dp": Shard(0) if zero_block else Replicate(),
+                      "tp": Shard(entry.shard_dim) if entry.shard_dim is not None else Replicate()}
+        return DTensor.from_local(t, self.mesh.device_mesh,
+                                  [placements.get(name, Replicate()) for name, _ in self.program.mesh],
+                                  run_check=False)
 
     def _optimizer_state(self, as_global: bool) -> dict:
         """The optimizer's state by parameter name; a split parameter's state tensors as
@@ -161,7 +201,8 @@ class DistributedStep:
         }
 
     def _param_names(self) -> dict[int, str]:
-        return {id(t): p.name for p, t in zip(self.program.params, self.params)}
+        """Names of what the optimizer updates (ZeRO: this rank's blocks)."""
+        return {id(t): p.name for p, t in zip(self.program.params, self.updated)}
 
     def save(self, path: str | Path) -> None:
         """Collective: write weights and optimizer state with torch.distributed.checkpoint
@@ -174,13 +215,21 @@ class DistributedStep:
         without changing anything. The checkpoint may come from another layout of the same
         model (tensor-parallel blocks are resharded)."""
         template = self._optimizer_state(True)
-        state = ckpt.load_checkpoint(path, self._named_tensors(), self._manifest(), template)
+        entries = {e.name: e for e in self.program.params}
+        state_like = {name: self._global_view(u, entries[name])
+                      for u, name in ((u, self._param_names()[id(u)]) for u in self.updated)}
+        state = ckpt.load_checkpoint(path, self._named_tensors(), self._manifest(), template,
+                                     state_like)
         if state is not None:
             for values in state["state"].values():  # the optimizer holds plain blocks
                 for k, v in values.items():
                     if isinstance(v, DTensor):
                         values[k] = v.to_local()
             ckpt.load_optimizer_state_by_name(self.optimizer, self._param_names(), state)
+        with torch.no_grad():  # ZeRO: the blocks the optimizer updates, from the loaded weights
+            for p, u in zip(self.params, self.updated):
+                if u is not p:
+                    u.copy_(p.narrow(0, self.mesh.rank_in("dp") * u.shape[0], u.shape[0]))
 
     def parameters(self) -> Iterable[torch.nn.Parameter]:
         return iter(self.params)

@@ -48,6 +48,9 @@ class Program:
     mutated_buffers: tuple[str, ...]
     mesh: tuple[tuple[str, int], ...]  # (("dp", 2),): mesh dimension names and sizes
     layout: dict = field(default_factory=dict)
+    # ZeRO-2: per param, into how many dim-0 blocks its returned gradient is cut (the
+    # step returns this rank's block); empty: whole gradients
+    grad_blocks: tuple[int, ...] = ()
 
     @property
     def world_size(self) -> int:

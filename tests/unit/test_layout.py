@@ -64,7 +64,8 @@ def test_fields_without_their_pass_are_listed():
     assert unsupported_fields(Layout(tp=2, sequence_parallel=True)) == []
     assert unsupported_fields(Layout(pp=2, amp="bf16")) == []
     assert unsupported_fields(Layout(pp=2, amp="fp16", grad_comm_dtype="bf16")) == []
-    assert unsupported_fields(Layout(dp=2, zero=1)) == ["zero > 0 (ZeRO sharding)"]
+    assert unsupported_fields(Layout(dp=2, zero=2)) == []
+    assert unsupported_fields(Layout(dp=2, zero=3)) == ["zero=3 (parameters sharded between uses)"]
 
 
 @given(st.integers(1, 8), st.integers(1, 8), st.integers(1, 8))

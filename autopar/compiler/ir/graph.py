@@ -53,6 +53,15 @@ class GraphSignature:
     mutated_buffers: tuple[str, ...] = ()
     # input index -> dim split across data-parallel ranks (None: replicated input)
     batch_dims: tuple[int | None, ...] = ()
+    # ZeRO-2: param index -> into how many dim-0 blocks its gradient output is cut (the
+    # step returns this rank's block); empty: every gradient whole
+    grad_blocks: tuple[int, ...] = ()
+
+    def grad_shape(self, param_index: int) -> tuple[int, ...]:
+        """Shape of the step's gradient output for a parameter (its block under ZeRO-2)."""
+        shape = self.params[param_index].shape
+        blocks = self.grad_blocks[param_index] if self.grad_blocks else 1
+        return shape if blocks == 1 else (shape[0] // blocks,) + tuple(shape[1:])
 
     @property
     def num_placeholders(self) -> int:

@@ -76,13 +76,15 @@ def _check_outputs(tg: TrainGraph) -> None:
     loss_val = tg.loss_node().meta.get(M.VAL)
     if not (isinstance(loss_val, torch.Tensor) and loss_val.dim() == 0):
         raise VerificationError(f"output 0 (the loss) must be a scalar, got {_describe(loss_val)}")
-    for param, grad in zip(tg.signature.params, tg.grad_nodes()):
+    for i, (param, grad) in enumerate(zip(tg.signature.params, tg.grad_nodes())):
         val = grad.meta.get(M.VAL)
-        if not isinstance(val, torch.Tensor) or tuple(val.shape) != param.shape \
+        want = tg.signature.grad_shape(i)
+        if not isinstance(val, torch.Tensor) or tuple(val.shape) != want \
                 or val.dtype != param.dtype:
             raise VerificationError(
                 f"gradient of {param.name} ({grad.name}) is {_describe(val)}, but the parameter "
-                f"is {param.dtype} {list(param.shape)}")
+                f"is {param.dtype} {list(param.shape)}"
+                + (f" and the step returns its block {list(want)}" if want != param.shape else ""))
 
 
 def _check_collectives(tg: TrainGraph) -> None:

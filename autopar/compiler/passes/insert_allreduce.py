@@ -20,6 +20,13 @@ Rewrites, in order:
    "fp16") a bucket is cast to that dtype after the division and back to the
    gradients' dtype after the wait: half the bytes on the wire, one rounding of the
    summed gradient (embedding rows are still gathered in their own dtype).
+4. ZeRO-2 (`Layout.zero=2`): a gradient whose dim 0 divides by dp goes into buckets
+   that are reduce-scattered instead: laid out block-major ([dp, n/dp], row r holding
+   every gradient's r-th dim-0 block), so each rank receives exactly its blocks, and
+   the step returns that block (`GraphSignature.grad_blocks`). The runtime's optimizer
+   updates the block and gathers the blocks back into the parameter. Other gradients
+   (dim 0 does not divide, gathered embedding rows) are all-reduced whole, as listed
+   in the result's `declined`.
 
 Requires: "traced". Provides: "dp_grad_sync".
 
@@ -35,6 +42,7 @@ Before:                                   After (dp=2, one bucket of two gradien
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass, field
 
@@ -122,26 +130,54 @@ class InsertAllReduce(GraphPass):
         gathered = self._gather_embedding_grads(tg, build, grads, dp, divisor, tag)
         order = {n: i for i, n in enumerate(tg.graph.nodes)}
         pieces = sorted(((t, g) for g in grads for t in g.local), key=lambda p: order[p[0]])
-        sizes = [tensor_bytes(t.meta[M.VAL]) for t, _ in pieces]
-        buckets = [[pieces[k] for k in b] for b in plan_buckets(sizes, ctx.layout.bucket_mb * MiB)]
+        blocked = self._zero2_blocked(tg, grads, dp) if ctx.layout.zero >= 2 else set()
+        buckets = []  # (pieces, blocks): whole buckets all-reduced, blocked ones reduce-scattered
+        for blocks in (1, dp):
+            mine = [p for p in pieces if (p[1].param in blocked) == (blocks > 1)]
+            sizes = [tensor_bytes(t.meta[M.VAL]) for t, _ in mine]
+            buckets += [([mine[k] for k in b], blocks)
+                        for b in plan_buckets(sizes, ctx.layout.bucket_mb * MiB)]
+        buckets.sort(key=lambda b: order[b[0][-1][0]])  # in the order backward completes them
         if ctx.layout.overlap_comm:  # each bucket starts right after its last term
             pending = [self._launch_bucket(build.at(max((t for t, _ in b), key=order.__getitem__)),
-                                           b, i, divisor, tag, wire) for i, b in enumerate(buckets)]
+                                           b, i, divisor, tag, wire, blocks)
+                       for i, (b, blocks) in enumerate(buckets)]
         else:  # a baseline: all buckets start after the whole backward pass
             build.at(tg.output_node().prev)
-            pending = [self._launch_bucket(build, b, i, divisor, tag, wire)
-                       for i, b in enumerate(buckets)]
+            pending = [self._launch_bucket(build, b, i, divisor, tag, wire, blocks)
+                       for i, (b, blocks) in enumerate(buckets)]
         loss = self._launch_loss(tg, build, dp, tag)
         tg.output_node().args = (tuple(self._wait_all(tg, build, pending, loss, grads)),)
         tg.graph.eliminate_dead_code()
         tg.gm.recompile()
+        if blocked:
+            tg.signature = dataclasses.replace(tg.signature, grad_blocks=tuple(
+                dp if i in blocked else 1 for i in range(len(tg.signature.params))))
         stats = {"buckets": len(buckets), "bucket_mb": ctx.layout.bucket_mb,
                  "overlap": ctx.layout.overlap_comm,
-                 "allreduce_bytes": sum(tensor_bytes(r.meta[M.VAL]) for _, r in pending),
+                 "allreduce_bytes": sum(tensor_bytes(r.meta[M.VAL]) for _, r, _ in pending),
                  "grad_comm_dtype": str(wire or "same as the gradients"), "dp": dp,
                  "averaging": "backward seed / dp" if divisor == 1 else "bucket / dp",
                  "embedding_grads_gathered": gathered}
-        return tg, PassResult(self.name, changed=True, stats=stats)
+        declined = []
+        if ctx.layout.zero >= 2:
+            stats["reduce_scattered_grads"] = len(blocked)
+            declined = [(f"reduce-scatter of {tg.signature.params[g.param].name}'s gradient",
+                         "its dim 0 does not divide by dp, or its rows are gathered: "
+                         "all-reduced whole (the optimizer still updates its block)")
+                        for g in grads if g.param not in blocked]
+        return tg, PassResult(self.name, changed=True, stats=stats, declined=declined)
+
+    @staticmethod
+    def _zero2_blocked(tg, grads, dp) -> set[int]:
+        """ZeRO-2: the parameters whose gradient is reduce-scattered into dim-0 blocks (dim
+        0 divides by dp; not an embedding table whose rows are gathered instead)."""
+        out = set()
+        for g in grads:
+            shape = tg.signature.params[g.param].shape
+            if shape and shape[0] % dp == 0 and not g.gathered:
+                out.add(g.param)
+        return out
 
     def _gather_embedding_grads(self, tg, build, grads, dp, divisor, tag) -> list[str]:
         """All-gather the rows of each embedding table's gradient (see module doc)."""
@@ -180,18 +216,27 @@ class InsertAllReduce(GraphPass):
                               **{M.COMM_KIND: "embedding_rows"})
         return _GatheredRows(rows_job, indices_job, tuple(term.args[2:]), term.meta[M.MODULE_PATH])
 
-    def _launch_bucket(self, build, bucket, index, divisor, tag, wire=None):
+    def _launch_bucket(self, build, bucket, index, divisor, tag, wire=None, blocks=1):
+        """Pack a bucket and start its reduction: an all-reduce, or (blocks = dp, ZeRO-2) a
+        reduce-scatter of the gradients laid out block-major ([dp, ...]: row r holds
+        every gradient's r-th dim-0 block), so that each rank receives its blocks."""
         extra = {M.BUCKET: index}
-        flat = [build.call(aten.reshape.default, (t, [-1]), **extra) for t, _ in bucket]
-        packed = build.call(aten.cat.default, (flat,), **extra) if len(flat) > 1 else flat[0]
+        shape = [blocks, -1] if blocks > 1 else [-1]
+        flat = [build.call(aten.reshape.default, (t, shape), **extra) for t, _ in bucket]
+        along = (flat,) if blocks == 1 else (flat, 1)
+        packed = build.call(aten.cat.default, along, **extra) if len(flat) > 1 else flat[0]
         if divisor != 1:
             packed = build.call(aten.div.Tensor, (packed, divisor), **extra)
         if wire is not None and packed.meta[M.VAL].dtype != wire:
             # divided first (as DDP's bf16 compression hook does): the sum stays in range
             packed = build.call(prims.convert_element_type.default, (packed, wire), **extra)
-        reduced = build.call(c10d.all_reduce.default, (packed, "sum", tag),
-                             **extra, **{M.COMM_KIND: "grad_bucket"})
-        return bucket, reduced
+        if blocks > 1:
+            reduced = build.call(c10d.reduce_scatter_tensor.default, (packed, "sum", blocks, tag),
+                                 **extra, **{M.COMM_KIND: "grad_bucket"})
+        else:
+            reduced = build.call(c10d.all_reduce.default, (packed, "sum", tag),
+                                 **extra, **{M.COMM_KIND: "grad_bucket"})
+        return bucket, reduced, blocks
 
     def _launch_loss(self, tg, build, dp, tag):
         scaled = build.at(tg.loss_node()).call(aten.div.Tensor, (tg.loss_node(), dp))
@@ -202,17 +247,21 @@ class InsertAllReduce(GraphPass):
         outputs = tg.outputs()
         build.at(tg.output_node().prev)
         summed: dict[fx.Node, fx.Node] = {}
-        for bucket, reduced in pending:
+        for bucket, reduced, blocks in pending:
             done = build.call(c10d.wait_tensor.default, (reduced,))
             grad_dtype = bucket[0][0].meta[M.VAL].dtype
             if done.meta[M.VAL].dtype != grad_dtype:  # back from grad_comm_dtype
                 done = build.call(prims.convert_element_type.default, (done, grad_dtype))
-            sizes = [t.meta[M.VAL].numel() for t, _ in bucket]
+            if blocks > 1:  # [1, n]: this rank's block of every gradient, in bucket order
+                done = build.call(aten.reshape.default, (done, [-1]))
+            sizes = [t.meta[M.VAL].numel() // blocks for t, _ in bucket]
             parts = build.call(aten.split_with_sizes.default, (done, sizes)) \
                 if len(bucket) > 1 else None
             for k, (term, _) in enumerate(bucket):
                 piece = build.call(operator.getitem, (parts, k)) if parts is not None else done
-                summed[term] = build.call(aten.view.default, (piece, list(term.meta[M.VAL].shape)))
+                shape = list(term.meta[M.VAL].shape)
+                shape[0] //= blocks
+                summed[term] = build.call(aten.view.default, (piece, shape))
         outputs[0] = build.call(c10d.wait_tensor.default, (loss,))
         params = tg.signature.params
         for grad in grads:

@@ -67,6 +67,8 @@ def not_costed_fields(layout: Layout) -> list[str]:
     if layout.tp > 1:
         out.append("tp > 1 (tensor parallelism: compile's placement solver predicts its own "
                    "terms, the step-time model does not take them yet)")
+    if layout.zero:
+        out.append("zero > 0 (the memory model does not shard optimizer state yet)")
     if layout.pp > 1:
         out.append("pp > 1 (pipeline parallelism: no bubble or point-to-point model yet)")
     if layout.microbatches > 1:
