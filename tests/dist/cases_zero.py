@@ -4,13 +4,11 @@ dim-0 blocks over the data-parallel ranks, checkpoints that reshard."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 import autopar
 from autopar.examples import gpt2, llama, mlp
-from autopar.testing import make_batches
 from tests.dist.cases_dp import adamw, check_parity, sgd
-from tests.dist.cases_tp import _shared_dir
+from tests.dist.cases_tp import check_resume_and_reshard
 from tests.dist.registry import case
 
 
@@ -45,34 +43,4 @@ zero_case("dp2_tp2_zero2_parity_llama_adamw", llama, adamw, world=4, dp=2, tp=2,
 
 @case(world=2)
 def dp2_zero2_checkpoint_resume_equals_uninterrupted_and_loads_without_zero():
-    example = gpt2()
-    batches = make_batches(example.batch, 4)
-
-    def fresh(layout, seed=0):
-        ex = gpt2(seed=seed)
-        return autopar.compile(ex.model, None, example.batch, example.loss_fn,
-                               optimizer=adamw, layout=layout)
-
-    a = fresh(autopar.Layout(dp=2, zero=2))
-    for b in batches[:2]:
-        a(*b)
-    path = _shared_dir()
-    a.save(path)
-    for b in batches[2:]:
-        a(*b)
-    resumed = fresh(autopar.Layout(dp=2, zero=2), seed=7)
-    resumed.load(path)
-    for b in batches[2:]:
-        resumed(*b)
-    sa, sb = a.full_state_dict(), resumed.full_state_dict()
-    for k in sa:
-        assert torch.equal(sa[k], sb[k]), k
-    # the blocks of the optimizer state, resharded into a step that keeps them whole
-    plain = fresh(autopar.Layout(dp=2), seed=7)
-    plain.load(path)
-    for b in batches[2:]:
-        plain(*b)
-    sc = plain.full_state_dict()
-    for k in sa:
-        assert torch.allclose(sa[k], sc[k], rtol=0, atol=1e-6), k
-    assert dist.get_world_size() == 2
+    check_resume_and_reshard(gpt2, autopar.Layout(dp=2, zero=2), autopar.Layout(dp=2))

@@ -79,80 +79,38 @@ def local_block(x: torch.Tensor, dim: int, group: TPGroup) -> torch.Tensor:
     return x.narrow(dim, group.rank * size, size)
 
 
-class _SumPartials(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return all_reduce(x, group)
+def _differentiable(name: str, forward, backward):
+    """An autograd function whose forward is `forward(x, *args)` and whose backward maps
+    the gradient by `backward(grad, *args)` (args: dims and the group, not differentiated)."""
 
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+    def fwd(ctx, x, *args):
+        ctx.args = args
+        return forward(x, *args)
 
+    def bwd(ctx, grad):
+        return (backward(grad, *ctx.args),) + (None,) * len(ctx.args)
 
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.dim, ctx.group), None, None
+    return type(name, (torch.autograd.Function,),
+                {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class _Scatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return local_block(x, dim, group).contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather(grad, ctx.dim, ctx.group), None, None
+def _identity(x: torch.Tensor, *args) -> torch.Tensor:
+    return x
 
 
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return local_block(grad, ctx.dim, ctx.group).contiguous(), None, None
+def _block(x: torch.Tensor, dim: int, group: TPGroup) -> torch.Tensor:
+    return local_block(x, dim, group).contiguous()
 
 
-class _GatherForSplitWork(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter(grad, ctx.dim, ctx.group), None, None
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, src, dst, group):
-        ctx.src, ctx.dst, ctx.group = src, dst, group
-        return all_to_all(x, src, dst, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_to_all(grad, ctx.dst, ctx.src, ctx.group), None, None, None
-
-
-class _GradSplit(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_reduce(grad, ctx.group), None
+# the table of the module docstring, row by row: (forward, backward)
+_SumPartials = _differentiable("_SumPartials", all_reduce, _identity)
+_ReduceScatter = _differentiable("_ReduceScatter", reduce_scatter, all_gather)
+_Scatter = _differentiable("_Scatter", _block, all_gather)
+_Gather = _differentiable("_Gather", all_gather, _block)
+_AllToAll = _differentiable("_AllToAll", all_to_all,
+                            lambda grad, src, dst, group: all_to_all(grad, dst, src, group))
+_GradSplit = _differentiable("_GradSplit", lambda x, group: x.view_as(x), all_reduce)
+_GatherForSplitWork = _differentiable("_GatherForSplitWork", all_gather, reduce_scatter)
 
 
 def sum_partials(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
