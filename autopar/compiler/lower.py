@@ -29,4 +29,5 @@ def to_program(tg: TrainGraph, layout: Layout) -> Program:
         mesh=mesh_dims(layout),
         layout=layout.to_dict(),
         grad_blocks=sig.grad_blocks,
+        param_blocks=sig.param_blocks,
     )

@@ -53,6 +53,14 @@ class DistributedStep:
         # by dp (its state is 1/dp), then the blocks are gathered back into the parameter
         self.zero = int(program.layout.get("zero", 0))
         self.updated = [self._zero_block(p) for p in self.params] if self.zero else self.params
+        # ZeRO-3: the step takes those blocks and gathers the rest where it is used; the
+        # whole parameters are released (full_state_dict gathers them)
+        self.in_graph_block = [b > 1 for b in program.param_blocks] or [False] * len(self.params)
+        self.graph_params = [u if b else p for p, u, b in
+                             zip(self.params, self.updated, self.in_graph_block)]
+        for p, b in zip(self.params, self.in_graph_block):
+            if b:
+                p.data = p.data.new_empty(0)
         self.optimizer = optimizer(self.updated)
         self.steps = 0
         # an fp16 AMP step takes the loss scale as its trailing input (not the user's)
@@ -66,7 +74,7 @@ class DistributedStep:
         local = self.local_batch(global_batch)
         scale = [self.loss_scaler.scale_input()] if self.loss_scaler else []
         with torch.no_grad():
-            outs = self.gm(*self.params, *self.buffers, *local, *scale)
+            outs = self.gm(*self.graph_params, *self.buffers, *local, *scale)
             loss, rest = outs[0], outs[1:]
             grads, new_buffers = rest[:len(self.params)], rest[len(self.params):]
             grads = [self._grad_of_updated(u, g) for u, g in zip(self.updated, grads)]
@@ -136,18 +144,24 @@ class DistributedStep:
         return grad.narrow(0, self.mesh.rank_in("dp") * updated.shape[0], updated.shape[0])
 
     def _gather_zero_blocks(self) -> None:
-        """Every rank's updated blocks, gathered back into the whole parameters."""
-        for p, u in zip(self.params, self.updated):
-            if u is not p:
+        """Every rank's updated blocks, gathered back into the whole parameters (not under
+        ZeRO-3: the next step gathers them where it uses them)."""
+        for p, u, in_graph in zip(self.params, self.updated, self.in_graph_block):
+            if u is not p and not in_graph:
                 dist.all_gather_into_tensor(p.data, u.data, group=self.mesh.group("dp"))
 
-    def _global_view(self, t: torch.Tensor, entry) -> torch.Tensor:
-        """A tensor-parallel block of a parameter, or a state tensor of a block (tp, and
-        ZeRO's dim-0 block over dp), as a DTensor over the mesh sharing its storage:
-        checkpoints write each block once and load into any layout (DCP reshards)."""
+    def _gathered(self, u: torch.Tensor) -> torch.Tensor:
+        """A ZeRO-3 parameter, whole: every rank's dim-0 block gathered (collective)."""
+        out = u.new_empty((u.shape[0] * self.program.mesh_size("dp"), *u.shape[1:]))
+        dist.all_gather_into_tensor(out, u.detach().contiguous(), group=self.mesh.group("dp"))
+        return out
+
+    def _global_view(self, t: torch.Tensor, entry, zero_block: bool) -> torch.Tensor:
+        """A parameter's tensor-parallel block and/or ZeRO dim-0 block over dp (or a state
+        tensor of one) as a DTensor over the mesh sharing its storage: checkpoints write
+        each block once and load into any layout (DCP reshards)."""
         if t.dim() == 0:  # a step counter: the same on every rank
             return t
-        zero_block = tuple(t.shape) != entry.shape
         if entry.shard_dim is None and not zero_block:
             return t
         if zero_block and entry.shard_dim == 0:
@@ -165,17 +179,22 @@ class DistributedStep:
         DTensor views (as_global) for checkpoints."""
         state = ckpt.optimizer_state_by_name(self.optimizer, self._param_names())
         if as_global:
-            entries = {e.name: e for e in self.program.params}
-            state["state"] = {name: {k: self._global_view(v, entries[name])
+            state["state"] = {name: {k: self._view_like_updated(name, v)
                                      if isinstance(v, torch.Tensor) else v
                                      for k, v in values.items()}
                               for name, values in state["state"].items()}
         return state
 
+    def _view_like_updated(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """`t`, shaped like what the optimizer updates for parameter `name`, as a global view."""
+        i = next(k for k, e in enumerate(self.program.params) if e.name == name)
+        return self._global_view(t, self.program.params[i], self.updated[i] is not self.params[i])
+
     # -- weights and checkpoints ------------------------------------------------------------
 
     def _named_tensors(self) -> dict[str, torch.Tensor]:
-        named = {p.name: self._global_view(t, p) for p, t in zip(self.program.params, self.params)}
+        named = {e.name: self._global_view(g, e, b) for e, g, b in
+                 zip(self.program.params, self.graph_params, self.in_graph_block)}
         named.update({b.name: t for b, t in zip(self.program.buffers, self.buffers)})
         if self.loss_scaler is not None:  # checkpoints carry the scale (updated in place)
             named.update(self.loss_scaler.state_tensors())
@@ -185,7 +204,9 @@ class DistributedStep:
         """The whole model's weights under their original names (tied names included);
         collective when the step is tensor-parallel."""
         out = {}
-        for entry, t in zip(self.program.params + self.program.buffers, self.params + self.buffers):
+        mine = [self._gathered(g) if b else g
+                for g, b in zip(self.graph_params, self.in_graph_block)]
+        for entry, t in zip(self.program.params + self.program.buffers, mine + self.buffers):
             full = whole(t, entry, self.mesh.group("tp"), self.program.mesh_size("tp"))
             for name in (entry.name, *entry.aliases):
                 out[name] = full if name == entry.name else full.clone()
@@ -215,9 +236,8 @@ class DistributedStep:
         without changing anything. The checkpoint may come from another layout of the same
         model (tensor-parallel blocks are resharded)."""
         template = self._optimizer_state(True)
-        entries = {e.name: e for e in self.program.params}
-        state_like = {name: self._global_view(u, entries[name])
-                      for u, name in ((u, self._param_names()[id(u)]) for u in self.updated)}
+        state_like = {e.name: self._view_like_updated(e.name, u)
+                      for e, u in zip(self.program.params, self.updated)}
         state = ckpt.load_checkpoint(path, self._named_tensors(), self._manifest(), template,
                                      state_like)
         if state is not None:
@@ -227,8 +247,8 @@ class DistributedStep:
                         values[k] = v.to_local()
             ckpt.load_optimizer_state_by_name(self.optimizer, self._param_names(), state)
         with torch.no_grad():  # ZeRO: the blocks the optimizer updates, from the loaded weights
-            for p, u in zip(self.params, self.updated):
-                if u is not p:
+            for p, u, in_graph in zip(self.params, self.updated, self.in_graph_block):
+                if u is not p and not in_graph:
                     u.copy_(p.narrow(0, self.mesh.rank_in("dp") * u.shape[0], u.shape[0]))
 
     def parameters(self) -> Iterable[torch.nn.Parameter]:

@@ -51,6 +51,9 @@ class Program:
     # ZeRO-2: per param, into how many dim-0 blocks its returned gradient is cut (the
     # step returns this rank's block); empty: whole gradients
     grad_blocks: tuple[int, ...] = ()
+    # ZeRO-3: per param, into how many dim-0 blocks its input is cut (the step takes this
+    # rank's block, entry.shape is the block's, and gathers the whole where it is used)
+    param_blocks: tuple[int, ...] = ()
 
     @property
     def world_size(self) -> int:

@@ -189,3 +189,28 @@ def test_zero2_reduce_scatters_gradients_into_dim0_blocks(gpt2_graph):
     # the tied embedding's gradient has gathered rows: all-reduced whole, and said so
     assert any("transformer.wte.weight" in what for what, _ in result.declined) or \
         "transformer.wte.weight" not in result.stats["embedding_grads_gathered"]
+
+
+def test_zero3_takes_blocks_and_gathers_each_parameter_for_forward_and_backward(gpt2_graph):
+    from autopar.compiler.passes.shard_parameters import ShardParameters
+
+    ctx = PassContext(Layout(dp=2, zero=3))
+    synced, _ = InsertAllReduce().run(gpt2_graph, ctx)
+    tg, result = ShardParameters().run(synced, ctx)
+    verify(tg)
+    sig = tg.signature
+    blocked = [i for i, b in enumerate(sig.param_blocks) if b == 2]
+    assert len(blocked) == result.stats["params_sharded"] > 0
+    gathers = [n for n in tg.call_nodes() if n.target == c10d.all_gather_into_tensor.default
+               and n.meta.get(M.COMM_KIND) == "param_gather"]
+    placeholders = tg.placeholders()
+    for i in blocked:
+        ph = placeholders[i]
+        whole = synced.signature.params[i].shape
+        assert tuple(ph.meta[M.VAL].shape) == (whole[0] // 2, *whole[1:])
+        mine = [g for g in gathers if g.args[0] is ph]
+        # one gather for the forward uses, one for the backward uses (if any)
+        assert 1 <= len(mine) <= 2, (ph.name, len(mine))
+        # no op reads the block except the gathers: every use sees the whole parameter
+        assert all(u in mine for u in ph.users), ph.name
+    assert result.stats["all_gathers"] == len(gathers)

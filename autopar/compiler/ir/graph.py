@@ -56,6 +56,9 @@ class GraphSignature:
     # ZeRO-2: param index -> into how many dim-0 blocks its gradient output is cut (the
     # step returns this rank's block); empty: every gradient whole
     grad_blocks: tuple[int, ...] = ()
+    # ZeRO-3: param index -> into how many dim-0 blocks the step's input is cut (params[i]
+    # then has the block's shape, and the step gathers the rest); empty: whole inputs
+    param_blocks: tuple[int, ...] = ()
 
     def grad_shape(self, param_index: int) -> tuple[int, ...]:
         """Shape of the step's gradient output for a parameter (its block under ZeRO-2)."""

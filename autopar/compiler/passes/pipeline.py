@@ -6,6 +6,7 @@ from autopar.compiler.passes.amp import AutoMixedPrecision
 from autopar.compiler.passes.assign_stages import AssignStages
 from autopar.compiler.passes.base import GraphPass
 from autopar.compiler.passes.insert_allreduce import InsertAllReduce
+from autopar.compiler.passes.shard_parameters import ShardParameters
 from autopar.compiler.passes.tensor_parallel import TensorParallel
 from autopar.layout import Layout
 
@@ -29,4 +30,5 @@ def default_passes(layout: Layout) -> list[GraphPass]:
     first += [AutoMixedPrecision()] if layout.amp != "off" else []
     if is_pipelined(layout):
         return first + [AssignStages()]
-    return first + ([InsertAllReduce()] if layout.dp > 1 else [])
+    sync = [InsertAllReduce()] if layout.dp > 1 else []
+    return first + sync + ([ShardParameters()] if layout.zero == 3 else [])
