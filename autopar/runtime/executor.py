@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from autopar.runtime import checkpoint as ckpt
 from autopar.runtime.loss_scaler import LossScaler
 from autopar.runtime.mesh import Mesh, build_mesh
-from autopar.runtime.program import LOSS_SCALE_INPUT, Program, bind_groups
+from autopar.runtime.program import LOSS_SCALE_INPUT, Program, bind_groups, block_rows
 from autopar.runtime.shards import own_block, whole
 
 log = logging.getLogger("autopar.runtime")
@@ -23,6 +23,15 @@ OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
 class BatchError(ValueError):
     """A batch passed to the step does not match the shapes the program was compiled for."""
+
+
+def _pad_rows(block: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A loaded ZeRO block (without padding) back to the padded rows of `like`."""
+    if block.dim() == 0 or block.shape[0] == like.shape[0]:
+        return block
+    out = block.new_zeros((like.shape[0], *block.shape[1:]))
+    out[:block.shape[0]] = block
+    return out
 
 
 class DistributedStep:
@@ -52,6 +61,7 @@ class DistributedStep:
         # ZeRO: the optimizer updates this rank's dim-0 block of each parameter that divides
         # by dp (its state is 1/dp), then the blocks are gathered back into the parameter
         self.zero = int(program.layout.get("zero", 0))
+        self.rows = [p.shape[0] if p.dim() else 0 for p in self.params]  # whole dim 0
         self.updated = [self._zero_block(p) for p in self.params] if self.zero else self.params
         # ZeRO-3: the step takes those blocks and gathers the rest where it is used; the
         # whole parameters are released (full_state_dict gathers them)
@@ -127,52 +137,75 @@ class DistributedStep:
     # -- ZeRO ----------------------------------------------------------------------------
 
     def _zero_block(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
-        """This rank's dim-0 block of a parameter, for the optimizer (the parameter itself
-        when its dim 0 does not divide by dp: every rank then updates all of it)."""
+        """This rank's dim-0 block of a parameter, for the optimizer: ceil(rows / dp) rows,
+        the last rank's padded with zero rows (their gradient is zero, so they stay zero).
+        A parameter with fewer rows than dp is updated whole on every rank."""
         dp = self.program.mesh_size("dp")
-        if p.dim() == 0 or p.shape[0] % dp:
+        if p.dim() == 0 or p.shape[0] < dp:
             return p
-        rows = p.shape[0] // dp
-        block = p.detach().narrow(0, self.mesh.rank_in("dp") * rows, rows)
-        return torch.nn.Parameter(block.clone(), requires_grad=p.requires_grad)
+        block = self._block_of(p.detach(), block_rows(p.shape[0], dp)).clone()
+        return torch.nn.Parameter(block, requires_grad=p.requires_grad)
+
+    def _block_of(self, whole: torch.Tensor, rows: int) -> torch.Tensor:
+        """This rank's `rows`-row block of `whole` along dim 0, zero-padded past its end."""
+        start = self.mesh.rank_in("dp") * rows
+        valid = max(0, min(rows, whole.shape[0] - start))
+        if valid == rows:
+            return whole.narrow(0, start, rows)
+        out = whole.new_zeros((rows, *whole.shape[1:]))
+        out[:valid] = whole.narrow(0, start, valid)
+        return out
 
     def _grad_of_updated(self, updated: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """The gradient of what the optimizer updates: the step's output, or (ZeRO-1, or a
-        ZeRO-2 gradient all-reduced whole) this rank's block of it."""
+        gradient all-reduced whole) this rank's block of it."""
         if grad.shape == updated.shape:
             return grad
-        return grad.narrow(0, self.mesh.rank_in("dp") * updated.shape[0], updated.shape[0])
+        return self._block_of(grad, updated.shape[0])
 
     def _gather_zero_blocks(self) -> None:
         """Every rank's updated blocks, gathered back into the whole parameters (not under
         ZeRO-3: the next step gathers them where it uses them)."""
         for p, u, in_graph in zip(self.params, self.updated, self.in_graph_block):
-            if u is not p and not in_graph:
+            if u is p or in_graph:
+                continue
+            if p.shape[0] == u.shape[0] * self.program.mesh_size("dp"):
                 dist.all_gather_into_tensor(p.data, u.data, group=self.mesh.group("dp"))
+            else:  # padded blocks: gather, then drop the padding rows
+                p.data.copy_(self._gathered(u, p.shape[0]))
 
-    def _gathered(self, u: torch.Tensor) -> torch.Tensor:
-        """A ZeRO-3 parameter, whole: every rank's dim-0 block gathered (collective)."""
+    def _gathered(self, u: torch.Tensor, rows: int) -> torch.Tensor:
+        """A parameter whole from every rank's dim-0 block (collective), without padding."""
         out = u.new_empty((u.shape[0] * self.program.mesh_size("dp"), *u.shape[1:]))
         dist.all_gather_into_tensor(out, u.detach().contiguous(), group=self.mesh.group("dp"))
-        return out
+        return out[:rows]
 
-    def _global_view(self, t: torch.Tensor, entry, zero_block: bool) -> torch.Tensor:
+    def _global_view(self, t: torch.Tensor, entry, zero_rows: int | None) -> torch.Tensor:
         """A parameter's tensor-parallel block and/or ZeRO dim-0 block over dp (or a state
-        tensor of one) as a DTensor over the mesh sharing its storage: checkpoints write
-        each block once and load into any layout (DCP reshards)."""
+        tensor of one; `zero_rows`: the whole parameter's rows when `t` is a ZeRO block) as
+        a DTensor over the mesh sharing its storage (a padded block without its padding):
+        checkpoints write each block once and load into any layout (DCP reshards)."""
         if t.dim() == 0:  # a step counter: the same on every rank
             return t
-        if entry.shard_dim is None and not zero_block:
+        if entry.shard_dim is None and zero_rows is None:
             return t
-        if zero_block and entry.shard_dim == 0:
+        if zero_rows is not None and entry.shard_dim == 0:
             raise NotImplementedError(
                 f"checkpoint of {entry.name}: split on dim 0 by both tensor parallelism and "
                 "ZeRO; use zero=0, or a layout where tp splits another dim")
-        placements = {"dp": Shard(0) if zero_block else Replicate(),
+        placements = {"dp": Shard(0) if zero_rows is not None else Replicate(),
                       "tp": Shard(entry.shard_dim) if entry.shard_dim is not None else Replicate()}
+        shape = list(t.shape)
+        if entry.shard_dim is not None:
+            shape[entry.shard_dim] *= self.program.mesh_size("tp")
+        if zero_rows is not None:
+            start = self.mesh.rank_in("dp") * t.shape[0]
+            t = t.narrow(0, 0, max(0, min(t.shape[0], zero_rows - start)))
+            shape[0] = zero_rows
         return DTensor.from_local(t, self.mesh.device_mesh,
                                   [placements.get(name, Replicate()) for name, _ in self.program.mesh],
-                                  run_check=False)
+                                  run_check=False, shape=torch.Size(shape),
+                                  stride=torch.empty(shape, device="meta").stride())
 
     def _optimizer_state(self, as_global: bool) -> dict:
         """The optimizer's state by parameter name; a split parameter's state tensors as
@@ -188,13 +221,14 @@ class DistributedStep:
     def _view_like_updated(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """`t`, shaped like what the optimizer updates for parameter `name`, as a global view."""
         i = next(k for k, e in enumerate(self.program.params) if e.name == name)
-        return self._global_view(t, self.program.params[i], self.updated[i] is not self.params[i])
+        blocked = self.updated[i] is not self.params[i]
+        return self._global_view(t, self.program.params[i], self.rows[i] if blocked else None)
 
     # -- weights and checkpoints ------------------------------------------------------------
 
     def _named_tensors(self) -> dict[str, torch.Tensor]:
-        named = {e.name: self._global_view(g, e, b) for e, g, b in
-                 zip(self.program.params, self.graph_params, self.in_graph_block)}
+        named = {e.name: self._global_view(g, e, rows if b else None) for e, g, b, rows in
+                 zip(self.program.params, self.graph_params, self.in_graph_block, self.rows)}
         named.update({b.name: t for b, t in zip(self.program.buffers, self.buffers)})
         if self.loss_scaler is not None:  # checkpoints carry the scale (updated in place)
             named.update(self.loss_scaler.state_tensors())
@@ -204,8 +238,8 @@ class DistributedStep:
         """The whole model's weights under their original names (tied names included);
         collective when the step is tensor-parallel."""
         out = {}
-        mine = [self._gathered(g) if b else g
-                for g, b in zip(self.graph_params, self.in_graph_block)]
+        mine = [self._gathered(g, rows) if b else g
+                for g, b, rows in zip(self.graph_params, self.in_graph_block, self.rows)]
         for entry, t in zip(self.program.params + self.program.buffers, mine + self.buffers):
             full = whole(t, entry, self.mesh.group("tp"), self.program.mesh_size("tp"))
             for name in (entry.name, *entry.aliases):
@@ -241,15 +275,16 @@ class DistributedStep:
         state = ckpt.load_checkpoint(path, self._named_tensors(), self._manifest(), template,
                                      state_like)
         if state is not None:
-            for values in state["state"].values():  # the optimizer holds plain blocks
+            updated = {e.name: u for e, u in zip(self.program.params, self.updated)}
+            for name, values in state["state"].items():  # the optimizer holds plain blocks
                 for k, v in values.items():
                     if isinstance(v, DTensor):
-                        values[k] = v.to_local()
+                        values[k] = _pad_rows(v.to_local(), updated[name])
             ckpt.load_optimizer_state_by_name(self.optimizer, self._param_names(), state)
         with torch.no_grad():  # ZeRO: the blocks the optimizer updates, from the loaded weights
             for p, u, in_graph in zip(self.params, self.updated, self.in_graph_block):
                 if u is not p and not in_graph:
-                    u.copy_(p.narrow(0, self.mesh.rank_in("dp") * u.shape[0], u.shape[0]))
+                    u.copy_(self._block_of(p.detach(), u.shape[0]))
 
     def parameters(self) -> Iterable[torch.nn.Parameter]:
         return iter(self.params)

@@ -24,6 +24,12 @@ def mesh_group_tag(dim: str) -> str:
     return MESH_TAG_PREFIX + dim
 
 
+def block_rows(rows: int, parts: int) -> int:
+    """Rows of each ZeRO dim-0 block: ceil(rows / parts); the last block is padded with
+    zero rows when parts does not divide rows (as FSDP2 pads its shards)."""
+    return -(-rows // parts)
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     name: str

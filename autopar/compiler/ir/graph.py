@@ -64,7 +64,7 @@ class GraphSignature:
         """Shape of the step's gradient output for a parameter (its block under ZeRO-2)."""
         shape = self.params[param_index].shape
         blocks = self.grad_blocks[param_index] if self.grad_blocks else 1
-        return shape if blocks == 1 else (shape[0] // blocks,) + tuple(shape[1:])
+        return shape if blocks == 1 else (-(-shape[0] // blocks),) + tuple(shape[1:])
 
     @property
     def num_placeholders(self) -> int:

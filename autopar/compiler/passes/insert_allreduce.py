@@ -20,13 +20,14 @@ Rewrites, in order:
    "fp16") a bucket is cast to that dtype after the division and back to the
    gradients' dtype after the wait: half the bytes on the wire, one rounding of the
    summed gradient (embedding rows are still gathered in their own dtype).
-4. ZeRO-2 (`Layout.zero=2`): a gradient whose dim 0 divides by dp goes into buckets
+4. ZeRO-2/3 (`Layout.zero>=2`): a gradient with at least dp rows goes into buckets
    that are reduce-scattered instead: laid out block-major ([dp, n/dp], row r holding
-   every gradient's r-th dim-0 block), so each rank receives exactly its blocks, and
-   the step returns that block (`GraphSignature.grad_blocks`). The runtime's optimizer
-   updates the block and gathers the blocks back into the parameter. Other gradients
-   (dim 0 does not divide, gathered embedding rows) are all-reduced whole, as listed
-   in the result's `declined`.
+   every gradient's r-th dim-0 block of ceil(rows/dp) rows, the last padded with zero
+   rows), so each rank receives exactly its blocks, and the step returns that block
+   (`GraphSignature.grad_blocks`). Embedding tables are reduce-scattered too rather
+   than gathering rows (step 2): each rank keeps only its block. The runtime's
+   optimizer updates the block and gathers the blocks back into the parameter.
+   Gradients with fewer rows than dp are all-reduced whole, as listed in `declined`.
 
 Requires: "traced". Provides: "dp_grad_sync".
 
@@ -55,7 +56,7 @@ from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
 from autopar.compiler.passes.builder import NodeBuilder, scale_backward_seed
 from autopar.compiler.passes.manager import register_pass
-from autopar.runtime.program import mesh_group_tag
+from autopar.runtime.program import block_rows, mesh_group_tag
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -110,6 +111,21 @@ class _Grad:
     gathered: list[_GatheredRows] = field(default_factory=list)
 
 
+def _block_shape(term: fx.Node, blocks: int) -> torch.Size:
+    shape = term.meta[M.VAL].shape
+    return torch.Size((block_rows(shape[0], blocks), *shape[1:])) if blocks > 1 else shape
+
+
+def _padded(build: NodeBuilder, term: fx.Node, blocks: int, extra: dict) -> fx.Node:
+    """A gradient with zero rows appended so that its dim 0 splits into `blocks` blocks."""
+    rows = term.meta[M.VAL].shape[0] if blocks > 1 else 0
+    missing = block_rows(rows, blocks) * blocks - rows if blocks > 1 else 0
+    if not missing:
+        return term
+    pad = [0, 0] * (term.meta[M.VAL].dim() - 1) + [0, missing]  # last pair: dim 0
+    return build.call(aten.constant_pad_nd.default, (term, pad), **extra)
+
+
 @register_pass
 class InsertAllReduce(GraphPass):
     name = "insert_allreduce"
@@ -127,7 +143,10 @@ class InsertAllReduce(GraphPass):
         divisor = 1 if scale_backward_seed(tg, build, dp) else dp
         wire = _WIRE_DTYPES.get(ctx.layout.grad_comm_dtype)  # None: the gradients' own dtype
         grads = [_Grad(i, [g]) for i, g in enumerate(tg.grad_nodes())]
-        gathered = self._gather_embedding_grads(tg, build, grads, dp, divisor, tag)
+        # ZeRO-2/3 reduce-scatter embedding tables too (each rank keeps only its block), as
+        # FSDP2 does: gathering rows would leave every rank a whole table to keep a block of
+        gathered = [] if ctx.layout.zero >= 2 else \
+            self._gather_embedding_grads(tg, build, grads, dp, divisor, tag)
         order = {n: i for i, n in enumerate(tg.graph.nodes)}
         pieces = sorted(((t, g) for g in grads for t in g.local), key=lambda p: order[p[0]])
         blocked = self._zero2_blocked(tg, grads, dp) if ctx.layout.zero >= 2 else set()
@@ -163,21 +182,18 @@ class InsertAllReduce(GraphPass):
         if ctx.layout.zero >= 2:
             stats["reduce_scattered_grads"] = len(blocked)
             declined = [(f"reduce-scatter of {tg.signature.params[g.param].name}'s gradient",
-                         "its dim 0 does not divide by dp, or its rows are gathered: "
-                         "all-reduced whole (the optimizer still updates its block)")
+                         "it has fewer rows than dp: all-reduced whole")
                         for g in grads if g.param not in blocked]
         return tg, PassResult(self.name, changed=True, stats=stats, declined=declined)
 
     @staticmethod
     def _zero2_blocked(tg, grads, dp) -> set[int]:
-        """ZeRO-2: the parameters whose gradient is reduce-scattered into dim-0 blocks (dim
-        0 divides by dp; not an embedding table whose rows are gathered instead)."""
-        out = set()
-        for g in grads:
-            shape = tg.signature.params[g.param].shape
-            if shape and shape[0] % dp == 0 and not g.gathered:
-                out.add(g.param)
-        return out
+        """ZeRO-2: the parameters whose gradient is reduce-scattered into dim-0 blocks
+        (every one with at least dp rows; the last block is padded when dp does not
+        divide them)."""
+        return {g.param for g in grads
+                if tg.signature.params[g.param].shape
+                and tg.signature.params[g.param].shape[0] >= dp and not g.gathered}
 
     def _gather_embedding_grads(self, tg, build, grads, dp, divisor, tag) -> list[str]:
         """All-gather the rows of each embedding table's gradient (see module doc)."""
@@ -222,7 +238,8 @@ class InsertAllReduce(GraphPass):
         every gradient's r-th dim-0 block), so that each rank receives its blocks."""
         extra = {M.BUCKET: index}
         shape = [blocks, -1] if blocks > 1 else [-1]
-        flat = [build.call(aten.reshape.default, (t, shape), **extra) for t, _ in bucket]
+        flat = [build.call(aten.reshape.default, (_padded(build, t, blocks, extra), shape), **extra)
+                for t, _ in bucket]
         along = (flat,) if blocks == 1 else (flat, 1)
         packed = build.call(aten.cat.default, along, **extra) if len(flat) > 1 else flat[0]
         if divisor != 1:
@@ -254,14 +271,13 @@ class InsertAllReduce(GraphPass):
                 done = build.call(prims.convert_element_type.default, (done, grad_dtype))
             if blocks > 1:  # [1, n]: this rank's block of every gradient, in bucket order
                 done = build.call(aten.reshape.default, (done, [-1]))
-            sizes = [t.meta[M.VAL].numel() // blocks for t, _ in bucket]
+            sizes = [_block_shape(t, blocks).numel() for t, _ in bucket]
             parts = build.call(aten.split_with_sizes.default, (done, sizes)) \
                 if len(bucket) > 1 else None
             for k, (term, _) in enumerate(bucket):
                 piece = build.call(operator.getitem, (parts, k)) if parts is not None else done
-                shape = list(term.meta[M.VAL].shape)
-                shape[0] //= blocks
-                summed[term] = build.call(aten.view.default, (piece, shape))
+                summed[term] = build.call(aten.view.default,
+                                          (piece, list(_block_shape(term, blocks))))
         outputs[0] = build.call(c10d.wait_tensor.default, (loss,))
         params = tg.signature.params
         for grad in grads:

@@ -13,8 +13,9 @@ makes the step take that parameter as its block too:
    parameter's first use, in the order of first uses) and waited for right before
    its own first use, so it runs while the previous layer computes.
 
-Parameters whose gradient is all-reduced whole (dim 0 does not divide by dp; a
-gathered embedding table) stay whole inputs, as `declined` lists.
+Parameters whose gradient is all-reduced whole (fewer rows than dp) stay whole
+inputs, as `declined` lists. When dp does not divide a parameter's rows, the last
+block carries zero padding rows, which the gather drops.
 
 Requires: "dp_grad_sync". Provides: "params_sharded".
 
@@ -37,7 +38,7 @@ from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.graph import TrainGraph, new_node_meta
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
 from autopar.compiler.passes.manager import register_pass
-from autopar.runtime.program import mesh_group_tag
+from autopar.runtime.program import block_rows, mesh_group_tag
 
 c10d = torch.ops._c10d_functional
 
@@ -70,7 +71,8 @@ class ShardParameters(GraphPass):
             first = sorted(users, key=lambda i: order[users[i][0]])
             for k, i in enumerate(first):
                 issue_before = users[first[k - 1]][0] if k else users[i][0]
-                self._gather(tg, placeholders[i], users[i], issue_before, dp, tag)
+                self._gather(tg, placeholders[i], users[i], issue_before, dp, tag,
+                             sig.params[i].shape[0])
                 gathers += 1
         params = tuple(dataclasses.replace(p, shape=_block(p.shape, dp)) if i in blocked else p
                        for i, p in enumerate(sig.params))
@@ -94,7 +96,7 @@ class ShardParameters(GraphPass):
 
     @staticmethod
     def _gather(tg: TrainGraph, block: fx.Node, users: list[fx.Node], issue_before: fx.Node,
-                dp: int, tag: str) -> None:
+                dp: int, tag: str, rows: int) -> None:
         graph = tg.graph
         where = users[0].meta.get(M.MODULE_PATH)
         with graph.inserting_before(issue_before):
@@ -105,9 +107,15 @@ class ShardParameters(GraphPass):
         with graph.inserting_before(users[0]):
             whole = graph.call_function(c10d.wait_tensor.default, (job,))
         whole.meta = new_node_meta(job.meta[M.VAL], M.Role.COMM, "shard_parameters", where)
+        if whole.meta[M.VAL].shape[0] != rows:  # the last block's padding rows
+            with graph.inserting_after(whole):
+                trimmed = graph.call_function(torch.ops.aten.slice.Tensor, (whole, 0, 0, rows))
+            trimmed.meta = new_node_meta(whole.meta[M.VAL][:rows], M.Role.COMM,
+                                         "shard_parameters", where)
+            whole = trimmed
         for user in users:
             user.replace_input_with(block, whole)
 
 
 def _block(shape: tuple[int, ...], dp: int) -> tuple[int, ...]:
-    return (shape[0] // dp,) + tuple(shape[1:])
+    return (block_rows(shape[0], dp),) + tuple(shape[1:])

@@ -1,0 +1,104 @@
+"""autopar zero=3 (dp=2) against FSDP2 (`fully_shard` per transformer block), side by side.
+
+Same GPT-2 (transformers; 4 layers, hidden 256, 8 heads, vocabulary 50,257, tied
+embeddings), same global batch (16 x 128 tokens, each rank its half), AdamW, same
+gloo process group, one thread per process. FSDP2: `fully_shard` on every block and
+on the root. Rounds alternate between the two. Prints the median step time of each
+and the ratio autopar / FSDP2 (target <= 1.0), and the bytes each rank holds between
+steps: parameters, gradients and optimizer state (target <= FSDP2's).
+
+    OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 2 \\
+        benchmarks/zero3_vs_fsdp2.py --rounds 5 --steps 3
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+import autopar
+import common  # benchmarks/common.py (the script's own folder is on sys.path)
+from autopar.examples import load_example
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+def fsdp2_step_fn(model, loss_fn, rank, world):
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    opt = adamw([p for p in model.parameters() if p.requires_grad])
+
+    def step(ids):
+        local = ids.chunk(world)[rank]
+        loss = loss_fn(model(local), local)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+    return step, model, opt
+
+
+def held_bytes(tensors) -> int:
+    """Bytes this rank stores (a DTensor's local shard, a plain tensor whole)."""
+    total = 0
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        total += local.numel() * local.element_size()
+    return total
+
+
+def state_bytes(opt) -> int:
+    return held_bytes(t for s in opt.state.values() for t in s.values()
+                      if isinstance(t, torch.Tensor) and t.dim() > 0)
+
+
+def main() -> None:
+    parser = common.parser(__doc__.splitlines()[0], steps=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    example = load_example(args.model)
+    batch = example.batch
+    start = time.perf_counter()
+    ours = autopar.compile(copy.deepcopy(example.model), None, batch, example.loss_fn,
+                           optimizer=adamw, layout=autopar.Layout(dp=world, zero=3))
+    compile_s = time.perf_counter() - start
+    theirs, fsdp_model, fsdp_opt = fsdp2_step_fn(copy.deepcopy(example.model), example.loss_fn,
+                                                 rank, world)
+    medians = common.alternate({"autopar": ours, "fsdp2": theirs}, batch, args.rounds,
+                               args.steps, args.warmup)
+    # between steps: autopar holds its parameter blocks (+ whole parameters it could not
+    # split) and AdamW's state of its blocks; gradients are dropped after each step.
+    # FSDP2 holds its sharded parameters, their sharded gradients (zero_grad comes before
+    # the next backward) and AdamW's state.
+    ours_bytes = {"params": held_bytes(ours.graph_params) + held_bytes(
+                      u for u, g in zip(ours.updated, ours.graph_params) if u is not g),
+                  "grads": 0, "optimizer": state_bytes(ours.optimizer)}
+    fsdp_params = [p for p in fsdp_model.parameters()]
+    theirs_bytes = {"params": held_bytes(fsdp_params),
+                    "grads": held_bytes(p.grad for p in fsdp_params if p.grad is not None),
+                    "optimizer": state_bytes(fsdp_opt)}
+    if rank == 0:
+        result = {"benchmark": "zero3_vs_fsdp2", "model": args.model, "world": world,
+                  "rounds": args.rounds, "steps_per_round": args.steps,
+                  "median_step_s": medians,
+                  "ratio_autopar_over_fsdp2": medians["autopar"] / medians["fsdp2"],
+                  "bytes_held_between_steps_rank0": {"autopar": ours_bytes,
+                                                     "fsdp2": theirs_bytes},
+                  "autopar_compile_s": compile_s, "torch": torch.__version__}
+        print(json.dumps(result, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
