@@ -40,3 +40,31 @@ def alternate(sides: dict[str, Callable], batch: tuple, rounds: int, steps: int,
         for name, step in sides.items():
             samples[name] += time_steps(step, batch, steps)
     return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def eager_step(model, loss_fn, opt, local: Callable = lambda ids: ids) -> Callable:
+    """A plain PyTorch training step (the baselines' side): forward on this rank's part
+    of the batch (`local`), loss, backward, optimizer step."""
+    def step(ids):
+        mine = local(ids)
+        loss = loss_fn(model(mine), mine)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+    return step
+
+
+def held(tensors, nbytes: bool = False) -> int:
+    """Elements (or bytes) this rank stores: a DTensor's local shard, a tensor whole."""
+    total = 0
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        total += local.numel() * (local.element_size() if nbytes else 1)
+    return total
+
+
+def optimizer_state(opt) -> list:
+    """The optimizer's state tensors (not its 0-dim step counters)."""
+    return [t for s in opt.state.values() for t in s.values()
+            if hasattr(t, "dim") and t.dim() > 0]

@@ -32,15 +32,7 @@ def adamw(params):
 def ddp_step_fn(model, loss_fn, rank, world):
     ddp = DDP(model)
     opt = adamw([p for p in ddp.parameters() if p.requires_grad])
-
-    def step(ids):
-        local = ids.chunk(world)[rank]
-        loss = loss_fn(ddp(local), local)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-    return step
+    return common.eager_step(ddp, loss_fn, opt, lambda ids: ids.chunk(world)[rank])
 
 
 

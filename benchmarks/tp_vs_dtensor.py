@@ -42,24 +42,7 @@ def dtensor_step_fn(model, loss_fn, world):
         plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()})
         parallelize_module(layer, mesh, plan)
     opt = adamw([p for p in model.parameters() if p.requires_grad])
-
-    def step(ids):
-        loss = loss_fn(model(ids), ids)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-    return step, model, opt
-
-
-def held_elements(tensors) -> int:
-    """Elements this rank stores (a DTensor's local shard, a tensor whole)."""
-    return sum((t.to_local() if hasattr(t, "to_local") else t).numel() for t in tensors)
-
-
-def optimizer_elements(opt) -> int:
-    return held_elements(t for s in opt.state.values() for t in s.values()
-                         if isinstance(t, torch.Tensor) and t.dim() > 0)
+    return common.eager_step(model, loss_fn, opt), model, opt
 
 
 def main() -> None:
@@ -80,8 +63,8 @@ def main() -> None:
     medians = common.alternate({"autopar": ours, "dtensor": theirs}, batch, args.rounds,
                                args.steps, args.warmup)
     whole = sum(p.numel() for p in example.model.parameters())
-    ours_held = held_elements(ours.params) + optimizer_elements(ours.optimizer)
-    theirs_held = held_elements(dt_model.parameters()) + optimizer_elements(dt_opt)
+    ours_held = common.held(ours.params) + common.held(common.optimizer_state(ours.optimizer))
+    theirs_held = common.held(dt_model.parameters()) + common.held(common.optimizer_state(dt_opt))
     if rank == 0:
         result = {"benchmark": "tp_vs_dtensor", "model": args.model, "world": world,
                   "rounds": args.rounds, "steps_per_round": args.steps,

@@ -35,29 +35,15 @@ def fsdp2_step_fn(model, loss_fn, rank, world):
         fully_shard(block)
     fully_shard(model)
     opt = adamw([p for p in model.parameters() if p.requires_grad])
-
-    def step(ids):
-        local = ids.chunk(world)[rank]
-        loss = loss_fn(model(local), local)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-    return step, model, opt
+    return common.eager_step(model, loss_fn, opt, lambda ids: ids.chunk(world)[rank]), model, opt
 
 
 def held_bytes(tensors) -> int:
-    """Bytes this rank stores (a DTensor's local shard, a plain tensor whole)."""
-    total = 0
-    for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        total += local.numel() * local.element_size()
-    return total
+    return common.held(tensors, nbytes=True)
 
 
 def state_bytes(opt) -> int:
-    return held_bytes(t for s in opt.state.values() for t in s.values()
-                      if isinstance(t, torch.Tensor) and t.dim() > 0)
+    return held_bytes(common.optimizer_state(opt))
 
 
 def main() -> None:
