@@ -74,6 +74,8 @@ def compile(model: torch.nn.Module, cluster: Any = None,  # noqa: A001 - the con
     options = {"amp_lists": amp_lists} if amp_lists else {}
     if layout.tp > 1:  # each rank's program holds its own blocks (tp is the inner mesh dim)
         options["tp_rank"] = launched_rank() % layout.tp
+    if layout.zero >= 2:  # which block of each gathered embedding table this rank keeps
+        options["dp_rank"] = launched_rank() // (layout.tp * layout.pp) % layout.dp
     tg, results = run_passes(tg, layout, cluster, passes, options=options)
     if layout.amp != "off" and "amp" not in tg.provides:
         raise LayoutError(f"Layout.amp={layout.amp!r} but the passes given to compile have no "

@@ -9,7 +9,7 @@ import torch
 
 import autopar
 from autopar.examples import gpt2, llama, mlp
-from tests.dist.cases_dp import adamw, check_parity, sgd
+from tests.dist.cases_dp import adamw, check_parity, sgd, tied_padded_lm
 from tests.dist.cases_tp import check_resume_and_reshard
 from tests.dist.registry import case
 
@@ -37,9 +37,12 @@ def _whole_elements(step, dp: int) -> int:
                for e, b in zip(step.program.params, step.in_graph_block))
 
 
-def zero_case(name, factory, optimizer, world=2, **layout):
+def zero_case(name, factory, optimizer, world=2, rows_gathered=None, **layout):
     def run():
         step = check_parity(factory(), optimizer, autopar.Layout(**layout))
+        if rows_gathered is not None:
+            stats = {r.name: r.stats for r in step.pass_results}["insert_allreduce"]
+            assert stats["embedding_grads_gathered"] == rows_gathered, stats
         _check_state_is_blocks(step, layout["dp"])
         if layout.get("zero", 0) >= 2:
             stats = {r.name: r.stats for r in step.pass_results}
@@ -57,8 +60,11 @@ for _zero in (1, 2, 3):
 zero_case("dp2_zero2_parity_mlp_sgd", mlp, sgd, dp=2, zero=2)
 zero_case("dp2_zero3_parity_mlp_sgd", mlp, sgd, dp=2, zero=3)
 zero_case("dp4_zero3_parity_llama_adamw", lambda: llama(batch=8), adamw, world=4, dp=4, zero=3)
-zero_case("dp2_zero2_embedding_table_reduce_scattered_llama_sgd", lambda: llama(vocab=1024),
-          sgd, dp=2, zero=2)
+# a table larger than its rows: the gathered rows build each rank's block of it
+zero_case("dp2_zero2_embedding_rows_into_blocks_llama_sgd", lambda: llama(vocab=1024), sgd,
+          rows_gathered=["model.embed_tokens.weight"], dp=2, zero=2)
+zero_case("dp2_zero3_embedding_rows_into_blocks_tied_padded_sgd", tied_padded_lm, sgd,
+          rows_gathered=["embed.weight"], dp=2, zero=3)
 # an odd vocabulary: the last rank's block of the tied table is padded with a zero row
 zero_case("dp2_zero2_odd_rows_padded_gpt2_tied_sgd", lambda: gpt2(vocab=255), sgd, dp=2, zero=2)
 zero_case("dp2_zero3_odd_rows_padded_gpt2_tied_adamw", lambda: gpt2(vocab=255), adamw, dp=2,

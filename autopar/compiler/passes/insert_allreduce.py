@@ -24,8 +24,9 @@ Rewrites, in order:
    that are reduce-scattered instead: laid out block-major ([dp, n/dp], row r holding
    every gradient's r-th dim-0 block of ceil(rows/dp) rows, the last padded with zero
    rows), so each rank receives exactly its blocks, and the step returns that block
-   (`GraphSignature.grad_blocks`). Embedding tables are reduce-scattered too rather
-   than gathering rows (step 2): each rank keeps only its block. The runtime's
+   (`GraphSignature.grad_blocks`). An embedding table whose gradient comes from
+   gathered rows (step 2) builds only this rank's block from them (rows of other
+   blocks masked out; options["dp_rank"] says which block). The runtime's
    optimizer updates the block and gathers the blocks back into the parameter.
    Gradients with fewer rows than dp are all-reduced whole, as listed in `declined`.
 
@@ -143,10 +144,9 @@ class InsertAllReduce(GraphPass):
         divisor = 1 if scale_backward_seed(tg, build, dp) else dp
         wire = _WIRE_DTYPES.get(ctx.layout.grad_comm_dtype)  # None: the gradients' own dtype
         grads = [_Grad(i, [g]) for i, g in enumerate(tg.grad_nodes())]
-        # ZeRO-2/3 reduce-scatter embedding tables too (each rank keeps only its block), as
-        # FSDP2 does: gathering rows would leave every rank a whole table to keep a block of
-        gathered = [] if ctx.layout.zero >= 2 else \
-            self._gather_embedding_grads(tg, build, grads, dp, divisor, tag)
+        gathered = self._gather_embedding_grads(tg, build, grads, dp, divisor, tag)
+        # ZeRO-2/3: the gathered rows build only this rank's block of the table
+        self._rank = int(ctx.options.get("dp_rank", 0))
         order = {n: i for i, n in enumerate(tg.graph.nodes)}
         pieces = sorted(((t, g) for g in grads for t in g.local), key=lambda p: order[p[0]])
         blocked = self._zero2_blocked(tg, grads, dp) if ctx.layout.zero >= 2 else set()
@@ -166,7 +166,8 @@ class InsertAllReduce(GraphPass):
             pending = [self._launch_bucket(build, b, i, divisor, tag, wire, blocks)
                        for i, (b, blocks) in enumerate(buckets)]
         loss = self._launch_loss(tg, build, dp, tag)
-        tg.output_node().args = (tuple(self._wait_all(tg, build, pending, loss, grads)),)
+        tg.output_node().args = (tuple(self._wait_all(tg, build, pending, loss, grads,
+                                                      {i: dp for i in blocked})),)
         tg.graph.eliminate_dead_code()
         tg.gm.recompile()
         if blocked:
@@ -188,12 +189,12 @@ class InsertAllReduce(GraphPass):
 
     @staticmethod
     def _zero2_blocked(tg, grads, dp) -> set[int]:
-        """ZeRO-2: the parameters whose gradient is reduce-scattered into dim-0 blocks
-        (every one with at least dp rows; the last block is padded when dp does not
-        divide them)."""
+        """ZeRO-2: the parameters whose gradient the step returns as this rank's dim-0
+        block (every one with at least dp rows; the last block is padded when dp does not
+        divide them): reduce-scattered, or built from gathered embedding rows."""
         return {g.param for g in grads
                 if tg.signature.params[g.param].shape
-                and tg.signature.params[g.param].shape[0] >= dp and not g.gathered}
+                and tg.signature.params[g.param].shape[0] >= dp}
 
     def _gather_embedding_grads(self, tg, build, grads, dp, divisor, tag) -> list[str]:
         """All-gather the rows of each embedding table's gradient (see module doc)."""
@@ -259,7 +260,7 @@ class InsertAllReduce(GraphPass):
         scaled = build.at(tg.loss_node()).call(aten.div.Tensor, (tg.loss_node(), dp))
         return build.call(c10d.all_reduce.default, (scaled, "sum", tag), **{M.COMM_KIND: "loss"})
 
-    def _wait_all(self, tg, build, pending, loss, grads) -> list[fx.Node]:
+    def _wait_all(self, tg, build, pending, loss, grads, blocked) -> list[fx.Node]:
         """Waits just before the output: every all-reduce stays in flight until then."""
         outputs = tg.outputs()
         build.at(tg.output_node().prev)
@@ -285,10 +286,48 @@ class InsertAllReduce(GraphPass):
             for term in [summed[t] for t in grad.local]:
                 value = term if value is None else build.call(aten.add.Tensor, (value, term))
             for gathered in grad.gathered:
-                value = self._add_rows(build, value, gathered)
+                if grad.param in blocked:
+                    value = self._add_block_rows(build, value, gathered, params[grad.param],
+                                                 blocked[grad.param], self._rank)
+                else:
+                    value = self._add_rows(build, value, gathered)
             value.meta[M.GRAD_OF] = params[grad.param].name
             outputs[tg.signature.grad_output_index(grad.param)] = value
         return outputs
+
+    @staticmethod
+    def _add_block_rows(build, value, gathered: _GatheredRows, param, dp: int,
+                        rank: int) -> fx.Node:
+        """ZeRO: value + this rank's dim-0 block of the table gradient of the gathered rows
+        (rows of other blocks masked out), into a zero block when there is no value."""
+        rows = build.call(c10d.wait_tensor.default, (gathered.rows_job,))
+        indices = build.call(c10d.wait_tensor.default, (gathered.indices_job,))
+        _, padding_idx, scale_by_freq = gathered.table_args
+        where = {M.MODULE_PATH: gathered.module_path}
+        block = block_rows(param.shape[0], dp)
+        if scale_by_freq:  # the counts need every row: the whole table, then this block
+            table = build.call(aten.embedding_dense_backward.default,
+                               (rows, indices, *gathered.table_args), role=M.Role.BACKWARD, **where)
+            pad = [0, 0] * (len(param.shape) - 1) + [0, block * dp - param.shape[0]]
+            table = build.call(aten.constant_pad_nd.default, (table, pad))
+            mine = build.call(aten.slice.Tensor, (table, 0, rank * block, (rank + 1) * block))
+            return mine if value is None else build.call(aten.add.Tensor, (value, mine))
+        width = rows.meta[M.VAL].shape[-1]
+        flat_rows = build.call(aten.reshape.default, (rows, [-1, width]))
+        local = build.call(aten.sub.Tensor, (build.call(aten.reshape.default, (indices, [-1])),
+                                             rank * block))
+        keep = build.call(aten.bitwise_and.Tensor, (build.call(aten.ge.Scalar, (local, 0)),
+                                                    build.call(aten.lt.Scalar, (local, block))))
+        if padding_idx >= 0:  # the padding row gets no gradient
+            keep = build.call(aten.bitwise_and.Tensor, (keep, build.call(
+                aten.ne.Scalar, (local, padding_idx - rank * block))))
+        local = build.call(aten.where.self, (keep, local, build.call(aten.zeros_like.default, (local,))))
+        flat_rows = build.call(aten.mul.Tensor, (flat_rows, build.call(
+            aten.unsqueeze.default, (keep, -1))))
+        if value is None:
+            value = build.call(aten.new_zeros.default, (flat_rows, [block, *param.shape[1:]]))
+        return build.call(aten.index_add.default, (value, 0, local, flat_rows),
+                          role=M.Role.BACKWARD, **where)
 
     @staticmethod
     def _add_rows(build, value, gathered: _GatheredRows) -> fx.Node:
