@@ -3,7 +3,6 @@ dp=2 x tp=2 on 4), shards held per rank, and the redistributions on real gloo gr
 
 from __future__ import annotations
 
-import copy
 import tempfile
 
 import torch
