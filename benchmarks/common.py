@@ -68,3 +68,27 @@ def optimizer_state(opt) -> list:
     """The optimizer's state tensors (not its 0-dim step counters)."""
     return [t for s in opt.state.values() for t in s.values()
             if hasattr(t, "dim") and t.dim() > 0]
+
+
+def start(args: argparse.Namespace):
+    """One thread per process, the gloo process group, and the example model:
+    (rank, world size, example)."""
+    import torch
+
+    from autopar.examples import load_example
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), load_example(args.model)
+
+
+def compile_timed(example, layout, optimizer):
+    """autopar's step for a copy of the example's model, and the seconds compile took."""
+    import copy
+
+    import autopar
+
+    begin = time.perf_counter()
+    step = autopar.compile(copy.deepcopy(example.model), None, example.batch, example.loss_fn,
+                           optimizer=optimizer, layout=layout)
+    return step, time.perf_counter() - begin

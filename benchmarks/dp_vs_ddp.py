@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 
 import torch
 import torch.distributed as dist
@@ -22,7 +21,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import autopar
 import common  # benchmarks/common.py (the script's own folder is on sys.path)
-from autopar.examples import load_example
 
 
 def adamw(params):
@@ -41,16 +39,10 @@ def main() -> None:
     parser = common.parser(__doc__.splitlines()[0], steps=5)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-
-    example = load_example(args.model)
+    rank, world, example = common.start(args)
     batch = example.batch
-    compile_start = time.perf_counter()
-    ours = autopar.compile(copy.deepcopy(example.model), None, batch, example.loss_fn,
-                           optimizer=adamw, layout=autopar.Layout(dp=world, bucket_mb=args.bucket_mb))
-    compile_s = time.perf_counter() - compile_start
+    ours, compile_s = common.compile_timed(
+        example, autopar.Layout(dp=world, bucket_mb=args.bucket_mb), adamw)
     theirs = ddp_step_fn(copy.deepcopy(example.model), example.loss_fn, rank, world)
     medians = common.alternate({"autopar": ours, "ddp": theirs}, batch, args.rounds,
                                args.steps, args.warmup)

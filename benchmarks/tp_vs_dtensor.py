@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 
 import torch
 import torch.distributed as dist
@@ -27,7 +26,6 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 
 import autopar
 import common  # benchmarks/common.py (the script's own folder is on sys.path)
-from autopar.examples import load_example
 
 
 def adamw(params):
@@ -49,16 +47,9 @@ def main() -> None:
     parser = common.parser(__doc__.splitlines()[0], steps=3)
     parser.set_defaults(model="llama-small4")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-
-    example = load_example(args.model)
+    rank, world, example = common.start(args)
     batch = example.batch
-    start = time.perf_counter()
-    ours = autopar.compile(copy.deepcopy(example.model), None, batch, example.loss_fn,
-                           optimizer=adamw, layout=autopar.Layout(tp=world))
-    compile_s = time.perf_counter() - start
+    ours, compile_s = common.compile_timed(example, autopar.Layout(tp=world), adamw)
     theirs, dt_model, dt_opt = dtensor_step_fn(copy.deepcopy(example.model), example.loss_fn, world)
     medians = common.alternate({"autopar": ours, "dtensor": theirs}, batch, args.rounds,
                                args.steps, args.warmup)

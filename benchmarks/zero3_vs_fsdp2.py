@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 
 import torch
 import torch.distributed as dist
@@ -23,7 +22,6 @@ from torch.distributed.fsdp import fully_shard
 
 import autopar
 import common  # benchmarks/common.py (the script's own folder is on sys.path)
-from autopar.examples import load_example
 
 
 def adamw(params):
@@ -49,16 +47,9 @@ def state_bytes(opt) -> int:
 def main() -> None:
     parser = common.parser(__doc__.splitlines()[0], steps=3)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-
-    example = load_example(args.model)
+    rank, world, example = common.start(args)
     batch = example.batch
-    start = time.perf_counter()
-    ours = autopar.compile(copy.deepcopy(example.model), None, batch, example.loss_fn,
-                           optimizer=adamw, layout=autopar.Layout(dp=world, zero=3))
-    compile_s = time.perf_counter() - start
+    ours, compile_s = common.compile_timed(example, autopar.Layout(dp=world, zero=3), adamw)
     theirs, fsdp_model, fsdp_opt = fsdp2_step_fn(copy.deepcopy(example.model), example.loss_fn,
                                                  rank, world)
     medians = common.alternate({"autopar": ours, "fsdp2": theirs}, batch, args.rounds,
