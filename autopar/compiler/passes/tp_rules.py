@@ -31,7 +31,6 @@ a traced program does not go through. See docs/tensor_parallel.md.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
@@ -413,7 +412,3 @@ def _split_rule(node: fx.Node, tp: int) -> list[Strategy]:
     n = len(output_vals(node))
     return [Strategy((d,), tuple(d for _ in range(n)), 1 / tp) for d in _other_dims(x, dim)]
 
-
-@_rule(operator.getitem)
-def _getitem_rule(node: fx.Node, tp: int) -> list[Strategy]:
-    return []  # follows its producer: handled by the solver, not by strategies

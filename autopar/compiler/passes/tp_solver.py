@@ -331,7 +331,9 @@ class _Model:
     def _at_most(self, lhs, bound: int) -> None:
         if _is_const(lhs):
             if lhs > bound:
-                raise ValueError("the tensor-parallel constraints cannot be met")
+                raise ValueError("the tensor-parallel placement has no valid plan (an op's "
+                                 "only strategy needs a partial sum nothing produces); "
+                                 "compile with Layout.tp=1 and report the model")
             return
         self.h.addConstr(lhs <= bound)
 
@@ -340,7 +342,8 @@ class _Model:
             self.h.minimize()
             status = self.h.getModelStatus()
             if status != highspy.HighsModelStatus.kOptimal:
-                raise RuntimeError(f"the tensor-parallel placement program ended {status}")
+                raise RuntimeError(f"the tensor-parallel placement program ended {status}; "
+                                   "compile with Layout.tp=1 and report the model")
 
     def chosen(self, vars_: list[tuple]) -> Strategy:
         if vars_[0][0] is None:
