@@ -18,6 +18,7 @@ from autopar.compiler.ir.trace import LossFn, batch_dims_of, trace_train_step
 from autopar.compiler.lower import to_program
 from autopar.compiler.lower_pipeline import lower_pipeline
 from autopar.compiler.passes.amp_policy import parse_amp_lists
+from autopar.compiler.planner.memory import profile_optimizer
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
 from autopar.compiler.passes.manager import PassManager, get_pass
 from autopar.compiler.passes.pipeline import default_passes, is_pipelined
@@ -62,8 +63,8 @@ def compile(model: torch.nn.Module, cluster: Any = None,  # noqa: A001 - the con
     todo = unsupported_fields(layout)
     if todo:
         raise LayoutError(f"{layout}: not supported yet: {', '.join(todo)}. Supported now: dp, "
-                          "tp, pp, microbatches, schedule, sequence_parallel, bucket_mb, "
-                          "overlap_comm, amp, grad_comm_dtype")
+                          "tp, pp, microbatches, schedule, sequence_parallel, zero, recompute, "
+                          "bucket_mb, overlap_comm, amp, grad_comm_dtype")
     layout.check_world_size(world)
     parse_amp_lists(amp_lists)  # a misspelt op fails before the (slow) trace
     example_inputs = tuple(example_inputs)
@@ -74,6 +75,8 @@ def compile(model: torch.nn.Module, cluster: Any = None,  # noqa: A001 - the con
     options = {"amp_lists": amp_lists} if amp_lists else {}
     if layout.tp > 1:  # each rank's program holds its own blocks (tp is the inner mesh dim)
         options["tp_rank"] = launched_rank() % layout.tp
+    if layout.recompute == "auto":  # what the user's optimizer holds, for the budget
+        options["optimizer_memory"] = profile_optimizer(optimizer)
     if layout.zero >= 2:  # which block of each gathered embedding table this rank keeps
         options["dp_rank"] = launched_rank() // (layout.tp * layout.pp) % layout.dp
     tg, results = run_passes(tg, layout, cluster, passes, options=options)

@@ -133,8 +133,6 @@ def unsupported_fields(layout: Layout) -> list[str]:
     if layout.zero and (layout.pp > 1 or layout.microbatches > 1):
         out.append("zero > 0 with pp > 1 or microbatches > 1 (the pipeline runtime updates "
                    "whole parameters)")
-    if layout.recompute != "none":
-        out.append(f"recompute={layout.recompute!r}")
     if layout.fusion:
         out.append("fusion=True")
     return out

@@ -3,7 +3,6 @@ its closed form, memory against real optimizers, and properties (hypothesis)."""
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
@@ -15,7 +14,7 @@ import autopar
 from autopar.cluster import ClusterSpec, LinkSpec
 from autopar.compiler.planner import cost_model as cm
 from autopar.compiler.planner.summary import GraphSummary, OpRecord, summarize
-from autopar.examples import causal_lm_loss, gpt2, mlp
+from autopar.examples import causal_lm_loss, gpt2
 
 EXACT = cm.Efficiency(compute=1.0, memory=1.0, link=1.0)
 
@@ -164,47 +163,6 @@ def test_gpt_flops_equal_the_closed_form_of_its_matmuls():
     assert summary.flops == 3 * forward + layers * 2 * batch * seq * seq * h
 
 
-# -- memory --------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("kind, make", [
-    ("adamw", lambda p: torch.optim.AdamW(p, lr=1e-3)),
-    ("sgd-momentum", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
-    ("sgd", lambda p: torch.optim.SGD(p, lr=0.1)),
-])
-def test_parameter_gradient_and_optimizer_bytes_match_torch(kind, make):
-    ex = mlp()
-    model = copy.deepcopy(ex.model)
-    summary = summarize(autopar.trace(model, ex.batch, ex.loss_fn))
-    opt = make(list(model.parameters()))
-    ex.loss_fn(model(*ex.batch), *ex.batch).backward()
-    opt.step()
-    state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
-                if isinstance(t, torch.Tensor))
-    memory = cm.memory_breakdown(summary, kind)
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert memory["parameters"] == memory["gradients"] == params
-    assert memory["optimizer_states"] == state
-    with pytest.raises(ValueError, match="unknown optimizer kind 'lamb'"):
-        cm.memory_breakdown(summary, "lamb")
-
-
-def test_activation_liveness_on_a_hand_made_chain():
-    # x -> a = relu(x) -> v = view(a) -> b = mul(v) -> loss = sum(b)   (100 bytes each)
-    ops = [OpRecord("x", "input", allocates=100, storage=0),
-           OpRecord("a", "forward", allocates=100, storage=1, uses=(0,)),
-           OpRecord("v", "forward", storage=1, uses=(1,)),
-           OpRecord("b", "forward", allocates=100, storage=3, uses=(2,)),
-           OpRecord("loss", "loss", allocates=4, storage=4, uses=(3,))]
-    # x dies after a; a lives through b (read via its view); the loss is returned
-    assert cm.live_peak(summary_of(ops, outputs={4})) == (200, {"activations": 200, "comm_buffers": 0})
-    # reading x again at the end keeps it alive: x + a + b at b
-    late = ops[:4] + [OpRecord("loss", "loss", allocates=4, storage=4, uses=(3, 0))]
-    assert cm.live_peak(summary_of(late, outputs={4}))[0] == 300
-    # a communication buffer is its own category; the split is the one at the peak
-    comm = ops[:4] + [OpRecord("buf", "comm", allocates=150, storage=4, uses=(3,))]
-    assert cm.live_peak(summary_of(comm)) == (250, {"activations": 100, "comm_buffers": 150})
-
-
 def test_summary_storage_of_views_waits_and_gradients():
     ex = gpt2()
     tg = autopar.trace(ex.model, (ex.batch[0][:4],), ex.loss_fn)
@@ -271,7 +229,8 @@ def test_estimate_gpt2_on_dgx_h100_with_dp8():
     params = sum(p.numel() * 4 for p in model.parameters())  # tied: counted once
     assert 0 < pred.mfu <= 1 and pred.peak_memory_bytes > params
     assert pred.peak_memory_bytes == sum(pred.memory.values())
-    assert pred.memory["parameters"] == pred.memory["gradients"] == params
+    # gradients: those alive at the peak (it falls early in the backward, in the loss)
+    assert pred.memory["parameters"] == params and pred.memory["gradients"] <= params
     assert pred.memory["optimizer_states"] >= 2 * params
     b = pred.breakdown
     assert b["comm"] > 0 and 0 <= b["exposed_comm"] <= b["comm"] and b["bubble"] == 0

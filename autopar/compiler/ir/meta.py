@@ -34,5 +34,6 @@ GRAD_OF = "autopar.grad_of"  # str: parameter name whose gradient this node prod
 COMM_KIND = "autopar.comm_kind"  # str: "grad_bucket" | "loss" | ... for collective nodes
 BUCKET = "autopar.bucket"  # int: gradient bucket index for the nodes of one bucket
 CREATED_BY = "autopar.created_by"  # str: the pass that inserted the node
+RECOMPUTED = "autopar.recomputed"  # str: the forward node a backward copy recomputes
 
 REQUIRED_CALL_KEYS = (VAL, ROLE, MODULE_PATH)

@@ -6,6 +6,7 @@ from autopar.compiler.passes.amp import AutoMixedPrecision
 from autopar.compiler.passes.assign_stages import AssignStages
 from autopar.compiler.passes.base import GraphPass
 from autopar.compiler.passes.insert_allreduce import InsertAllReduce
+from autopar.compiler.passes.recompute import Recompute
 from autopar.compiler.passes.shard_parameters import ShardParameters
 from autopar.compiler.passes.tensor_parallel import TensorParallel
 from autopar.layout import Layout
@@ -28,6 +29,7 @@ def default_passes(layout: Layout) -> list[GraphPass]:
     # before the op runs on local shards (collectives then carry half-precision values)
     first = [TensorParallel()] if layout.tp > 1 else []
     first += [AutoMixedPrecision()] if layout.amp != "off" else []
+    first += [Recompute()] if layout.recompute != "none" else []
     if is_pipelined(layout):
         return first + [AssignStages()]
     sync = [InsertAllReduce()] if layout.dp > 1 else []

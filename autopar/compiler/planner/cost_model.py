@@ -11,8 +11,7 @@ parallelism with bucketed, overlapped gradient all-reduce.
 - overlap: the graph is replayed in order on a compute stream and one communication
   stream; a collective starts when the op before it has run and its stream is free,
   and a `wait_tensor` stalls compute until its collective is done;
-- memory: parameters, gradients, optimizer states, and the peak of live activation and
-  communication storage over the graph's order.
+- memory: the memory model (memory.py), liveness over the graph's order.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import math
 from dataclasses import dataclass
 
 from autopar.cluster import ClusterSpec, LinkSpec
+from autopar.compiler.planner.memory import step_memory
 from autopar.compiler.planner.summary import GraphSummary, OpRecord
 from autopar.layout import Layout, Prediction
 
@@ -48,7 +48,6 @@ DEFAULT_EFFICIENCY = Efficiency()
 # optimizer kind -> state tensors per parameter, each the size of the parameter
 # (torch.optim keeps them in the parameter's dtype), and a per-tensor step counter
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}
-_STEP_COUNTER_BYTES = {"adamw": 4, "adam": 4, "sgd-momentum": 0, "sgd": 0}  # fp32 scalar
 
 
 # -- compute -------------------------------------------------------------------------------
@@ -211,57 +210,6 @@ def _check_optimizer(optimizer: str) -> str:
     return optimizer
 
 
-def optimizer_state_bytes(summary: GraphSummary, optimizer: str) -> int:
-    kind = _check_optimizer(optimizer)
-    return (OPTIMIZER_STATES[kind] * summary.param_bytes
-            + _STEP_COUNTER_BYTES[kind] * len(summary.param_numel))
-
-
-def live_peak(summary: GraphSummary) -> tuple[int, dict[str, int]]:
-    """Peak bytes of live storage over the step, and its split at the peak into
-    "activations" and "comm_buffers" (storage made by comm-role ops).
-
-    A storage is live from the op that allocates it to the last op that reads it
-    or any view of it. Storages the step returns (loss, gradients, new buffers)
-    are left out: the memory model counts gradients whole, on their own.
-    """
-    last_use = {}
-    for i, op in enumerate(summary.ops):
-        if op.storage is not None:
-            last_use[op.storage] = max(last_use.get(op.storage, i), i)
-        for u in op.uses:
-            s = summary.ops[u].storage
-            if s is not None:
-                last_use[s] = max(last_use.get(s, i), i)
-    freed_after: dict[int, list[int]] = {}
-    for s, last in last_use.items():
-        freed_after.setdefault(last, []).append(s)
-    live = {"activations": 0, "comm_buffers": 0}
-    peak, at_peak = 0, dict(live)
-    for i, op in enumerate(summary.ops):
-        if op.allocates and op.storage == i and i not in summary.output_storages:
-            live[_category(op)] += op.allocates
-        if sum(live.values()) > peak:
-            peak, at_peak = sum(live.values()), dict(live)
-        for s in freed_after.get(i, ()):
-            owner = summary.ops[s]
-            if owner.allocates and s not in summary.output_storages:
-                live[_category(owner)] -= owner.allocates
-    return peak, at_peak
-
-
-def _category(op: OpRecord) -> str:
-    return "comm_buffers" if op.role == "comm" else "activations"
-
-
-def memory_breakdown(summary: GraphSummary, optimizer: str = "adamw") -> dict[str, int]:
-    """Bytes per rank by category; their sum is the predicted peak."""
-    _, live = live_peak(summary)
-    return {"parameters": summary.param_bytes, "buffers": summary.buffer_bytes,
-            "gradients": summary.param_bytes,
-            "optimizer_states": optimizer_state_bytes(summary, optimizer), **live}
-
-
 # -- prediction -----------------------------------------------------------------------------
 
 def predict(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
@@ -279,11 +227,11 @@ def predict(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
     devices = layout.world_size
     per_device = flops / devices / seconds if seconds > 0 else 0.0
     peak = cluster.peak_flops_for(summary.compute_dtype())
-    memory = memory_breakdown(summary, optimizer)
+    memory = step_memory(summary, layout, optimizer)
     return Prediction(
         step_time_s=seconds, flops_per_step=flops, tflops_per_device=per_device / 1e12,
-        mfu=per_device / peak, peak_memory_bytes=sum(memory.values()), bubble_fraction=0.0,
+        mfu=per_device / peak, peak_memory_bytes=memory.peak_bytes, bubble_fraction=0.0,
         breakdown={"compute": times.compute_s, "comm": times.comm_s,
                    "exposed_comm": times.exposed_comm_s, "bubble": 0.0,
                    "optimizer": times.optimizer_s},
-        memory=memory)
+        memory=memory.by_category)

@@ -75,6 +75,10 @@ class GraphSummary:
     param_itemsize: tuple[int, ...]
     buffer_bytes: int
     output_storages: frozenset[int]
+    # per parameter: dim-0 size of the graph's tensor (0 for a scalar), and into how many
+    # dim-0 blocks ZeRO-3 cut it (the graph then takes one block); empty: unknown / whole
+    param_rows: tuple[int, ...] = ()
+    param_blocks: tuple[int, ...] = ()
 
     @property
     def param_bytes(self) -> int:
@@ -115,7 +119,9 @@ def summarize(tg: TrainGraph) -> GraphSummary:
     return GraphSummary(ops=tuple(ops), param_numel=tuple(p.numel for p in params),
                         param_itemsize=tuple(p.dtype.itemsize for p in params),
                         buffer_bytes=sum(b.nbytes for b in tg.signature.buffers),
-                        output_storages=outputs)
+                        output_storages=outputs,
+                        param_rows=tuple(p.shape[0] if p.shape else 0 for p in params),
+                        param_blocks=tuple(tg.signature.param_blocks))
 
 
 def _record(node: fx.Node, index: dict[fx.Node, int], earlier: list[OpRecord]) -> OpRecord:
@@ -127,7 +133,7 @@ def _record(node: fx.Node, index: dict[fx.Node, int], earlier: list[OpRecord]) -
     flops = node.meta.get(M.FLOPS, 0)
     record = OpRecord(
         name=node.name, role=node.meta[M.ROLE].value, flops=flops,
-        model_flops=flops - attention_recompute_flops(node),
+        model_flops=0 if node.meta.get(M.RECOMPUTED) else flops - attention_recompute_flops(node),
         bytes=node.meta.get(M.BYTES, 0), dtype=_dtype_of(node), uses=uses,
         collective=kind, comm_bytes=tensor_bytes(node.meta.get(M.VAL)) if kind else 0,
         group=_mesh_dim(node.args[group_arg]) if kind else None)

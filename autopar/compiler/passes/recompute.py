@@ -1,0 +1,181 @@
+"""Recompute: drop activations after the forward and compute them again in the backward.
+
+`Layout.recompute` picks which forward values the backward reads again instead of
+keeping them alive from the forward:
+
+- "full": each layer of the model's repeated stack (nodes with `M.LAYER`) keeps only
+  its input; everything else the layer's backward reads is recomputed. A model with
+  no repeated stack is one layer.
+- "selective": every op is recomputed except the contractions with a weight
+  (matmuls whose operand comes from parameters alone, such as a linear layer's):
+  attention scores and probabilities, softmax, norms, activations and masks are
+  cheap to redo and large to keep.
+- "auto": the per-layer choice among none / selective / full that meets a memory
+  budget at the least recomputed FLOPs: a multiple-choice knapsack solved with
+  HiGHS, whose answer the memory model then checks on the rewritten graph
+  (`compiler/planner/memory.py`); see `plan_auto`.
+
+Under every policy a value another layer reads (a layer's input or output) is kept,
+so recomputation never reaches across layers. Random ops (dropout masks) are kept:
+recomputing them would draw new numbers; those, and any op that is not a pure aten
+op, are listed in `PassResult.declined` with the reason.
+
+The rewrite: for each backward node that reads a value chosen for recomputation, a
+copy of the value's op (and of the chosen ops it needs, recursively) is inserted
+right before the first backward node that needs it; backward nodes then read the
+copy, so the forward value dies after its last forward use. The copies are
+backward nodes (`M.RECOMPUTED` names the original); they compute the same ops on
+the same inputs, so fp32 results are bit-identical to the step without recompute.
+
+Before (selective):                    After:
+    h = addmm(b, x, w)      # forward      h = addmm(b, x, w)
+    g = gelu(h)             # forward      g = gelu(h)
+    y = mm(g, w2)           # forward      y = mm(g, w2)
+    dw2 = mm(t(g), dy)      # backward     g_r = gelu(h)          # recomputed
+                                           dw2 = mm(t(g_r), dy)
+
+Requires: "traced". Provides: "recomputed".
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from autopar.compiler.ir import meta as M
+from autopar.compiler.ir.graph import TrainGraph
+from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
+from autopar.compiler.passes.manager import register_pass
+
+aten = torch.ops.aten
+_FORWARD = (M.Role.FORWARD, M.Role.LOSS)
+_CONTRACTIONS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+                 aten.convolution.default, aten._scaled_mm.default}
+
+
+class RecomputeError(ValueError):
+    """Recomputation cannot meet what was asked (the message says what would)."""
+
+
+@register_pass
+class Recompute(GraphPass):
+    name = "recompute"
+    requires = frozenset({"traced"})
+    provides = frozenset({"recomputed"})
+
+    def run(self, tg: TrainGraph, ctx: PassContext) -> tuple[TrainGraph, PassResult]:
+        policy = ctx.layout.recompute
+        if policy == "none":
+            return tg, PassResult(self.name, changed=False, stats={"policy": "none"})
+        if policy == "auto":
+            from autopar.compiler.passes.recompute_auto import plan_auto
+
+            per_layer = plan_auto(tg, ctx)
+        else:
+            per_layer = {layer: policy for layer in layers_of(tg)}
+            if policy == "selective":  # also outside the stack: the loss's log-softmax
+                per_layer[None] = policy
+        tg = tg.copy()
+        chosen, kept = choose(tg, per_layer)
+        copies = rewrite(tg.graph, chosen)
+        tg.gm.recompile()
+        tg.attrs["recompute"] = {"policy": policy,
+                                 "per_layer": {str(k): v for k, v in per_layer.items()}}
+        stats = {"policy": policy, "recomputed_ops": copies,
+                 "recompute_flops": sum(n.meta.get(M.FLOPS, 0) for n in tg.call_nodes()
+                                        if n.meta.get(M.RECOMPUTED))}
+        declined = [(n, why) for n, why in kept.items()]
+        return tg, PassResult(self.name, changed=copies > 0, stats=stats, declined=declined)
+
+
+def layers_of(tg: TrainGraph) -> list[int | None]:
+    """The recompute units: each layer of the repeated stack, or None for a model
+    without one (then the whole forward is one layer)."""
+    layers = sorted({n.meta[M.LAYER] for n in tg.call_nodes()
+                     if n.meta.get(M.LAYER) is not None and n.meta[M.ROLE] in _FORWARD})
+    return layers or [None]
+
+
+def _group(node: fx.Node) -> int | None:
+    return node.meta.get(M.LAYER)
+
+
+def choose(tg: TrainGraph, per_layer: dict[int | None, str]) -> tuple[set[fx.Node], dict[str, str]]:
+    """The forward nodes to recompute under a policy per layer ("none", "selective",
+    "full"), and the values kept although the policy would recompute them, with why."""
+    weights = _weight_derived(tg)
+    chosen, kept = set(), {}
+    for node in tg.call_nodes():
+        policy = per_layer.get(_group(node), "none")
+        if node.meta[M.ROLE] not in _FORWARD or policy == "none":
+            continue
+        if policy == "selective" and node.target in _CONTRACTIONS and any(
+                a in weights for a in node.all_input_nodes):
+            continue  # a weight matmul's output: expensive to redo
+        if _read_by_another_layer(node):
+            continue  # a layer's input or output: the policy keeps it
+        why = _why_kept(node)
+        if why is None:
+            chosen.add(node)
+        elif any(u.meta[M.ROLE] == M.Role.BACKWARD for u in node.users):
+            kept[node.name] = why
+    return chosen, kept
+
+
+def _why_kept(node: fx.Node) -> str | None:
+    target = node.target
+    if target is not operator.getitem and not isinstance(target, torch._ops.OpOverload):
+        return f"{target} is not an aten op"
+    if isinstance(target, torch._ops.OpOverload):
+        if torch.Tag.nondeterministic_seeded in target.tags:
+            return "a random op: recomputing it would draw new numbers"
+        if target._schema.is_mutable:
+            return "it writes its input in place"
+    return None
+
+
+def _read_by_another_layer(node: fx.Node) -> bool:
+    return bool({_group(u) for u in node.users if u.meta.get(M.ROLE) in _FORWARD}
+                - {_group(node)})
+
+
+def _weight_derived(tg: TrainGraph) -> set[fx.Node]:
+    """Nodes computed from parameters and buffers alone (a weight, its transpose, its
+    half-precision copy)."""
+    n_state = len(tg.signature.params) + len(tg.signature.buffers)
+    derived = set(tg.placeholders()[:n_state])
+    for node in tg.call_nodes():
+        inputs = node.all_input_nodes
+        if inputs and all(a in derived for a in inputs):
+            derived.add(node)
+    return derived
+
+
+def rewrite(graph: fx.Graph, chosen: set[fx.Node]) -> int:
+    """Make backward nodes read copies of the chosen forward values, each copy made
+    right before the first backward node that needs it. Returns the number of copies."""
+    copies: dict[fx.Node, fx.Node] = {}
+
+    def materialize(value: fx.Node, before: fx.Node) -> fx.Node:
+        if value not in copies:
+            args, kwargs = fx.node.map_arg(
+                (value.args, value.kwargs),
+                lambda a: materialize(a, before) if a in chosen else a)
+            with graph.inserting_before(before):
+                copy = graph.create_node("call_function", value.target, args, kwargs,
+                                         name=f"{value.name}_recomputed")
+            copy.meta = dict(value.meta)
+            copy.meta[M.ROLE] = M.Role.BACKWARD
+            copy.meta[M.RECOMPUTED] = value.name
+            copies[value] = copy
+        return copies[value]
+
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.meta.get(M.ROLE) != M.Role.BACKWARD:
+            continue
+        for arg in node.all_input_nodes:
+            if arg in chosen:
+                node.replace_input_with(arg, materialize(arg, node))
+    return len(copies)

@@ -1,0 +1,187 @@
+"""The memory model: the predicted peak bytes of one rank's step, by category.
+
+Pure functions of (GraphSummary, Layout, optimizer), like the cost model. The step
+runs in three phases, and the peak is the largest of them:
+
+1. what the rank holds across steps ("static"): its parameters (blocks under ZeRO-3
+   and tensor parallelism), the dim-0 blocks the optimizer updates under ZeRO-1/2,
+   the optimizer states of what it updates, buffers, and the step's input batch;
+2. the graph: liveness over the program in the order it runs. A storage is alive
+   from the op that creates it to the last op that reads it or a view of it (the
+   generated code drops every value after its last use); gradients and the loss
+   stay alive to the end, since the step returns them;
+3. the optimizer step: the gradients, plus the temporaries of the update itself
+   (torch.optim's for-loop AdamW holds two tensors the size of the parameter it is
+   updating: sqrt(v) and its quotient).
+
+Categories at the peak: parameters, buffers, optimizer_states, inputs (static);
+gradients (the step's outputs); activations (made by forward and loss ops);
+temporaries (made by backward ops, recomputed activations included); comm_buffers
+(made by collectives and their packing). It is checked against live storage counted
+as the step runs (`autopar.runtime.live_bytes`; tests/unit/test_memory_model.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from autopar.compiler.planner.summary import GraphSummary
+from autopar.layout import Layout
+
+STATIC = ("parameters", "buffers", "optimizer_states", "inputs")
+CATEGORIES = STATIC + ("gradients", "activations", "temporaries", "comm_buffers")
+_ROLE_CATEGORY = {"forward": "activations", "loss": "activations", "backward": "temporaries",
+                  "comm": "comm_buffers", "optimizer": "temporaries", "input": "inputs"}
+
+
+@dataclass(frozen=True)
+class OptimizerMemory:
+    """What an optimizer holds: `states` bytes per byte it updates, `counter_bytes` per
+    updated tensor (Adam's step count), and during its step `temporaries` bytes per
+    byte of the largest tensor it updates (it updates one tensor at a time)."""
+
+    states: float
+    counter_bytes: int = 0
+    temporaries: float = 0.0
+
+
+# torch.optim on the CPU (for-loop implementations); `profile_optimizer` measures any other
+OPTIMIZERS = {"adamw": OptimizerMemory(2, 4, 2), "adam": OptimizerMemory(2, 4, 2),
+              "sgd-momentum": OptimizerMemory(1), "sgd": OptimizerMemory(0)}
+
+
+def optimizer_memory(optimizer: str | OptimizerMemory) -> OptimizerMemory:
+    if isinstance(optimizer, OptimizerMemory):
+        return optimizer
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer kind {optimizer!r}; expected one of "
+                         f"{', '.join(OPTIMIZERS)} or an OptimizerMemory")
+    return OPTIMIZERS[optimizer]
+
+
+def profile_optimizer(factory: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+                      numel: int = 4096) -> OptimizerMemory:
+    """Measure an optimizer factory's memory on a dummy parameter (two steps: the first
+    creates the state, the second shows the temporaries of a steady step)."""
+    from autopar.runtime.live_bytes import LiveBytes, held_bytes
+
+    param = torch.nn.Parameter(torch.zeros(numel))
+    opt = factory([param])
+    param.grad = torch.ones(numel)
+    opt.step()
+    with LiveBytes() as live:
+        opt.step()
+    states = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    big = [t for t in states if t.numel() == numel]
+    small = held_bytes([t for t in states if t.numel() != numel])
+    nbytes = param.nbytes
+    return OptimizerMemory(held_bytes(big) / nbytes, small, live.peak_bytes / nbytes)
+
+
+@dataclass(frozen=True)
+class GraphLiveness:
+    """Liveness of one program: its peak (bytes made by the program), the op where it
+    falls, the bytes alive there by category, and forward storage still alive when
+    the first backward op runs (the activations saved for the backward)."""
+
+    peak_bytes: int
+    peak_op: str
+    at_peak: dict[str, int]
+    saved_bytes: int
+    outputs_bytes: int  # alive when the program ends (what it returns)
+
+
+def graph_liveness(summary: GraphSummary) -> GraphLiveness:
+    """Walk the ops in order, adding each new storage and dropping it after its last use."""
+    ops = summary.ops
+    last_use = _last_uses(summary)
+    freed_after: dict[int, list[int]] = {}
+    for s, last in last_use.items():
+        freed_after.setdefault(last, []).append(s)
+    live = dict.fromkeys(CATEGORIES, 0)
+    peak, peak_op, at_peak, saved = 0, "", dict(live), None
+    for i, op in enumerate(ops):
+        if saved is None and op.role == "backward":
+            saved = live["activations"]
+        if op.allocates and op.storage == i and op.role != "input":  # inputs are static
+            live[_category(summary, i)] += op.allocates
+        if sum(live.values()) > peak:
+            peak, peak_op, at_peak = sum(live.values()), op.name, dict(live)
+        for s in freed_after.get(i, ()):
+            if ops[s].allocates and s not in summary.output_storages and ops[s].role != "input":
+                live[_category(summary, s)] -= ops[s].allocates
+    return GraphLiveness(peak, peak_op, at_peak, saved or 0, live["gradients"])
+
+
+def _last_uses(summary: GraphSummary) -> dict[int, int]:
+    last: dict[int, int] = {}
+    for i, op in enumerate(summary.ops):
+        for s in [op.storage] + [summary.ops[u].storage for u in op.uses]:
+            if s is not None:
+                last[s] = i
+    return last
+
+
+def _category(summary: GraphSummary, index: int) -> str:
+    if index in summary.output_storages:
+        return "gradients"
+    return _ROLE_CATEGORY[summary.ops[index].role]
+
+
+@dataclass(frozen=True)
+class MemoryPrediction:
+    """Predicted peak bytes of one rank's step; `by_category` sums to `peak_bytes`."""
+
+    peak_bytes: int
+    by_category: dict[str, int]
+    phase: str  # "graph" or "optimizer": where the peak falls
+    peak_op: str
+    saved_activation_bytes: int
+    static: dict[str, int] = field(default_factory=dict)
+
+
+def held_parameter_bytes(summary: GraphSummary, layout: Layout) -> tuple[int, list[int]]:
+    """Bytes of parameters a rank holds, and the bytes of each tensor its optimizer
+    updates: the graph's parameter (a block under ZeRO-3 or tensor parallelism), plus
+    under ZeRO-1/2 a separate dim-0 block of ceil(rows / dp) rows of each parameter
+    with at least dp rows (the runtime's `updated`)."""
+    held, updated = 0, []
+    for i, (numel, itemsize) in enumerate(zip(summary.param_numel, summary.param_itemsize)):
+        nbytes = numel * itemsize
+        held += nbytes
+        rows = summary.param_rows[i] if summary.param_rows else 0
+        in_graph_block = bool(summary.param_blocks) and summary.param_blocks[i] > 1
+        if layout.zero and not in_graph_block and rows >= layout.dp:
+            block = math.ceil(rows / layout.dp) * (numel // rows) * itemsize
+            held += block
+            updated.append(block)
+        else:
+            updated.append(nbytes)
+    return held, updated
+
+
+def step_memory(summary: GraphSummary, layout: Layout,
+                optimizer: str | OptimizerMemory = "adamw") -> MemoryPrediction:
+    """The predicted peak of one rank's (non-pipelined) step under `layout`."""
+    opt = optimizer_memory(optimizer)
+    params, updated = held_parameter_bytes(summary, layout)
+    inputs = sum(op.allocates for op in summary.ops if op.role == "input")
+    static = {"parameters": params, "buffers": summary.buffer_bytes,
+              "optimizer_states": int(opt.states * sum(updated) + opt.counter_bytes * len(updated)),
+              "inputs": inputs}
+    graph = graph_liveness(summary)
+    in_graph = graph.at_peak
+    in_graph_total = graph.peak_bytes
+    optim_temps = int(opt.temporaries * max(updated, default=0))
+    if graph.outputs_bytes + optim_temps > in_graph_total:
+        phase, dynamic, peak_op = "optimizer", dict.fromkeys(CATEGORIES, 0), "optimizer.step"
+        dynamic.update(gradients=graph.outputs_bytes, temporaries=optim_temps)
+    else:
+        phase, dynamic, peak_op = "graph", in_graph, graph.peak_op
+    by_category = {c: static.get(c, 0) + dynamic.get(c, 0) for c in CATEGORIES}
+    return MemoryPrediction(sum(by_category.values()), by_category, phase, peak_op,
+                            graph.saved_bytes, static)

@@ -1,0 +1,104 @@
+"""The memory model (compiler/planner/memory.py): liveness on hand-made programs, static
+bytes against real optimizers, and the predicted peak against live storage counted
+while a real step runs (runtime/live_bytes.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import autopar
+from autopar.compiler.planner import memory as mm
+from autopar.compiler.planner.summary import GraphSummary, OpRecord, summarize
+from autopar.examples import load_example, mlp
+from autopar.runtime.live_bytes import LiveBytes, measure_step
+
+
+def summary_of(ops, outputs=()):
+    return GraphSummary(tuple(ops), (), (), 0, frozenset(outputs))
+
+
+def test_liveness_on_a_hand_made_chain():
+    # x -> a = relu(x) -> v = view(a) -> b = mul(v) -> loss = sum(b)   (100 bytes each)
+    ops = [OpRecord("x", "input", allocates=100, storage=0),
+           OpRecord("a", "forward", allocates=100, storage=1, uses=(0,)),
+           OpRecord("v", "forward", storage=1, uses=(1,)),
+           OpRecord("b", "forward", allocates=100, storage=3, uses=(2,)),
+           OpRecord("loss", "loss", allocates=4, storage=4, uses=(3,))]
+    # the input is static (not counted here); a lives through b (read via its view)
+    live = mm.graph_liveness(summary_of(ops, outputs={4}))
+    assert (live.peak_bytes, live.peak_op) == (200, "b")
+    assert live.at_peak["activations"] == 200 and live.outputs_bytes == 4
+    # a backward op that reads a: a is saved for the backward; b (dead by then) is not
+    grad = ops + [OpRecord("g", "backward", allocates=100, storage=5, uses=(1,))]
+    live = mm.graph_liveness(summary_of(grad, outputs={5}))
+    assert live.saved_bytes == 100 and live.peak_bytes == 204  # a + b + loss... b freed
+    # collectives' storage is its own category
+    comm = ops[:4] + [OpRecord("buf", "comm", allocates=150, storage=4, uses=(3,))]
+    live = mm.graph_liveness(summary_of(comm))
+    assert live.peak_bytes == 250 and live.at_peak["comm_buffers"] == 150
+
+
+@pytest.mark.parametrize("kind, make", [
+    ("adamw", lambda p: torch.optim.AdamW(p, lr=1e-3)),
+    ("sgd-momentum", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
+    ("sgd", lambda p: torch.optim.SGD(p, lr=0.1)),
+])
+def test_static_bytes_match_real_optimizers(kind, make):
+    ex = mlp()
+    model = copy.deepcopy(ex.model)
+    summary = summarize(autopar.trace(model, ex.batch, ex.loss_fn))
+    opt = make(list(model.parameters()))
+    ex.loss_fn(model(*ex.batch), *ex.batch).backward()
+    opt.step()
+    state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                if isinstance(t, torch.Tensor))
+    pred = mm.step_memory(summary, autopar.Layout(), kind)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert pred.static["parameters"] == params
+    assert pred.static["optimizer_states"] == state
+    # the table of known kinds is what profiling the real optimizer measures
+    assert mm.profile_optimizer(make) == mm.OPTIMIZERS[kind]
+    with pytest.raises(ValueError, match="unknown optimizer kind 'lamb'"):
+        mm.step_memory(summary, autopar.Layout(), "lamb")
+
+
+def test_zero_blocks_are_held_beside_whole_parameters():
+    ex = mlp()
+    summary = summarize(autopar.trace(ex.model, ex.batch, ex.loss_fn))
+    plain = mm.step_memory(summary, autopar.Layout(), "adamw").static
+    zero = mm.step_memory(summary, autopar.Layout(dp=2, zero=1), "adamw").static
+    # every MLP parameter has >= 2 rows: blocks of half the rows, states on the blocks
+    assert zero["parameters"] > plain["parameters"]
+    assert zero["optimizer_states"] < 0.6 * plain["optimizer_states"]
+
+
+def measured_and_predicted(name, layout=autopar.Layout(), **kw):
+    ex = load_example(name, **kw)
+    step = autopar.compile(copy.deepcopy(ex.model), example_inputs=ex.batch,
+                           loss_fn=ex.loss_fn, layout=layout,
+                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    step(*ex.batch)  # the first step creates the optimizer state
+    measured, _ = measure_step(step, *ex.batch)
+    tg = autopar.trace(ex.model, ex.batch, ex.loss_fn)
+    tg, _ = autopar.run_passes(tg, layout)
+    return measured, mm.step_memory(summarize(tg), layout, "adamw")
+
+
+@pytest.mark.parametrize("name, kw", [("gpt2-tiny", {}), ("llama-tiny", {}), ("mlp", {}),
+                                      ("gpt2-tiny", {"layers": 4, "hidden": 128})])
+def test_predicted_peak_matches_live_storage(name, kw):
+    measured, pred = measured_and_predicted(name, **kw)
+    assert pred.peak_bytes == pytest.approx(measured, rel=0.05), pred.by_category
+
+
+def test_live_bytes_counts_new_storage_once_and_frees_it():
+    with LiveBytes() as live:
+        a = torch.ones(1000)  # 4000 bytes
+        b = a.view(10, 100)  # a view: nothing new
+        c = a * 2  # 4000 more
+        del c
+        d = b + 1  # c's storage was freed: the peak stays 8000
+    assert live.peak_bytes == 8000 and d.numel() == 1000
