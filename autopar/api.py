@@ -90,6 +90,7 @@ def compile(model: torch.nn.Module, cluster: Any = None,  # noqa: A001 - the con
     else:
         step = DistributedStep(to_program(tg, layout), model, optimizer)
     step.pass_results = results
+    step.train_graph = tg  # the rewritten graph the step runs (to inspect, or cost)
     return step
 
 

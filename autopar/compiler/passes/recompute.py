@@ -106,10 +106,11 @@ def choose(tg: TrainGraph, per_layer: dict[int | None, str]) -> tuple[set[fx.Nod
     """The forward nodes to recompute under a policy per layer ("none", "selective",
     "full"), and the values kept although the policy would recompute them, with why."""
     weights = _weight_derived(tg)
+    returned = set(tg.outputs())  # alive to the end anyway (the loss)
     chosen, kept = set(), {}
     for node in tg.call_nodes():
         policy = per_layer.get(_group(node), "none")
-        if node.meta[M.ROLE] not in _FORWARD or policy == "none":
+        if node.meta[M.ROLE] not in _FORWARD or policy == "none" or node in returned:
             continue
         if policy == "selective" and node.target in _CONTRACTIONS and any(
                 a in weights for a in node.all_input_nodes):
@@ -128,12 +129,21 @@ def _why_kept(node: fx.Node) -> str | None:
     target = node.target
     if target is not operator.getitem and not isinstance(target, torch._ops.OpOverload):
         return f"{target} is not an aten op"
-    if isinstance(target, torch._ops.OpOverload):
-        if torch.Tag.nondeterministic_seeded in target.tags:
-            return "a random op: recomputing it would draw new numbers"
-        if target._schema.is_mutable:
-            return "it writes its input in place"
+    if _random(node):
+        return "made by a random op (a dropout mask): recomputing it would draw new numbers"
+    if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+        return "it writes its input in place"
     return None
+
+
+def _random(node: fx.Node) -> bool:
+    """A random op, or an in-place op on a random op's result (dropout: bernoulli_, div_)."""
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded in target.tags:
+        return True
+    return target._schema.is_mutable and any(_random(a) for a in node.all_input_nodes)
 
 
 def _read_by_another_layer(node: fx.Node) -> bool:

@@ -7,8 +7,11 @@ the order the runtime runs it), plus the user inputs, which occupy memory from t
 start of the step.
 
 Storage, not tensors, is what occupies memory: a view (`is_view` in the op's
-schema), a `getitem` of a multi-output op and a `wait_tensor` (it returns the very
-tensor its collective produced) own no storage; they point at the op that does.
+schema) and a `wait_tensor` (it returns the very tensor its collective produced) own
+no storage; they point at the op that does. Each output of a multi-output op that a
+`getitem` takes is its own storage, owned by that getitem (a layer norm's backward
+returns an activation-sized input gradient that dies soon and a weight gradient the
+step returns); the op owns the outputs nobody takes.
 """
 
 from __future__ import annotations
@@ -137,13 +140,23 @@ def _record(node: fx.Node, index: dict[fx.Node, int], earlier: list[OpRecord]) -
         bytes=node.meta.get(M.BYTES, 0), dtype=_dtype_of(node), uses=uses,
         collective=kind, comm_bytes=tensor_bytes(node.meta.get(M.VAL)) if kind else 0,
         group=_mesh_dim(node.args[group_arg]) if kind else None)
+    if node.target is operator.getitem and _allocates(earlier, index.get(first)):
+        # an output of a multi-output op lives on its own (its siblings may die sooner)
+        return replace(record, storage=len(earlier), allocates=tensor_bytes(node.meta.get(M.VAL)))
     if aliases:
         # a view of a parameter, buffer or constant owns nothing we count
         owner = index.get(first)
         storage = None if owner is None else earlier[owner].storage
         waits = storage if node.target == c10d.wait_tensor.default else None
         return replace(record, storage=storage, waits_on=waits)
-    return replace(record, storage=len(earlier), allocates=tensor_bytes(node.meta.get(M.VAL)))
+    taken = {u.args[1]: tensor_bytes(u.meta.get(M.VAL)) for u in node.users
+             if u.target is operator.getitem}  # owned by those getitems
+    return replace(record, storage=len(earlier),
+                   allocates=tensor_bytes(node.meta.get(M.VAL)) - sum(taken.values()))
+
+
+def _allocates(earlier: list[OpRecord], i: int | None) -> bool:
+    return i is not None and earlier[i].storage == i
 
 
 # SDPA backward kernels whose torch.utils.flop_counter count (sdpa_backward_flop_count)
