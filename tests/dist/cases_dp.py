@@ -24,12 +24,13 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-def check_parity(example, optimizer, layout, steps=STEPS, **compile_kw):
+def check_parity(example, optimizer, layout, steps=STEPS, cluster=None, **compile_kw):
     init = {k: v.clone() for k, v in example.model.state_dict().items()}
     batches = make_batches(example.batch, steps)
     ref_losses, ref_state = reference_train(example.model, batches, example.loss_fn, optimizer)
     model = copy.deepcopy(example.model)
-    step = autopar.compile(model, autopar.ClusterSpec.local(dist.get_world_size()),
+    cluster = cluster or autopar.ClusterSpec.local(dist.get_world_size())
+    step = autopar.compile(model, cluster,
                            example_inputs=example.batch, loss_fn=example.loss_fn,
                            optimizer=optimizer, layout=layout, **compile_kw)
     losses = [step(*b).item() for b in batches]
