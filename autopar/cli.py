@@ -19,6 +19,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
+from autopar.layout import RECOMPUTE
 from autopar.logs import configure_from_env
 
 console = Console(stderr=False)
@@ -135,7 +136,7 @@ def _train_layout(args: argparse.Namespace):
     return Layout(dp=dp, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
                   schedule=args.schedule, virtual_stages=args.virtual_stages,
                   sequence_parallel=args.sequence_parallel, amp=args.amp,
-                  bucket_mb=args.bucket_mb)
+                  zero=args.zero, recompute=args.recompute, bucket_mb=args.bucket_mb)
 
 
 class _Progress:
@@ -199,7 +200,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from autopar.layout import Layout, LayoutError
 
     try:
-        layout = Layout(dp=args.dp, bucket_mb=args.bucket_mb)
+        layout = Layout(dp=args.dp, bucket_mb=args.bucket_mb, recompute=args.recompute)
         cluster = _cluster_from_args(args.cluster, args.nodes, layout)
         with torch.device("meta"):  # nothing is allocated: weights and batch are shapes only
             example = load_model_spec(args.model)
@@ -282,6 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--sequence-parallel", action="store_true",
                        help="with --tp: split norm/dropout regions along the sequence")
     train.add_argument("--amp", default="off", choices=("off", "bf16", "fp16"))
+    train.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
+                       help="ZeRO stage over the data-parallel ranks")
+    train.add_argument("--recompute", default="none", choices=RECOMPUTE,
+                       help="recomputation policy (see docs/memory.md)")
     train.add_argument("--nproc", type=int, default=None, help="processes (default dp*tp*pp)")
     train.add_argument("--bucket-mb", type=float, default=25.0, help="all-reduce bucket size")
     train.add_argument("--steps", type=int, default=10)
@@ -300,6 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="nodes of a preset or YAML cluster (default: 1 / the file's)")
     est.add_argument("--dp", type=int, default=1, help="data-parallel degree")
     est.add_argument("--bucket-mb", type=float, default=25.0, help="all-reduce bucket size")
+    est.add_argument("--recompute", default="none", choices=RECOMPUTE,
+                     help="recomputation policy ('auto' fits the cluster's device memory)")
     est.add_argument("--optimizer", choices=("adamw", "adam", "sgd-momentum", "sgd"),
                      default="adamw")
     est.add_argument("--json", action="store_true", help="print the prediction as JSON")

@@ -4,8 +4,9 @@ Same GPT-2 (transformers; 4 layers, hidden 256, 8 heads, vocabulary 50,257, tied
 embeddings), same global batch (16 x 128 tokens, each rank its half), AdamW, same
 gloo process group, one thread per process. FSDP2: `fully_shard` on every block and
 on the root. Rounds alternate between the two. Prints the median step time of each
-and the ratio autopar / FSDP2 (target <= 1.0), and the bytes each rank holds between
-steps: parameters, gradients and optimizer state (target <= FSDP2's).
+and the ratio autopar / FSDP2 (target <= 1.0), the bytes each rank holds between
+steps (parameters, gradients and optimizer state), and the peak of a step: those plus
+the most storage the step had alive at once (target <= FSDP2's).
 
     OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 2 \\
         benchmarks/zero3_vs_fsdp2.py --rounds 5 --steps 3
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 import autopar
+from autopar.runtime.live_bytes import LiveBytes
 import common  # benchmarks/common.py (the script's own folder is on sys.path)
 
 
@@ -44,6 +46,12 @@ def state_bytes(opt) -> int:
     return held_bytes(common.optimizer_state(opt))
 
 
+def step_peak(step, batch) -> int:
+    with LiveBytes() as live:
+        step(*batch)
+    return live.peak_bytes
+
+
 def main() -> None:
     parser = common.parser(__doc__.splitlines()[0], steps=3)
     args = parser.parse_args()
@@ -65,6 +73,10 @@ def main() -> None:
     theirs_bytes = {"params": held_bytes(fsdp_params),
                     "grads": held_bytes(p.grad for p in fsdp_params if p.grad is not None),
                     "optimizer": state_bytes(fsdp_opt)}
+    # the peak of a step: what is held before it plus the most storage the step itself
+    # had alive at once (counted as ops run: autopar.runtime.live_bytes)
+    peaks = {"autopar": sum(ours_bytes.values()) + step_peak(ours, batch),
+             "fsdp2": sum(theirs_bytes.values()) + step_peak(theirs, batch)}
     if rank == 0:
         result = {"benchmark": "zero3_vs_fsdp2", "model": args.model, "world": world,
                   "rounds": args.rounds, "steps_per_round": args.steps,
@@ -72,6 +84,8 @@ def main() -> None:
                   "ratio_autopar_over_fsdp2": medians["autopar"] / medians["fsdp2"],
                   "bytes_held_between_steps_rank0": {"autopar": ours_bytes,
                                                      "fsdp2": theirs_bytes},
+                  "peak_step_bytes_rank0": peaks,
+                  "peak_ratio_autopar_over_fsdp2": peaks["autopar"] / peaks["fsdp2"],
                   "autopar_compile_s": compile_s, "torch": torch.__version__}
         print(json.dumps(result, indent=1))
     dist.destroy_process_group()

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 
@@ -41,12 +41,15 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        inputs = {_weak(t).cdata for t 
-                  in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {_weak(t).cdata for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and not is_traceable_wrapper_subclass(t)}
         out = func(*args, **kwargs)
         self._collect()
         for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            # a tensor subclass (DTensor) holds no storage of its own: the ops on its
+            # local tensors, which pass through this mode too, allocate it
+            if (isinstance(t, torch.Tensor) and t.device.type != "meta"
+                    and not is_traceable_wrapper_subclass(t)):
                 ref = _weak(t)
                 if ref.cdata in inputs or ref in self._live:
                     continue  # an in-place op or a view: no new storage
