@@ -103,6 +103,15 @@ class DistributedStep:
         self.steps += 1
         return loss.detach()
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """What this rank keeps across steps (besides optimizer state): its parameters,
+        the blocks its optimizer updates, buffers."""
+        return [*self.params, *self.updated, *self.buffers]
+
+    def batch_bytes(self, global_batch: Sequence[torch.Tensor]) -> int:
+        """Bytes of this rank's slice of the global batch."""
+        return sum(x.numel() * x.element_size() for x in self.local_batch(global_batch))
+
     def local_batch(self, global_batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """This rank's slice of the global batch along each input's batch dimension."""
         spec = self.program.inputs[:self._n_user_inputs]

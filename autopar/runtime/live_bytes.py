@@ -81,15 +81,15 @@ def held_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def measure_step(step, *global_batch: torch.Tensor) -> tuple[int, int]:
-    """Run one step of a `DistributedStep` and return (peak bytes, bytes held before it).
+    """Run one step (a DistributedStep or a PipelineStep) and return (peak bytes, bytes
+    held before it).
 
     Held: the rank's parameters, the blocks its optimizer updates, optimizer states,
     buffers and its slice of the batch (what the memory model calls static); the
     peak adds the most bytes the step itself had alive at once.
     """
     states = [t for s in step.optimizer.state.values() for t in s.values()]
-    held = held_bytes([*step.params, *step.updated, *step.buffers, *states])
-    held += sum(x.numel() * x.element_size() for x in step.local_batch(global_batch))
+    held = held_bytes([*step.held_tensors(), *states]) + step.batch_bytes(global_batch)
     with LiveBytes() as live:
         step(*global_batch)
     return held + live.peak_bytes, held

@@ -257,6 +257,18 @@ class PipelineStep:
         results = gm(*[env[k] for k in inputs])
         env.update(zip(outputs, results))
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """What this rank keeps across steps (besides optimizer state): the parameters its
+        stages read, and the buffers."""
+        mine = [self.tensor_of[self.param_key[e.name]] for e, _ in self.held]
+        n = len(self.program.params)
+        return mine + [self.tensor_of[k] for k in self.program.keys[n:n + len(self.program.buffers)]]
+
+    def batch_bytes(self, global_batch) -> int:
+        """Bytes of this rank's micro-batches of the global batch."""
+        return sum(x.numel() * x.element_size() for mb in self._micro_batches(global_batch)
+                   for x in mb)
+
     def _inputs_env(self, micro_inputs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         env = dict(self.tensor_of)
         n = len(self.program.params) + len(self.program.buffers)

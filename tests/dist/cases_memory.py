@@ -8,6 +8,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.compiler.planner.memory import profile_optimizer, step_memory
+from autopar.compiler.planner.pipeline_memory import pipeline_memory
 from autopar.compiler.planner.summary import summarize
 from autopar.examples import gpt2, llama
 from autopar.runtime.live_bytes import measure_step
@@ -20,7 +21,10 @@ MEMORY_TOLERANCE = 0.10  # the issue's bound; what it measures is in docs/memory
 def check_memory_model(step, example, layout, optimizer) -> float:
     """This rank's predicted peak against the live storage of one more step."""
     measured, _ = measure_step(step, *example.batch)
-    pred = step_memory(summarize(step.train_graph), layout, profile_optimizer(optimizer))
+    if hasattr(step, "pp_rank"):  # a pipelined step: its rank's schedule replayed
+        pred = pipeline_memory(step.program, step.pp_rank, profile_optimizer(optimizer))
+    else:
+        pred = step_memory(summarize(step.train_graph), layout, profile_optimizer(optimizer))
     error = pred.peak_bytes / measured - 1
     print(f"[memory] {layout} rank {dist.get_rank()}: predicted {pred.peak_bytes} B, "
           f"measured {measured} B, error {error:+.2%}", flush=True)
@@ -101,3 +105,12 @@ memory_case("dp2_zero1_memory_model_llama_adamw", llama, adamw, dp=2, zero=1)
 memory_case("dp2_zero2_memory_model_gpt2_tied_adamw", gpt2, adamw, dp=2, zero=2)
 memory_case("dp2_zero3_memory_model_gpt2_tied_adamw", gpt2, adamw, dp=2, zero=3)
 memory_case("tp2_memory_model_gpt2_tied_sgd", gpt2, sgd, tp=2)
+memory_case("pp2_1f1b_memory_model_gpt2_tied_adamw", lambda: gpt2(layers=4), adamw, pp=2,
+            microbatches=4)
+memory_case("pp2_gpipe_memory_model_llama_sgd", lambda: llama(layers=4), sgd, pp=2,
+            microbatches=4, schedule="gpipe")
+memory_case("pp2_zero_bubble_memory_model_gpt2_tied_adamw", lambda: gpt2(layers=4), adamw, pp=2,
+            microbatches=4, schedule="zero-bubble")
+memory_case("pp2_interleaved_memory_model_llama_adamw", lambda: llama(layers=4), adamw, pp=2,
+            microbatches=4, schedule="interleaved", virtual_stages=2)
+memory_case("dp2_microbatches4_memory_model_llama_adamw", llama, adamw, dp=2, microbatches=4)

@@ -127,6 +127,22 @@ def summarize(tg: TrainGraph) -> GraphSummary:
                         param_blocks=tuple(tg.signature.param_blocks))
 
 
+def summarize_program(gm: fx.GraphModule) -> GraphSummary:
+    """The summary of one program of a pipelined step (a stage's forward or backward):
+    its inputs are held by the runtime, so they own no storage here."""
+    index: dict[fx.Node, int] = {}
+    ops: list[OpRecord] = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            index[node] = len(ops)
+            ops.append(_record(node, index, ops))
+    returned = [a for a in gm.graph.output_node().all_input_nodes if a in index]
+    outputs = frozenset(ops[index[n]].storage for n in returned
+                        if ops[index[n]].storage is not None)
+    return GraphSummary(ops=tuple(ops), param_numel=(), param_itemsize=(), buffer_bytes=0,
+                        output_storages=outputs)
+
+
 def _record(node: fx.Node, index: dict[fx.Node, int], earlier: list[OpRecord]) -> OpRecord:
     uses = tuple(index[a] for a in node.all_input_nodes if a in index)
     first = node.all_input_nodes[0] if node.all_input_nodes else None

@@ -1,0 +1,150 @@
+"""Memory of a pipelined step (pp > 1 or micro-batches): the rank's schedule replayed.
+
+The pipeline runtime (`runtime/pipeline.py`) keeps one environment of values per
+micro-batch in flight: what its forward programs produce (activations the backward
+reads, values to send), what it receives, what its backward programs produce; the
+environment is dropped after the micro-batch's last action on the rank. Gradient
+parts are summed into one accumulator per part; a sent tensor stays alive until the
+end of the step, when every send is waited for. So the peak depends on how many
+micro-batches the schedule keeps in flight on the rank: a 1F1B stage holds up to
+`pp - stage` of them, GPipe all `microbatches`.
+
+`pipeline_memory` walks the rank's actions in order with those rules. Each F / B /
+I / W action adds its program's own transient peak (liveness over the program,
+`memory.graph_liveness`, its inputs held outside it) on top of what is alive. After
+the schedule come the gradient sum over data-parallel ranks (one flat buffer with
+dp > 1) and the optimizer step, as for an unpipelined step.
+"""
+
+from __future__ import annotations
+
+import math
+
+from autopar.compiler.planner.memory import (CATEGORIES, MemoryPrediction, OptimizerMemory,
+                                             graph_liveness, optimizer_memory)
+from autopar.compiler.planner.summary import summarize_program
+from autopar.runtime.pipeline import PipelineProgram
+
+
+def _bytes(program: PipelineProgram, key: str) -> int:
+    spec = program.values[key]
+    return math.prod(spec.shape) * spec.dtype.itemsize
+
+
+class _Replay:
+    """Bytes alive on one rank while its actions run."""
+
+    def __init__(self, program: PipelineProgram, pp_rank: int):
+        self.program, self.pp = program, program.schedule.pp
+        self.stages = {p.stage: p for p in program.stages if p.stage % self.pp == pp_rank}
+        self.part_keys = {k for parts in program.grad_parts for k in parts}
+        self.live = dict.fromkeys(CATEGORIES, 0)
+        self.env: dict[int, dict[str, int]] = {}  # micro-batch -> its environment's bytes
+        self.sent: dict[int, int] = {}  # micro-batch -> bytes of it waiting to be sent
+        self.grads: set[str] = set()
+        self.peak, self.at_peak, self.peak_op = 0, dict(self.live), ""
+        self._programs: dict[tuple[int, str], tuple] = {}
+
+    def _liveness(self, stage: int, kind: str):
+        if (stage, kind) not in self._programs:
+            p = self.stages[stage]
+            gm, outputs = {"F": (p.forward, p.f_outputs), "B": (p.backward, p.b_outputs),
+                           "I": p.input_grad[::2] if p.input_grad else None,
+                           "W": p.weight_grad[::2] if p.weight_grad else None}[kind]
+            self._programs[stage, kind] = (graph_liveness(summarize_program(gm)), outputs)
+        return self._programs[stage, kind]
+
+    def note(self, label: str, extra: dict[str, int]) -> None:
+        total = sum(self.live.values()) + sum(extra.values())
+        if total > self.peak:
+            self.peak, self.peak_op = total, label
+            self.at_peak = {c: self.live[c] + extra.get(c, 0) for c in CATEGORIES}
+
+    def act(self, action) -> None:
+        kind, mb = action.kind, action.microbatch
+        self.env.setdefault(mb, {})
+        if kind in ("F", "B", "I", "W"):
+            liveness, outputs = self._liveness(action.stage, kind)
+            transient = {c: v for c, v in liveness.at_peak.items() if v}
+            self.note(str(action), _relabel(transient, kind))
+            parts = [k for k in outputs if k in self.part_keys]
+            new_parts = [k for k in parts if k not in self.grads]
+            self.grads.update(parts)
+            self.live["gradients"] += sum(_bytes(self.program, k) for k in new_parts)
+            kept = liveness.outputs_bytes - sum(_bytes(self.program, k) for k in parts)
+            self._add_env(mb, max(kept, 0), "activations" if kind == "F" else "temporaries")
+        elif kind in ("RF", "RB"):
+            sources = self.program.receives(action.stage, "forward" if kind == "RF" else "backward")
+            size = sum(_bytes(self.program, k) for src, keys in sources.items()
+                       if src % self.pp != action.stage % self.pp for k in keys)
+            self._add_env(mb, size, "comm_buffers")
+        elif kind in ("SF", "SB"):
+            table = getattr(self.stages[action.stage], "send_forward" if kind == "SF" else "send_backward")
+            self.sent[mb] = self.sent.get(mb, 0) + sum(
+                _bytes(self.program, k) for dst, keys in table.items()
+                if dst % self.pp != action.stage % self.pp for k in keys)
+
+    def _add_env(self, mb: int, size: int, category: str) -> None:
+        self.env[mb][category] = self.env[mb].get(category, 0) + size
+        self.live[category] += size
+
+    def drop(self, mb: int) -> None:
+        """The micro-batch's environment is released; what waits to be sent is not."""
+        env = self.env.pop(mb, {})
+        for category, size in env.items():
+            self.live[category] -= size
+        self.live["comm_buffers"] += min(self.sent.get(mb, 0), sum(env.values()))
+
+
+def _relabel(transient: dict[str, int], kind: str) -> dict[str, int]:
+    """A program's own outputs count as activations in a forward, temporaries else."""
+    out = dict(transient)
+    grads = out.pop("gradients", 0)
+    out["activations" if kind == "F" else "temporaries"] = out.get(
+        "activations" if kind == "F" else "temporaries", 0) + grads
+    return out
+
+
+def held_parameter_bytes(program: PipelineProgram, pp_rank: int) -> tuple[int, list[int]]:
+    """Bytes of the parameters this rank holds (those its stages read), each updated whole."""
+    sizes = []
+    for key, entry, parts in zip(program.keys, program.params, program.grad_parts):
+        stages = program.stages_reading(key, parts)
+        if any(s % program.schedule.pp == pp_rank for s in stages):
+            sizes.append(math.prod(entry.shape) * entry.dtype.itemsize)
+    return sum(sizes), sizes
+
+
+def pipeline_memory(program: PipelineProgram, pp_rank: int,
+                    optimizer: str | OptimizerMemory = "adamw") -> MemoryPrediction:
+    """The predicted peak of pipeline rank `pp_rank`'s step."""
+    opt = optimizer_memory(optimizer)
+    params, updated = held_parameter_bytes(program, pp_rank)
+    m = program.schedule.microbatches
+    static = {"parameters": params,
+              "buffers": sum(math.prod(b.shape) * b.dtype.itemsize for b in program.buffers),
+              "optimizer_states": int(opt.states * params + opt.counter_bytes * len(updated)),
+              "inputs": m * sum(math.prod(e.shape) * e.dtype.itemsize for e in program.inputs)}
+    replay = _Replay(program, pp_rank)
+    replay.live.update(static)
+    actions = program.schedule.ranks[pp_rank]
+    last = {a.microbatch: i for i, a in enumerate(actions)}
+    for i, action in enumerate(actions):
+        replay.act(action)
+        if last[action.microbatch] == i:
+            replay.drop(action.microbatch)
+    dp = dict(program.mesh).get("dp", 1)
+    flat = replay.live["gradients"] if dp > 1 else 0  # the gradients packed for the all-reduce
+    replay.note("optimizer.step", {"comm_buffers": flat,
+                                   "temporaries": int(opt.temporaries * max(updated, default=0))})
+    return MemoryPrediction(replay.peak, replay.at_peak, "pipeline", replay.peak_op,
+                            0, static)
+
+
+def pipeline_memory_per_rank(tg, layout, optimizer: str | OptimizerMemory = "adamw"
+                             ) -> list[MemoryPrediction]:
+    """Each pipeline rank's predicted peak for a stage-assigned TrainGraph under `layout`."""
+    from autopar.compiler.lower_pipeline import lower_pipeline
+
+    program = lower_pipeline(tg, layout)
+    return [pipeline_memory(program, rank, optimizer) for rank in range(layout.pp)]
