@@ -128,11 +128,9 @@ def _check_choice(name: str, value: Any, choices: tuple) -> None:
 def unsupported_fields(layout: Layout) -> list[str]:
     """Fields set to values whose pass has not landed yet (compile refuses them)."""
     out = []
-    if layout.zero == 3 and layout.tp > 1:
-        out.append("zero=3 with tp > 1 (a parameter split by both on dim 0)")
-    if layout.zero and (layout.pp > 1 or layout.microbatches > 1):
-        out.append("zero > 0 with pp > 1 or microbatches > 1 (the pipeline runtime updates "
-                   "whole parameters)")
+    if layout.zero == 3 and (layout.pp > 1 or layout.microbatches > 1):
+        out.append("zero=3 with pp > 1 or microbatches > 1 (stage programs take whole "
+                   "parameters; zero=1 and zero=2 work with pipelining)")
     if layout.fusion:
         out.append("fusion=True")
     return out

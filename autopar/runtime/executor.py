@@ -13,8 +13,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from autopar.runtime import checkpoint as ckpt
 from autopar.runtime.loss_scaler import LossScaler
 from autopar.runtime.mesh import Mesh, build_mesh
-from autopar.runtime.program import LOSS_SCALE_INPUT, Program, bind_groups, block_rows
-from autopar.runtime.shards import own_block, whole
+from autopar.runtime.program import LOSS_SCALE_INPUT, Program, bind_groups
+from autopar.runtime.shards import block_of, gather_into, gathered, own_block, whole, zero_block
 
 log = logging.getLogger("autopar.runtime")
 
@@ -56,7 +56,7 @@ class DistributedStep:
         self.buffers = [named[b.name] for b in program.buffers]
         self._model = model
         self._sync_initial_weights()
-        self.params = [own_block(t, e, self.mesh.rank_in("tp"))
+        self.params = [own_block(t, e, self.mesh.rank_in("tp"), program.mesh_size("tp"))
                        for t, e in zip(self.params, program.params)]
         # ZeRO: the optimizer updates this rank's dim-0 block of each parameter that divides
         # by dp (its state is 1/dp), then the blocks are gathered back into the parameter
@@ -146,24 +146,10 @@ class DistributedStep:
     # -- ZeRO ----------------------------------------------------------------------------
 
     def _zero_block(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
-        """This rank's dim-0 block of a parameter, for the optimizer: ceil(rows / dp) rows,
-        the last rank's padded with zero rows (their gradient is zero, so they stay zero).
-        A parameter with fewer rows than dp is updated whole on every rank."""
-        dp = self.program.mesh_size("dp")
-        if p.dim() == 0 or p.shape[0] < dp:
-            return p
-        block = self._block_of(p.detach(), block_rows(p.shape[0], dp)).clone()
-        return torch.nn.Parameter(block, requires_grad=p.requires_grad)
+        return zero_block(p, self.program.mesh_size("dp"), self.mesh.rank_in("dp"))
 
     def _block_of(self, whole: torch.Tensor, rows: int) -> torch.Tensor:
-        """This rank's `rows`-row block of `whole` along dim 0, zero-padded past its end."""
-        start = self.mesh.rank_in("dp") * rows
-        valid = max(0, min(rows, whole.shape[0] - start))
-        if valid == rows:
-            return whole.narrow(0, start, rows)
-        out = whole.new_zeros((rows, *whole.shape[1:]))
-        out[:valid] = whole.narrow(0, start, valid)
-        return out
+        return block_of(whole, rows, self.mesh.rank_in("dp"))
 
     def _grad_of_updated(self, updated: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """The gradient of what the optimizer updates: the step's output, or (ZeRO-1, or a
@@ -176,18 +162,11 @@ class DistributedStep:
         """Every rank's updated blocks, gathered back into the whole parameters (not under
         ZeRO-3: the next step gathers them where it uses them)."""
         for p, u, in_graph in zip(self.params, self.updated, self.in_graph_block):
-            if u is p or in_graph:
-                continue
-            if p.shape[0] == u.shape[0] * self.program.mesh_size("dp"):
-                dist.all_gather_into_tensor(p.data, u.data, group=self.mesh.group("dp"))
-            else:  # padded blocks: gather, then drop the padding rows
-                p.data.copy_(self._gathered(u, p.shape[0]))
+            if u is not p and not in_graph:
+                gather_into(p, u, self.program.mesh_size("dp"), self.mesh.group("dp"))
 
     def _gathered(self, u: torch.Tensor, rows: int) -> torch.Tensor:
-        """A parameter whole from every rank's dim-0 block (collective), without padding."""
-        out = u.new_empty((u.shape[0] * self.program.mesh_size("dp"), *u.shape[1:]))
-        dist.all_gather_into_tensor(out, u.detach().contiguous(), group=self.mesh.group("dp"))
-        return out[:rows]
+        return gathered(u, rows, self.program.mesh_size("dp"), self.mesh.group("dp"))
 
     def _global_view(self, t: torch.Tensor, entry, zero_rows: int | None) -> torch.Tensor:
         """A parameter's tensor-parallel block and/or ZeRO dim-0 block over dp (or a state

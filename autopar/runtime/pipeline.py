@@ -27,7 +27,7 @@ import torch.fx as fx
 from autopar.runtime.loss_scaler import LossScaler
 from autopar.runtime.mesh import Mesh, build_mesh
 from autopar.runtime.program import LOSS_SCALE_INPUT, TensorEntry, bind_groups
-from autopar.runtime.shards import own_block, whole
+from autopar.runtime.shards import block_of, gather_into, own_block, whole, zero_block
 from autopar.runtime.schedule import Schedule
 
 
@@ -116,8 +116,15 @@ class PipelineStep:
         self._groups = self._shared_groups()
         self._sync_initial_weights()
         for key, entry in zip(program.keys, program.params):  # tensor parallelism: blocks
-            self.tensor_of[key] = own_block(self.tensor_of[key], entry, self.mesh.rank_in("tp"))
-        self.optimizer = optimizer([self.tensor_of[self.param_key[e.name]] for e, _ in self.held])
+            self.tensor_of[key] = own_block(self.tensor_of[key], entry, self.mesh.rank_in("tp"),
+                                          self.tp)
+        # ZeRO-1/2: the optimizer updates this rank's dim-0 block of each parameter (its
+        # state is 1/dp), then the blocks are gathered back (as DistributedStep does)
+        self.zero = int(program.layout.get("zero", 0))
+        self.params = [self.tensor_of[self.param_key[e.name]] for e, _ in self.held]
+        self.updated = ([zero_block(p, self.dp, self.dp_rank) for p in self.params] if self.zero
+                        else self.params)
+        self.optimizer = optimizer(self.updated)
         self.pass_results: list = []
         self.loss_scaler = LossScaler() if program.loss_scaled else None
         wire = program.layout.get("grad_comm_dtype")
@@ -260,7 +267,7 @@ class PipelineStep:
     def held_tensors(self) -> list[torch.Tensor]:
         """What this rank keeps across steps (besides optimizer state): the parameters its
         stages read, and the buffers."""
-        mine = [self.tensor_of[self.param_key[e.name]] for e, _ in self.held]
+        mine = [*self.params, *(u for u, p in zip(self.updated, self.params) if u is not p)]
         n = len(self.program.params)
         return mine + [self.tensor_of[k] for k in self.program.keys[n:n + len(self.program.buffers)]]
 
@@ -314,14 +321,34 @@ class PipelineStep:
             if entry.name in self._groups:
                 dist.all_reduce(grad, group=self._groups[entry.name])
             grads.append(grad)
-        if self.dp > 1 and grads:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            if self._wire_dtype is not None:  # Layout.grad_comm_dtype: half the bytes
-                flat = flat.to(self._wire_dtype)
-            dist.all_reduce(flat, group=self.mesh.device_mesh.get_group("dp"))
-            flat = flat.to(grads[0].dtype)
-            grads = [chunk.view_as(g) for chunk, g in zip(flat.split([g.numel() for g in grads]), grads)]
-        return grads
+        if self.dp == 1 or not grads:
+            return grads
+        scattered = [self.zero >= 2 and u is not p for u, p in zip(self.updated, self.params)]
+        whole = [g for g, s in zip(grads, scattered) if not s]
+        if whole:
+            flat = self._on_wire(torch.cat([g.reshape(-1) for g in whole]))
+            dist.all_reduce(flat, group=self.mesh.group("dp"))
+            flat = flat.to(whole[0].dtype)
+            reduced = iter(chunk.view_as(g) for chunk, g in
+                           zip(flat.split([g.numel() for g in whole]), whole))
+        # ZeRO-2: each rank receives only the sum of its own block
+        return [self._reduce_scatter(g, u) if s else next(reduced)
+                for g, u, s in zip(grads, self.updated, scattered)]
+
+    def _on_wire(self, t: torch.Tensor) -> torch.Tensor:
+        """Layout.grad_comm_dtype: gradients cross the network in half precision."""
+        return t.to(self._wire_dtype) if self._wire_dtype is not None else t
+
+    def _reduce_scatter(self, grad: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+        rows = block.shape[0]
+        padded = grad
+        if grad.shape[0] != rows * self.dp:  # the last block's padding rows
+            padded = grad.new_zeros((rows * self.dp, *grad.shape[1:]))
+            padded[:grad.shape[0]] = grad
+        out = self._on_wire(block.detach()).new_empty(block.shape)
+        dist.reduce_scatter_tensor(out, self._on_wire(padded.contiguous()),
+                                   group=self.mesh.group("dp"))
+        return out.to(grad.dtype)
 
     def _apply(self, grads: list[torch.Tensor]) -> None:
         """The optimizer step (skipped everywhere when a loss-scaled step overflowed)."""
@@ -329,12 +356,13 @@ class PipelineStep:
             g.div_(self.program.grad_divisor)
         if self.loss_scaler is not None and not self.loss_scaler.unscale_and_check(grads):
             return
-        params = [self.tensor_of[self.param_key[e.name]] for e, _ in self.held]
-        for p, g in zip(params, grads):
-            p.grad = g
+        for u, g in zip(self.updated, grads):
+            u.grad = g if g.shape == u.shape else block_of(g, u.shape[0], self.dp_rank)
         self.optimizer.step()
-        for p in params:
-            p.grad = None
+        for p, u in zip(self.params, self.updated):
+            u.grad = None
+            if u is not p:
+                gather_into(p, u, self.dp, self.mesh.group("dp"))
 
     # -- weights ---------------------------------------------------------------------------------
 

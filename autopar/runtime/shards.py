@@ -1,19 +1,21 @@
-"""Tensor-parallel parameter blocks: the block a rank holds, and the whole tensor again."""
+"""Parameter blocks: a rank's tensor-parallel block and ZeRO dim-0 block of a parameter,
+and the whole tensor again."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.program import TensorEntry
+from autopar.runtime.program import TensorEntry, block_rows
 
 
-def own_block(t: torch.Tensor, entry: TensorEntry, tp_rank: int) -> torch.Tensor:
+def own_block(t: torch.Tensor, entry: TensorEntry, tp_rank: int, tp: int) -> torch.Tensor:
     """This rank's block of a split parameter, as a new Parameter (the tensor itself when
-    the entry is whole)."""
+    the entry is whole). The block is 1/tp of the whole tensor along the split dim (not
+    `entry.shape`, which ZeRO-3 cuts further into dim-0 blocks)."""
     if entry.shard_dim is None:
         return t
-    size = entry.shape[entry.shard_dim]
+    size = t.shape[entry.shard_dim] // tp
     block = t.detach().narrow(entry.shard_dim, tp_rank * size, size)
     return torch.nn.Parameter(block.clone(), requires_grad=t.requires_grad)
 
@@ -26,3 +28,42 @@ def whole(t: torch.Tensor, entry: TensorEntry, tp_group, tp: int) -> torch.Tenso
     parts = [torch.empty_like(t) for _ in range(tp)]
     dist.all_gather(parts, t.detach().contiguous(), group=tp_group)
     return torch.cat(parts, dim=entry.shard_dim)
+
+
+# -- ZeRO: dim-0 blocks over the data-parallel ranks ---------------------------------------
+
+def zero_block(p: torch.Tensor, dp: int, dp_rank: int) -> torch.Tensor:
+    """This rank's dim-0 block of a parameter, for the optimizer: ceil(rows / dp) rows,
+    the last rank's padded with zero rows (their gradient is zero, so they stay zero),
+    as a new Parameter. A parameter with fewer rows than dp is updated whole (returned
+    as it is) on every rank."""
+    if p.dim() == 0 or p.shape[0] < dp:
+        return p
+    block = block_of(p.detach(), block_rows(p.shape[0], dp), dp_rank).clone()
+    return torch.nn.Parameter(block, requires_grad=p.requires_grad)
+
+
+def block_of(whole: torch.Tensor, rows: int, dp_rank: int) -> torch.Tensor:
+    """Rank `dp_rank`'s `rows`-row block of `whole` along dim 0, zero-padded past its end."""
+    start = dp_rank * rows
+    valid = max(0, min(rows, whole.shape[0] - start))
+    if valid == rows:
+        return whole.narrow(0, start, rows)
+    out = whole.new_zeros((rows, *whole.shape[1:]))
+    out[:valid] = whole.narrow(0, start, valid)
+    return out
+
+
+def gathered(u: torch.Tensor, rows: int, dp: int, group) -> torch.Tensor:
+    """A parameter whole from every rank's dim-0 block (collective), without padding."""
+    out = u.new_empty((u.shape[0] * dp, *u.shape[1:]))
+    dist.all_gather_into_tensor(out, u.detach().contiguous(), group=group)
+    return out[:rows]
+
+
+def gather_into(p: torch.Tensor, u: torch.Tensor, dp: int, group) -> None:
+    """Every rank's updated block `u` written back into the whole parameter `p`."""
+    if p.shape[0] == u.shape[0] * dp:
+        dist.all_gather_into_tensor(p.data, u.data, group=group)
+    else:  # padded blocks: gather, then drop the padding rows
+        p.data.copy_(gathered(u, p.shape[0], dp, group))

@@ -114,3 +114,7 @@ memory_case("pp2_zero_bubble_memory_model_gpt2_tied_adamw", lambda: gpt2(layers=
 memory_case("pp2_interleaved_memory_model_llama_adamw", lambda: llama(layers=4), adamw, pp=2,
             microbatches=4, schedule="interleaved", virtual_stages=2)
 memory_case("dp2_microbatches4_memory_model_llama_adamw", llama, adamw, dp=2, microbatches=4)
+memory_case("dp2_microbatches4_zero2_memory_model_gpt2_tied_adamw", gpt2, adamw, dp=2,
+            microbatches=4, zero=2)
+memory_case("dp2_pp2_zero1_memory_model_llama_adamw", lambda: llama(layers=4), adamw, world=4,
+            dp=2, pp=2, microbatches=4, zero=1)

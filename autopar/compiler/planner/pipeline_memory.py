@@ -106,13 +106,22 @@ def _relabel(transient: dict[str, int], kind: str) -> dict[str, int]:
 
 
 def held_parameter_bytes(program: PipelineProgram, pp_rank: int) -> tuple[int, list[int]]:
-    """Bytes of the parameters this rank holds (those its stages read), each updated whole."""
-    sizes = []
+    """Bytes of the parameters this rank holds (those its stages read), and of each tensor
+    its optimizer updates: the parameter, or under ZeRO-1/2 a separate dim-0 block of
+    ceil(rows / dp) rows (held beside it) when it has at least dp rows."""
+    dp = dict(program.mesh).get("dp", 1)
+    zero = program.layout.get("zero", 0)
+    held, updated = 0, []
     for key, entry, parts in zip(program.keys, program.params, program.grad_parts):
-        stages = program.stages_reading(key, parts)
-        if any(s % program.schedule.pp == pp_rank for s in stages):
-            sizes.append(math.prod(entry.shape) * entry.dtype.itemsize)
-    return sum(sizes), sizes
+        if not any(s % program.schedule.pp == pp_rank
+                   for s in program.stages_reading(key, parts)):
+            continue
+        nbytes = math.prod(entry.shape) * entry.dtype.itemsize
+        rows = entry.shape[0] if entry.shape else 0
+        block = math.ceil(rows / dp) * (nbytes // rows) if zero and rows >= dp else 0
+        held += nbytes + block
+        updated.append(block or nbytes)
+    return held, updated
 
 
 def pipeline_memory(program: PipelineProgram, pp_rank: int,
@@ -123,7 +132,7 @@ def pipeline_memory(program: PipelineProgram, pp_rank: int,
     m = program.schedule.microbatches
     static = {"parameters": params,
               "buffers": sum(math.prod(b.shape) * b.dtype.itemsize for b in program.buffers),
-              "optimizer_states": int(opt.states * params + opt.counter_bytes * len(updated)),
+              "optimizer_states": int(opt.states * sum(updated) + opt.counter_bytes * len(updated)),
               "inputs": m * sum(math.prod(e.shape) * e.dtype.itemsize for e in program.inputs)}
     replay = _Replay(program, pp_rank)
     replay.live.update(static)
