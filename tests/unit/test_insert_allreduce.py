@@ -214,3 +214,22 @@ def test_zero3_takes_blocks_and_gathers_each_parameter_for_forward_and_backward(
         # no op reads the block except the gathers: every use sees the whole parameter
         assert all(u in mine for u in ph.users), ph.name
     assert result.stats["all_gathers"] == len(gathers)
+    # the forward's gathered copy dies with the forward: no gather (or a view of it, such
+    # as a linear layer's transposed weight) is read by both forward and backward ops
+    for job in gathers:
+        roles, frontier = set(), [job]
+        while frontier:
+            for user in frontier.pop().users:
+                if _aliases(user):
+                    frontier.append(user)
+                else:
+                    roles.add(user.meta[M.ROLE])
+        assert not {M.Role.FORWARD, M.Role.BACKWARD} <= roles, job.name
+    assert result.stats["weight_views_remade"] > 0
+
+
+def _aliases(node) -> bool:
+    """A node whose value is its input's storage (a wait, a view)."""
+    target = node.target
+    return target == c10d.wait_tensor.default or (
+        isinstance(target, torch._ops.OpOverload) and target.is_view)

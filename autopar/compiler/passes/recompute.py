@@ -155,7 +155,12 @@ def _weight_derived(tg: TrainGraph) -> set[fx.Node]:
     """Nodes computed from parameters and buffers alone (a weight, its transpose, its
     half-precision copy)."""
     n_state = len(tg.signature.params) + len(tg.signature.buffers)
-    derived = set(tg.placeholders()[:n_state])
+    return derived_from(tg, tg.placeholders()[:n_state])
+
+
+def derived_from(tg: TrainGraph, sources: list[fx.Node]) -> set[fx.Node]:
+    """`sources` and the nodes computed from them alone."""
+    derived = set(sources)
     for node in tg.call_nodes():
         inputs = node.all_input_nodes
         if inputs and all(a in derived for a in inputs):

@@ -9,7 +9,10 @@ makes the step take that parameter as its block too:
    for its backward uses (weight-gradient and input-gradient matmuls): between the
    two the whole parameter is not held, since the generated code drops a value after
    its last use;
-3. each gather is issued one parameter ahead (right before the previous
+3. a forward view or cast of the parameter that the backward reads (a linear layer's
+   transposed weight) is made again in the backward from the parameter, so that it
+   does not keep the forward's gathered copy alive;
+4. each gather is issued one parameter ahead (right before the previous
    parameter's first use, in the order of first uses) and waited for right before
    its own first use, so it runs while the previous layer computes.
 
@@ -38,6 +41,7 @@ from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.graph import TrainGraph, new_node_meta
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
 from autopar.compiler.passes.manager import register_pass
+from autopar.compiler.passes.recompute import derived_from, rewrite
 from autopar.runtime.program import block_rows, mesh_group_tag
 
 c10d = torch.ops._c10d_functional
@@ -59,6 +63,7 @@ class ShardParameters(GraphPass):
                                              "gradient is reduce-scattered")])
         tg = tg.copy()
         placeholders = tg.placeholders()
+        remade = self._remake_weight_views_in_backward(tg, [placeholders[i] for i in blocked])
         order = {n: i for i, n in enumerate(tg.graph.nodes)}
         tag = mesh_group_tag("dp")
         uses = {i: self._uses_by_side(placeholders[i]) for i in blocked}
@@ -84,8 +89,19 @@ class ShardParameters(GraphPass):
                      "insert_allreduce): kept whole") for i, p in enumerate(sig.params)
                     if i not in blocked]
         return tg, PassResult(self.name, changed=True,
-                              stats={"params_sharded": len(blocked), "all_gathers": gathers},
+                              stats={"params_sharded": len(blocked), "all_gathers": gathers,
+                                     "weight_views_remade": remade},
                               declined=declined)
+
+    @staticmethod
+    def _remake_weight_views_in_backward(tg: TrainGraph, blocks: list[fx.Node]) -> int:
+        """A backward op often reads a forward view of a weight (the transpose a linear
+        layer's forward made): that would keep the forward's gathered weight alive
+        through the backward. Such views (and casts) are made again in the backward from
+        the parameter, so the backward's own gather feeds them."""
+        derived = derived_from(tg, blocks) - set(blocks)
+        forward = {n for n in derived if n.meta.get(M.ROLE) in (M.Role.FORWARD, M.Role.LOSS)}
+        return rewrite(tg.graph, forward)
 
     @staticmethod
     def _uses_by_side(ph: fx.Node) -> tuple[list[fx.Node], list[fx.Node]]:
