@@ -189,3 +189,30 @@ def test_loss_scaler_state_is_checkpointed(tmp_path):
     assert step.loss_scaler.get_scale() == saved / 2 and step.loss_scaler.skipped_steps == 1
     step.load(tmp_path / "ckpt")
     assert step.loss_scaler.get_scale() == saved
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_policy_read_from_autocast_for_the_clusters_device(device_type):
+    """CUDA's lists are read on this CPU-only machine too (fake CUDA tensors through the
+    AutocastCUDA kernels); the entries are autocast's documented ones."""
+    from autopar.compiler.passes.amp_policy import BLACK, GRAY, WHITE, probe
+
+    x, ids = torch.randn(8, 16), torch.randint(0, 16, (8,))
+    cases = [(torch.ops.aten.mm.default, (x, x.t()), WHITE),
+             (torch.ops.aten.add.Tensor, (x, x), GRAY),
+             # composite: its log_softmax is what autocast upcasts, on both devices
+             (torch.ops.aten.cross_entropy_loss.default, (x, ids, None, 1, -100, 0.0), BLACK)]
+    if device_type == "cuda":  # fp32 on CUDA's list, not on the CPU's
+        cases += [(torch.ops.aten.exp.default, (x,), BLACK),
+                  (torch.ops.aten.rsqrt.default, (x,), BLACK),
+                  (torch.ops.aten.native_layer_norm.default, (x, [16], None, None, 1e-5), BLACK)]
+    for op, args, want in cases:
+        assert probe(op, args, {}, device_type, torch.float16) == want, (op, device_type)
+
+
+def test_a_gpu_cluster_gets_the_cuda_policy_without_cuda():
+    tg = trace_train_step(mlp().model, mlp().batch, mlp().loss_fn)
+    out, result = AutoMixedPrecision().run(
+        tg, PassContext(Layout(amp="bf16"), cluster=autopar.ClusterSpec.preset("dgx-h100")))
+    assert out.attrs["amp"]["device_type"] == "cuda" and not result.declined
+    assert torch.is_autocast_enabled("cuda") is False  # the probe put the switch back

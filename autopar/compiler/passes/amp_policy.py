@@ -6,21 +6,24 @@ half dtype) it is *probed*, outside any tracing, by running it under
 the same shapes (nothing is computed):
 
 - no autocast kernel for the device (`_dispatch_has_kernel_for_dispatch_key(op,
-  "AutocastCPU")` is False)                                     -> gray (no cast)
+  "AutocastCPU")` is False) and the op does not decompose
+  (CompositeImplicitAutograd) into ops that have one           -> gray (no cast)
 - fp32 inputs come out in the half dtype                        -> white
 - half inputs come out in fp32                                  -> black
 - otherwise (autocast's "promote" ops such as cat)              -> gray, and mixed
   floating inputs are cast to the widest one, as autocast does.
 
-Device type: "cpu" is what runs and is tested here (fake CPU tensors go through
-AutocastCPU). On a CUDA machine the same probe runs with device type "cuda" (fake
-tensors on "cuda", dispatch key "AutocastCUDA"); PyTorch disables CUDA autocast
-when CUDA is unavailable, so a planning machine without CUDA falls back to the CPU
-policy and the pass says so in its result.
+Device type: the cluster's ("cuda" for a cluster of GPUs, else "cpu"). The probe
+turns autocast on through the dispatcher's own switches (`torch.set_autocast_enabled`)
+rather than `torch.autocast`, which refuses CUDA on a machine without it: the
+AutocastCUDA kernels are in every build and run on fake CUDA tensors, so a CPU
+machine reads the CUDA policy of the GPUs it plans for (tests/unit/test_amp_lists.py
+checks known CUDA entries on this CPU-only machine).
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -79,9 +82,18 @@ def has_autocast_kernel(op, device_type: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), _DISPATCH_KEY[device_type])
 
 
+def _composite(op) -> bool:
+    """An op that decomposes before autocast sees it (CUDA's cross_entropy_loss: its
+    log_softmax and nll_loss are what autocast casts), so probing it reads the policy of
+    its parts."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+
+
 def probe(op, args: tuple, kwargs: dict, device_type: str, half: torch.dtype) -> str:
     """The list autocast puts `op` on, found by running it (see the module doc)."""
-    if not isinstance(op, torch._ops.OpOverload) or not has_autocast_kernel(op, device_type):
+    if not isinstance(op, torch._ops.OpOverload):
+        return GRAY
+    if not has_autocast_kernel(op, device_type) and not _composite(op):
         return GRAY
     if not any(is_castable(x) for x in tree_flatten((args, kwargs))[0]):
         return GRAY
@@ -107,21 +119,34 @@ def _probe_output_dtype(op, args, kwargs, device_type, half, input_dtype) -> tor
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         fargs, fkwargs = tree_map(fake, (args, kwargs))
-        with torch.autocast(device_type, dtype=half):
+        with _autocast_state(device_type, half):
             out = op(*fargs, **fkwargs)
     floats = [t.dtype for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
               and t.is_floating_point()]
     return floats[0] if floats else None
 
 
+@contextlib.contextmanager
+def _autocast_state(device_type: str, half: torch.dtype):
+    """Autocast on for `device_type`, set on the dispatcher directly: `torch.autocast`
+    turns CUDA autocast off when CUDA is unavailable, but its kernels (AutocastCUDA)
+    are in every build and run on fake CUDA tensors, so a CPU machine can read the
+    CUDA policy of the cluster it plans for."""
+    before = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    torch.set_autocast_enabled(device_type, True)
+    torch.set_autocast_dtype(device_type, half)
+    try:
+        yield
+    finally:
+        torch.set_autocast_enabled(device_type, before[0])
+        torch.set_autocast_dtype(device_type, before[1])
+
+
 def device_type_for(cluster) -> tuple[str, str | None]:
-    """("cuda" | "cpu", why the CPU policy stands in for CUDA, or None)."""
+    """("cuda" | "cpu", a note on how the policy was read, or None): a cluster of GPUs
+    gets CUDA's policy (probed on fake CUDA tensors, CUDA present or not)."""
     kind = getattr(getattr(cluster, "device", None), "kind", "cpu")
-    if kind != "gpu":
-        return "cpu", None
-    if torch.cuda.is_available():
-        return "cuda", None
-    return "cpu", "the cluster has GPUs but CUDA is unavailable here: used the CPU autocast policy"
+    return ("cuda", None) if kind == "gpu" else ("cpu", None)
 
 
 def parse_amp_lists(amp_lists: Mapping[str, Iterable[str]] | None) -> dict[str, str]:
