@@ -61,28 +61,39 @@ class _Replay:
             self.at_peak = {c: self.live[c] + extra.get(c, 0) for c in CATEGORIES}
 
     def act(self, action) -> None:
-        kind, mb = action.kind, action.microbatch
-        self.env.setdefault(mb, {})
-        if kind in ("F", "B", "I", "W"):
-            liveness, outputs = self._liveness(action.stage, kind)
-            transient = {c: v for c, v in liveness.at_peak.items() if v}
-            self.note(str(action), _relabel(transient, kind))
-            parts = [k for k in outputs if k in self.part_keys]
-            new_parts = [k for k in parts if k not in self.grads]
-            self.grads.update(parts)
-            self.live["gradients"] += sum(_bytes(self.program, k) for k in new_parts)
-            kept = liveness.outputs_bytes - sum(_bytes(self.program, k) for k in parts)
-            self._add_env(mb, max(kept, 0), "activations" if kind == "F" else "temporaries")
-        elif kind in ("RF", "RB"):
-            sources = self.program.receives(action.stage, "forward" if kind == "RF" else "backward")
-            size = sum(_bytes(self.program, k) for src, keys in sources.items()
-                       if src % self.pp != action.stage % self.pp for k in keys)
-            self._add_env(mb, size, "comm_buffers")
-        elif kind in ("SF", "SB"):
-            table = getattr(self.stages[action.stage], "send_forward" if kind == "SF" else "send_backward")
-            self.sent[mb] = self.sent.get(mb, 0) + sum(
-                _bytes(self.program, k) for dst, keys in table.items()
-                if dst % self.pp != action.stage % self.pp for k in keys)
+        self.env.setdefault(action.microbatch, {})
+        if action.kind in ("F", "B", "I", "W"):
+            self._compute(action)
+        elif action.kind in ("RF", "RB"):
+            sources = self.program.receives(action.stage,
+                                            "forward" if action.kind == "RF" else "backward")
+            self._add_env(action.microbatch, self._bytes_across(action.stage, sources),
+                          "comm_buffers")
+        elif action.kind in ("SF", "SB"):
+            stage = self.stages[action.stage]
+            table = stage.send_forward if action.kind == "SF" else stage.send_backward
+            mb = action.microbatch
+            self.sent[mb] = self.sent.get(mb, 0) + self._bytes_across(action.stage, table)
+
+    def _compute(self, action) -> None:
+        """A program runs: its own peak on top of what is alive; then its gradient parts
+        join their accumulators and its other outputs the micro-batch's environment."""
+        liveness, outputs = self._liveness(action.stage, action.kind)
+        mine = "activations" if action.kind == "F" else "temporaries"
+        transient = dict(liveness.at_peak)
+        transient[mine] += transient.pop("gradients")  # its outputs, alive at its peak
+        self.note(str(action), transient)
+        parts = [k for k in outputs if k in self.part_keys]
+        self.live["gradients"] += sum(_bytes(self.program, k) for k in parts if k not in self.grads)
+        self.grads.update(parts)
+        kept = liveness.outputs_bytes - sum(_bytes(self.program, k) for k in parts)
+        self._add_env(action.microbatch, max(kept, 0), mine)
+
+    def _bytes_across(self, stage: int, by_stage: dict[int, tuple[str, ...]]) -> int:
+        """Bytes of the values exchanged with stages on other ranks (a later stage on
+        this rank, under interleaving, reads the same environment)."""
+        return sum(_bytes(self.program, k) for other, keys in by_stage.items()
+                   if other % self.pp != stage % self.pp for k in keys)
 
     def _add_env(self, mb: int, size: int, category: str) -> None:
         self.env[mb][category] = self.env[mb].get(category, 0) + size
@@ -94,15 +105,6 @@ class _Replay:
         for category, size in env.items():
             self.live[category] -= size
         self.live["comm_buffers"] += min(self.sent.get(mb, 0), sum(env.values()))
-
-
-def _relabel(transient: dict[str, int], kind: str) -> dict[str, int]:
-    """A program's own outputs count as activations in a forward, temporaries else."""
-    out = dict(transient)
-    grads = out.pop("gradients", 0)
-    out["activations" if kind == "F" else "temporaries"] = out.get(
-        "activations" if kind == "F" else "temporaries", 0) + grads
-    return out
 
 
 def held_parameter_bytes(program: PipelineProgram, pp_rank: int) -> tuple[int, list[int]]:
