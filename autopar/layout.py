@@ -128,9 +128,6 @@ def _check_choice(name: str, value: Any, choices: tuple) -> None:
 def unsupported_fields(layout: Layout) -> list[str]:
     """Fields set to values whose pass has not landed yet (compile refuses them)."""
     out = []
-    if layout.zero == 3 and (layout.pp > 1 or layout.microbatches > 1):
-        out.append("zero=3 with pp > 1 or microbatches > 1 (stage programs take whole "
-                   "parameters; zero=1 and zero=2 work with pipelining)")
     if layout.fusion:
         out.append("fusion=True")
     return out

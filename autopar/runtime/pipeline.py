@@ -27,7 +27,8 @@ import torch.fx as fx
 from autopar.runtime.loss_scaler import LossScaler
 from autopar.runtime.mesh import Mesh, build_mesh
 from autopar.runtime.program import LOSS_SCALE_INPUT, TensorEntry, bind_groups
-from autopar.runtime.shards import block_of, gather_into, own_block, whole, zero_block
+from autopar.runtime.shards import (block_of, gather_into, gathered, own_block, whole,
+                                    zero_block)
 from autopar.runtime.schedule import Schedule
 
 
@@ -124,6 +125,10 @@ class PipelineStep:
         self.params = [self.tensor_of[self.param_key[e.name]] for e, _ in self.held]
         self.updated = ([zero_block(p, self.dp, self.dp_rank) for p in self.params] if self.zero
                         else self.params)
+        # ZeRO-3: between steps a rank holds only its blocks; each step gathers the whole
+        # parameters of its stages before the schedule and drops them after it
+        self.rows = [p.shape[0] if p.dim() else 0 for p in self.params]
+        self._release_params()
         self.optimizer = optimizer(self.updated)
         self.pass_results: list = []
         self.loss_scaler = LossScaler() if program.loss_scaled else None
@@ -185,6 +190,7 @@ class PipelineStep:
 
     def __call__(self, *global_batch: torch.Tensor) -> torch.Tensor:
         micro = self._micro_batches(global_batch)
+        self._gather_params()
         if self.loss_scaler is not None:  # the step's trailing input: the loss scale
             scale = self.loss_scaler.scale_input()
             micro = [inputs + [scale] for inputs in micro]
@@ -213,7 +219,9 @@ class PipelineStep:
             # benchmarks/pp_vs_pipelining.py)
             self.last_timeline = (spans, time.perf_counter() - start)
             loss = self._finish_loss(losses)
-            self._apply(self._sync_grads(grads))
+            synced = self._sync_grads(grads)
+            self._release_params()
+            self._apply(synced)
             if self.loss_scaler is not None:
                 self.loss_scaler.update()
         return loss
@@ -361,8 +369,23 @@ class PipelineStep:
         self.optimizer.step()
         for p, u in zip(self.params, self.updated):
             u.grad = None
-            if u is not p:
+            if u is not p and self.zero < 3:
                 gather_into(p, u, self.dp, self.mesh.group("dp"))
+
+    def _sharded(self) -> list[tuple[torch.nn.Parameter, torch.Tensor, int]]:
+        """ZeRO-3: (parameter, its block, its rows) of each parameter held as a block."""
+        if self.zero < 3:
+            return []
+        return [(p, u, rows) for p, u, rows in zip(self.params, self.updated, self.rows)
+                if u is not p]
+
+    def _gather_params(self) -> None:
+        for p, u, rows in self._sharded():
+            p.data = gathered(u, rows, self.dp, self.mesh.group("dp"))
+
+    def _release_params(self) -> None:
+        for p, _, _ in self._sharded():
+            p.data = p.data.new_empty(0)
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -375,8 +398,10 @@ class PipelineStep:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the whole model under its original names, on every rank."""
         tp_group = self.mesh.group("tp")
+        self._gather_params()
         mine = {e.name: whole(self.tensor_of[self.param_key[e.name]], e, tp_group, self.tp)
                 for e, _ in self.held}
+        self._release_params()
         named_buffers = dict(self._model.named_buffers(remove_duplicate=False))
         mine.update({b.name: named_buffers[b.name].detach().clone() for b in self.program.buffers})
         parts = [mine]

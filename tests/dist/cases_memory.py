@@ -118,3 +118,5 @@ memory_case("dp2_microbatches4_zero2_memory_model_gpt2_tied_adamw", gpt2, adamw,
             microbatches=4, zero=2)
 memory_case("dp2_pp2_zero1_memory_model_llama_adamw", lambda: llama(layers=4), adamw, world=4,
             dp=2, pp=2, microbatches=4, zero=1)
+memory_case("dp2_microbatches4_zero3_memory_model_gpt2_tied_adamw", gpt2, adamw, dp=2,
+            microbatches=4, zero=3)

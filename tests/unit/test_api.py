@@ -39,9 +39,9 @@ def test_world_size_mismatch_outside_torchrun():
 
 def test_layout_fields_without_a_pass_are_refused_not_ignored():
     ex = mlp()
-    with pytest.raises(autopar.LayoutError, match=r"not supported yet: zero=3 with pp > 1"):
+    with pytest.raises(autopar.LayoutError, match=r"not supported yet: fusion=True"):
         autopar.compile(ex.model, None, ex.batch, ex.loss_fn,
-                        layout=autopar.Layout(dp=2, zero=3, microbatches=2))
+                        layout=autopar.Layout(fusion=True))
 
 
 def test_batch_shape_mismatch_at_step_time():

@@ -107,13 +107,15 @@ class _Replay:
         self.live["comm_buffers"] += min(self.sent.get(mb, 0), sum(env.values()))
 
 
-def held_parameter_bytes(program: PipelineProgram, pp_rank: int) -> tuple[int, list[int]]:
-    """Bytes of the parameters this rank holds (those its stages read), and of each tensor
-    its optimizer updates: the parameter, or under ZeRO-1/2 a separate dim-0 block of
-    ceil(rows / dp) rows (held beside it) when it has at least dp rows."""
+def held_parameter_bytes(program: PipelineProgram, pp_rank: int) -> tuple[int, list[int], int]:
+    """Bytes of the parameters this rank holds between steps (those its stages read), of
+    each tensor its optimizer updates, and of the whole parameters it gathers for the
+    step. The optimizer updates the parameter, or under ZeRO a dim-0 block of
+    ceil(rows / dp) rows when it has at least dp rows: held beside the parameter under
+    ZeRO-1/2, instead of it under ZeRO-3 (whose step gathers the parameter)."""
     dp = dict(program.mesh).get("dp", 1)
     zero = program.layout.get("zero", 0)
-    held, updated = 0, []
+    held, updated, gathered = 0, [], 0
     for key, entry, parts in zip(program.keys, program.params, program.grad_parts):
         if not any(s % program.schedule.pp == pp_rank
                    for s in program.stages_reading(key, parts)):
@@ -121,16 +123,17 @@ def held_parameter_bytes(program: PipelineProgram, pp_rank: int) -> tuple[int, l
         nbytes = math.prod(entry.shape) * entry.dtype.itemsize
         rows = entry.shape[0] if entry.shape else 0
         block = math.ceil(rows / dp) * (nbytes // rows) if zero and rows >= dp else 0
-        held += nbytes + block
+        held += block if zero == 3 and block else nbytes + block
+        gathered += nbytes if zero == 3 and block else 0
         updated.append(block or nbytes)
-    return held, updated
+    return held, updated, gathered
 
 
 def pipeline_memory(program: PipelineProgram, pp_rank: int,
                     optimizer: str | OptimizerMemory = "adamw") -> MemoryPrediction:
     """The predicted peak of pipeline rank `pp_rank`'s step."""
     opt = optimizer_memory(optimizer)
-    params, updated = held_parameter_bytes(program, pp_rank)
+    params, updated, gathered = held_parameter_bytes(program, pp_rank)
     m = program.schedule.microbatches
     static = {"parameters": params,
               "buffers": sum(math.prod(b.shape) * b.dtype.itemsize for b in program.buffers),
@@ -138,6 +141,7 @@ def pipeline_memory(program: PipelineProgram, pp_rank: int,
               "inputs": m * sum(math.prod(e.shape) * e.dtype.itemsize for e in program.inputs)}
     replay = _Replay(program, pp_rank)
     replay.live.update(static)
+    replay.live["parameters"] += gathered  # ZeRO-3: gathered for the schedule
     actions = program.schedule.ranks[pp_rank]
     last = {a.microbatch: i for i, a in enumerate(actions)}
     for i, action in enumerate(actions):
@@ -146,6 +150,7 @@ def pipeline_memory(program: PipelineProgram, pp_rank: int,
             replay.drop(action.microbatch)
     dp = dict(program.mesh).get("dp", 1)
     flat = replay.live["gradients"] if dp > 1 else 0  # the gradients packed for the all-reduce
+    replay.live["parameters"] -= gathered  # dropped before the optimizer step
     replay.note("optimizer.step", {"comm_buffers": flat,
                                    "temporaries": int(opt.temporaries * max(updated, default=0))})
     return MemoryPrediction(replay.peak, replay.at_peak, "pipeline", replay.peak_op,
