@@ -8,7 +8,8 @@ runs in three phases, and the peak is the largest of them:
    the optimizer states of what it updates, buffers, and the step's input batch;
 2. the graph: liveness over the program in the order it runs. A storage is alive
    from the op that creates it to the last op that reads it or a view of it (the
-   generated code drops every value after its last use); gradients and the loss
+   generated code drops every value after its last use), and a collective's input
+   to its wait (the issued collective holds it); gradients and the loss
    stay alive to the end, since the step returns them;
 3. the optimizer step: the gradients, plus the temporaries of the update itself
    (torch.optim's for-loop AdamW holds two tensors the size of the parameter it is
@@ -119,8 +120,12 @@ def graph_liveness(summary: GraphSummary) -> GraphLiveness:
 
 def _last_uses(summary: GraphSummary) -> dict[int, int]:
     last: dict[int, int] = {}
-    for i, op in enumerate(summary.ops):
-        for s in [op.storage] + [summary.ops[u].storage for u in op.uses]:
+    ops = summary.ops
+    for i, op in enumerate(ops):
+        reads = list(op.uses)
+        if op.waits_on is not None:  # NOTE: an issued collective holds its input until waited
+            reads += ops[op.waits_on].uses
+        for s in [op.storage] + [ops[u].storage for u in reads]:
             if s is not None:
                 last[s] = i
     return last
