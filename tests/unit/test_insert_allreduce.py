@@ -214,16 +214,6 @@ def test_zero3_takes_blocks_and_gathers_each_parameter_for_forward_and_backward(
         # no op reads the block except the gathers: every use sees the whole parameter
         assert all(u in mine for u in ph.users), ph.name
     assert result.stats["all_gathers"] == len(gathers)
-    # a layer's gathers are issued together, one layer ahead (while the previous layer
-    # computes): only the first group of the forward and of the backward is waited for
-    # with no compute in between
-    order = {n: i for i, n in enumerate(tg.graph.nodes)}
-    comm = (c10d.all_gather_into_tensor.default, c10d.wait_tensor.default)
-    exposed = {job.meta[M.MODULE_PATH] for job in gathers
-               if not any(order[job] < order[n] < order[next(iter(job.users))]
-                          and n.target not in comm for n in tg.call_nodes())}
-    assert len(exposed) <= 2, exposed
-    assert len({job.meta[M.MODULE_PATH] for job in gathers}) < len(gathers)  # grouped
     # the forward's gathered copy dies with the forward: no gather (or a view of it, such
     # as a linear layer's transposed weight) is read by both forward and backward ops
     for job in gathers:
@@ -243,4 +233,3 @@ def _aliases(node) -> bool:
     target = node.target
     return target == c10d.wait_tensor.default or (
         isinstance(target, torch._ops.OpOverload) and target.is_view)
-

@@ -12,10 +12,12 @@ makes the step take that parameter as its block too:
 3. a forward view or cast of the parameter that the backward reads (a linear layer's
    transposed weight) is made again in the backward from the parameter, so that it
    does not keep the forward's gathered copy alive;
-4. the parameters first used in one layer of the repeated stack are gathered
-   together (outside the stack: those first used by the same op): a layer's gathers are issued one
-   layer ahead (right before the previous group's first use) and waited for right
-   before the layer's first use, so they run while the previous layer computes.
+4. each gather is issued one parameter ahead (right before the previous
+   parameter's first use, in the order of first uses) and waited for right before
+   its own first use, so it runs while the previous layer computes. NOTE: issuing a
+   whole layer's gathers at once (up to 16 in flight) crashed gloo with heap
+   corruption ("malloc(): unaligned tcache chunk") in 1 of 3 four-process runs;
+   one ahead never did (4 of 4), so gathers stay one parameter ahead.
 
 Parameters whose gradient is all-reduced whole (fewer rows than dp) stay whole
 inputs, as `declined` lists. When dp does not divide a parameter's rows, the last
@@ -39,14 +41,12 @@ import torch
 import torch.fx as fx
 
 from autopar.compiler.ir import meta as M
-from autopar.compiler.ir.graph import TrainGraph
+from autopar.compiler.ir.graph import TrainGraph, new_node_meta
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
-from autopar.compiler.passes.builder import NodeBuilder
 from autopar.compiler.passes.manager import register_pass
 from autopar.compiler.passes.recompute import derived_from, rewrite
 from autopar.runtime.program import block_rows, mesh_group_tag
 
-aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
 
@@ -76,11 +76,12 @@ class ShardParameters(GraphPass):
         gathers = 0
         for side in (0, 1):  # forward uses, then backward uses
             users = {i: uses[i][side] for i in blocked if uses[i][side]}
-            groups = _groups_by_layer(users, order)
-            for k, group in enumerate(groups):
-                issue_before = users[groups[k - 1][0]][0] if k else users[group[0]][0]
-                members = [(placeholders[i], users[i], sig.params[i].shape[0]) for i in group]
-                gathers += self._gather(tg, members, issue_before, dp, tag, order)
+            first = sorted(users, key=lambda i: order[users[i][0]])
+            for k, i in enumerate(first):
+                issue_before = users[first[k - 1]][0] if k else users[i][0]
+                self._gather(tg, placeholders[i], users[i], issue_before, dp, tag,
+                             sig.params[i].shape[0])
+                gathers += 1
         params = tuple(dataclasses.replace(p, shape=_block(p.shape, dp)) if i in blocked else p
                        for i, p in enumerate(sig.params))
         tg.signature = dataclasses.replace(
@@ -113,40 +114,26 @@ class ShardParameters(GraphPass):
         return [u for u in users if u not in backward], backward
 
     @staticmethod
-    def _gather(tg: TrainGraph, members: list[tuple[fx.Node, list[fx.Node], int]],
-                issue_before: fx.Node, dp: int, tag: str, order: dict[fx.Node, int]) -> int:
-        """All-gathers for a group of parameters (a layer's), issued together at
-        `issue_before` and waited for right before the group's first use. One collective
-        per parameter, straight into the whole tensor: packing the blocks into one buffer
-        would save collectives but add a copy out, and the issued collective would hold
-        the packed input until its wait (measured: the peak then moves with timing)."""
-        first_use = min((u for _, users, _ in members for u in users), key=order.__getitem__)
-        where = first_use.meta.get(M.MODULE_PATH)
-        build = NodeBuilder(tg.graph, "shard_parameters").at(issue_before.prev)
-        jobs = [build.call(c10d.all_gather_into_tensor.default, (ph, dp, tag),
-                           module_path=where, **{M.COMM_KIND: "param_gather"})
-                for ph, _, _ in members]
-        build.at(first_use.prev)
-        for job, (ph, users, rows) in zip(jobs, members):
-            whole = build.call(c10d.wait_tensor.default, (job,), module_path=where)
-            if whole.meta[M.VAL].shape[0] != rows:  # the last block's padding rows
-                whole = build.call(aten.slice.Tensor, (whole, 0, 0, rows), module_path=where)
-            for user in users:
-                user.replace_input_with(ph, whole)
-        return len(jobs)
-
-
-def _groups_by_layer(users: dict[int, list[fx.Node]], order: dict[fx.Node, int]) -> list[list[int]]:
-    """Parameters gathered together: those first used in the same layer of the repeated
-    stack (as FSDP2 unshards a block); outside the stack, those first used by the same
-    op (a norm's weight and bias), so the embedding table is not held whole through
-    every layer."""
-    groups: dict[object, list[int]] = {}
-    for i in sorted(users, key=lambda i: order[users[i][0]]):
-        first = users[i][0]
-        layer = first.meta.get(M.LAYER)
-        groups.setdefault(("layer", layer) if layer is not None else ("op", first), []).append(i)
-    return sorted(groups.values(), key=lambda g: order[users[g[0]][0]])
+    def _gather(tg: TrainGraph, block: fx.Node, users: list[fx.Node], issue_before: fx.Node,
+                dp: int, tag: str, rows: int) -> None:
+        graph = tg.graph
+        where = users[0].meta.get(M.MODULE_PATH)
+        with graph.inserting_before(issue_before):
+            job = graph.call_function(c10d.all_gather_into_tensor.default, (block, dp, tag))
+        job.meta = new_node_meta(c10d.all_gather_into_tensor.default(block.meta[M.VAL], dp, tag),
+                                 M.Role.COMM, "shard_parameters", where,
+                                 **{M.COMM_KIND: "param_gather"})
+        with graph.inserting_before(users[0]):
+            whole = graph.call_function(c10d.wait_tensor.default, (job,))
+        whole.meta = new_node_meta(job.meta[M.VAL], M.Role.COMM, "shard_parameters", where)
+        if whole.meta[M.VAL].shape[0] != rows:  # the last block's padding rows
+            with graph.inserting_after(whole):
+                trimmed = graph.call_function(torch.ops.aten.slice.Tensor, (whole, 0, 0, rows))
+            trimmed.meta = new_node_meta(whole.meta[M.VAL][:rows], M.Role.COMM,
+                                         "shard_parameters", where)
+            whole = trimmed
+        for user in users:
+            user.replace_input_with(block, whole)
 
 
 def _block(shape: tuple[int, ...], dp: int) -> tuple[int, ...]:
