@@ -288,11 +288,10 @@ def test_estimate_gpt2_on_dgx_h100_with_dp8():
 def test_estimate_refuses_what_it_cannot_cost():
     model, batch = meta_gpt2()
     c = ClusterSpec.preset("dgx-h100")
-    with pytest.raises(autopar.LayoutError, match=r"not supported yet: tp > 1"):
-        autopar.estimate(model, c, autopar.Layout(dp=4, tp=2), batch, causal_lm_loss)
-    with pytest.raises(autopar.LayoutError, match=r"not supported yet: pp > 1"):
-        autopar.estimate(model, c, autopar.Layout(dp=2, pp=4, microbatches=4), batch,
-                         causal_lm_loss)
+    with pytest.raises(autopar.LayoutError, match=r"not supported yet: zero > 0"):
+        autopar.estimate(model, c, autopar.Layout(dp=8, zero=2), batch, causal_lm_loss)
+    with pytest.raises(autopar.LayoutError, match=r"not supported yet: recompute='full'"):
+        autopar.estimate(model, c, autopar.Layout(dp=8, recompute="full"), batch, causal_lm_loss)
     with pytest.raises(autopar.LayoutError, match=r"dp\*tp\*pp = 4 devices.* has 8 .*Layout\(dp=8\)"):
         autopar.estimate(model, c, autopar.Layout(dp=4), batch, causal_lm_loss)
     with pytest.raises(autopar.LayoutError, match="nodes=2"):

@@ -18,6 +18,8 @@ from autopar.compiler.ir.trace import LossFn, trace_train_step
 from autopar.compiler.passes.base import GraphPass
 from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, OPTIMIZER_STATES,
                                                  Efficiency, predict)
+from autopar.compiler.passes.pipeline import is_pipelined
+from autopar.compiler.planner.stages import stage_summary
 from autopar.compiler.planner.summary import summarize
 from autopar.layout import Layout, LayoutError, Prediction, unsupported_fields
 
@@ -41,8 +43,9 @@ def estimate(model: torch.nn.Module, cluster: ClusterSpec, layout: Layout,
         raise ValueError("estimate needs example_inputs: one global batch (meta tensors will do)")
     traced = trace_train_step(model, _local_example(example_inputs, layout), loss_fn)
     rewritten, _ = run_passes(traced, layout, cluster, passes)
+    stages = stage_summary(rewritten) if is_pipelined(layout) else None
     return predict(summarize(rewritten), cluster, layout, optimizer, efficiency,
-                   model_flops=summarize(traced).model_flops)
+                   model_flops=summarize(traced).model_flops, stages=stages)
 
 
 def check_layout(layout: Any, cluster: ClusterSpec) -> None:
@@ -56,23 +59,20 @@ def check_layout(layout: Any, cluster: ClusterSpec) -> None:
     todo = unsupported_fields(layout) + not_costed_fields(layout)
     if todo:
         raise LayoutError(f"{layout}: not supported yet: {', '.join(dict.fromkeys(todo))}. "
-                          "Supported by estimate now: dp, bucket_mb, overlap_comm")
+                          "Supported by estimate now: dp, tp, pp, microbatches, schedule, "
+                         "virtual_stages, sequence_parallel, amp, bucket_mb, overlap_comm, "
+                         "grad_comm_dtype")
     if layout.world_size != cluster.world_size:
         raise LayoutError(_world_size_message(layout, cluster))
 
 
 def not_costed_fields(layout: Layout) -> list[str]:
-    """Fields compile may run but the cost model cannot cost yet: refused, not guessed."""
+    """Fields compile may run but the cost model cannot cost yet: refused, not guessed.
+    tp, pp and micro-batches are costed from the rewritten graph and the simulated
+    schedule (pipeline_cost.py); ZeRO's step time is too, its memory not yet."""
     out = []
-    if layout.tp > 1:
-        out.append("tp > 1 (tensor parallelism: compile's placement solver predicts its own "
-                   "terms, the step-time model does not take them yet)")
     if layout.zero:
         out.append("zero > 0 (the memory model does not shard optimizer state yet)")
-    if layout.pp > 1:
-        out.append("pp > 1 (pipeline parallelism: no bubble or point-to-point model yet)")
-    if layout.microbatches > 1:
-        out.append("microbatches > 1 (gradient accumulation / pipelining)")
     return out
 
 
