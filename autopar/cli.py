@@ -3,6 +3,7 @@
     autopar trace MODEL             summary of the traced training graph
     autopar train MODEL --dp 2      train under torchrun, with progress (also --tp, --pp, ...)
     autopar estimate MODEL --cluster dgx-h100 --dp 8    predicted step time and memory
+    autopar plan MODEL --cluster dgx-h100 --report plan.html   the fastest layout that fits
 
 MODEL is a built-in example (`autopar trace --list`) or `pkg.module:factory`.
 """
@@ -199,7 +200,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from autopar.layout import Layout, LayoutError
 
     try:
-        layout = Layout(dp=args.dp, bucket_mb=args.bucket_mb)
+        layout = Layout(dp=args.dp, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
+                        schedule=args.schedule, virtual_stages=args.virtual_stages,
+                        amp=args.amp, bucket_mb=args.bucket_mb)
         cluster = _cluster_from_args(args.cluster, args.nodes, layout)
         with torch.device("meta"):  # nothing is allocated: weights and batch are shapes only
             example = load_model_spec(args.model)
@@ -215,14 +218,14 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cluster_from_args(name: str, nodes: int | None, layout):
+def _cluster_from_args(name: str, nodes: int | None, layout, nproc: int | None = None):
     from autopar.cluster import ClusterSpec
 
     if name == "local":
         if nodes not in (None, 1):
-            raise SystemExit("autopar estimate: --nodes applies to a preset or YAML cluster; "
+            raise SystemExit("autopar: --nodes applies to a preset or YAML cluster; "
                              "--cluster local is this one machine (one process per device)")
-        return ClusterSpec.local(nprocs=layout.world_size)
+        return ClusterSpec.local(nprocs=layout.world_size if layout is not None else nproc)
     if name.endswith((".yaml", ".yml")) or os.path.exists(name):
         spec = ClusterSpec.from_yaml(name)
         return spec if nodes is None else ClusterSpec.from_dict(
@@ -252,6 +255,84 @@ def _print_estimate(model: str, cluster, layout, pred) -> None:
         memory.add_row(key.replace("_", " "), _fmt_bytes(size),
                        f"{size / cluster.device.memory_bytes:.1%}")
     console.print(memory)
+
+
+# -- autopar plan -------------------------------------------------------------------------
+
+_PLAN_CONSTRAINTS = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "amp")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import torch
+
+    import autopar
+    from autopar.cluster import ClusterSpecError
+    from autopar.compiler.planner.report import save_trace
+    from autopar.examples import load_model_spec
+    from autopar.layout import LayoutError
+
+    constraints = {k: getattr(args, k) for k in _PLAN_CONSTRAINTS if getattr(args, k) is not None}
+    constraints["max_memory_fraction"] = args.max_memory_fraction
+    try:
+        cluster = _cluster_from_args(args.cluster, args.nodes, None, args.nproc)
+        with torch.device("meta"):  # nothing is allocated: weights and batch are shapes only
+            example = load_model_spec(args.model)
+        with _PlanProgress(fancy=sys.stdout.isatty() and not args.json) as show:
+            plan = autopar.plan(example.model, cluster, example.batch, example.loss_fn,
+                                optimizer=args.optimizer, progress=show, **constraints)
+    except (LayoutError, ClusterSpecError, autopar.PlanError) as exc:
+        raise SystemExit(f"autopar plan: {exc}") from exc
+    for path in args.report or ():
+        plan.save_report(path)
+        console.print(f"report written to {path}")
+    if args.trace:
+        save_trace(plan, args.trace)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=1))
+    else:
+        _print_plan(args.model, cluster, plan)
+    return 0
+
+
+def _print_plan(model: str, cluster, plan) -> None:
+    from autopar.compiler.planner.report import headline
+
+    console.print(f"[bold]{model}[/bold]")
+    for line in headline(plan):
+        console.print(line)
+    table = Table(title="best alternatives")
+    for col in ("layout", "step ms", "why not"):
+        table.add_column(col)
+    for lay, pred, why in plan.alternatives[:8]:
+        table.add_row(str(lay), f"{pred.step_time_s * 1e3:.4g}", why)
+    console.print(table)
+
+
+class _PlanProgress:
+    """A progress bar over the candidate layouts on a terminal; silent otherwise."""
+
+    def __init__(self, fancy: bool):
+        self.fancy, self.bar, self.task = fancy, None, None
+
+    def __enter__(self):
+        if self.fancy:
+            from rich.progress import BarColumn, Progress, TextColumn
+            self.bar = Progress(TextColumn("costing {task.completed}/{task.total}"), BarColumn(),
+                                TextColumn("{task.fields[layout]}"), console=console,
+                                transient=True)
+            self.bar.start()
+        return self
+
+    def __call__(self, done: int, total: int, layout) -> None:
+        if self.bar is None:
+            return
+        if self.task is None:
+            self.task = self.bar.add_task("plan", total=total, layout="")
+        self.bar.update(self.task, completed=done, layout=str(layout))
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
 
 
 # -- entry point --------------------------------------------------------------------------
@@ -299,11 +380,42 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--nodes", type=int, default=None,
                      help="nodes of a preset or YAML cluster (default: 1 / the file's)")
     est.add_argument("--dp", type=int, default=1, help="data-parallel degree")
+    est.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    est.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    est.add_argument("--microbatches", type=int, default=1, help="micro-batches per step")
+    est.add_argument("--schedule", default="1f1b",
+                     choices=("1f1b", "gpipe", "interleaved", "zero-bubble"))
+    est.add_argument("--virtual-stages", type=int, default=1,
+                     help="stages per pipeline rank (with --schedule interleaved)")
+    est.add_argument("--amp", default="off", choices=("off", "bf16", "fp16"))
     est.add_argument("--bucket-mb", type=float, default=25.0, help="all-reduce bucket size")
     est.add_argument("--optimizer", choices=("adamw", "adam", "sgd-momentum", "sgd"),
                      default="adamw")
     est.add_argument("--json", action="store_true", help="print the prediction as JSON")
     est.set_defaults(func=cmd_estimate)
+
+    plan = sub.add_parser("plan", help="choose the fastest layout of MODEL that fits memory")
+    plan.add_argument("model", help="built-in example or pkg.module:factory (built on meta)")
+    plan.add_argument("--cluster", default="local",
+                      help="a preset (dgx-h100, dgx-a100-80gb, dgx-h200), local, or a YAML file")
+    plan.add_argument("--nodes", type=int, default=None, help="nodes of a preset or YAML cluster")
+    plan.add_argument("--nproc", type=int, default=None,
+                      help="processes of --cluster local (default: one per core)")
+    for name in ("dp", "tp", "pp", "microbatches", "zero"):
+        plan.add_argument(f"--{name}", type=int, default=None, help=f"fix Layout.{name}")
+    plan.add_argument("--schedule", default=None,
+                      choices=("1f1b", "gpipe", "interleaved", "zero-bubble"))
+    plan.add_argument("--amp", default=None, choices=("off", "bf16", "fp16"))
+    plan.add_argument("--max-memory-fraction", type=float, default=0.9,
+                      help="share of device memory a layout may use (default 0.9)")
+    plan.add_argument("--optimizer", choices=("adamw", "adam", "sgd-momentum", "sgd"),
+                      default="adamw")
+    plan.add_argument("--report", action="append", metavar="PATH",
+                      help="write the report: .html, .md or .json (repeatable)")
+    plan.add_argument("--trace", metavar="PATH",
+                      help="write the predicted timeline as a Chrome/Perfetto trace (JSON)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.set_defaults(func=cmd_plan)
     return parser
 
 

@@ -19,8 +19,9 @@ from autopar.compiler.passes.base import GraphPass
 from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, OPTIMIZER_STATES,
                                                  Efficiency, predict)
 from autopar.compiler.passes.pipeline import is_pipelined
-from autopar.compiler.planner.stages import stage_summary
-from autopar.compiler.planner.summary import summarize
+from autopar.compiler.ir.graph import TrainGraph
+from autopar.compiler.planner.stages import StageSummary, stage_summary
+from autopar.compiler.planner.summary import GraphSummary, summarize
 from autopar.layout import Layout, LayoutError, Prediction, unsupported_fields
 
 
@@ -35,17 +36,77 @@ def estimate(model: torch.nn.Module, cluster: ClusterSpec, layout: Layout,
     replaces the default pipeline, to score your own passes.
     """
     check_layout(layout, cluster)
-    if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, "
-                         f"got {optimizer!r}")
-    example_inputs = tuple(example_inputs)
-    if not example_inputs:
-        raise ValueError("estimate needs example_inputs: one global batch (meta tensors will do)")
-    traced = trace_train_step(model, _local_example(example_inputs, layout), loss_fn)
-    rewritten, _ = run_passes(traced, layout, cluster, passes)
-    stages = stage_summary(rewritten) if is_pipelined(layout) else None
-    return predict(summarize(rewritten), cluster, layout, optimizer, efficiency,
-                   model_flops=summarize(traced).model_flops, stages=stages)
+    return Estimator(model, cluster, example_inputs, loss_fn, optimizer, efficiency,
+                     passes).predict(layout)
+
+
+class Estimator:
+    """Predictions of one model on one cluster under many layouts (the planner's
+    inner loop). A trace is shared by the layouts with the same micro-batch per rank,
+    and a rewritten graph by those the passes treat alike (schedules, micro-batch
+    counts of one size): what `predict` costs is exactly what `estimate` would."""
+
+    def __init__(self, model: torch.nn.Module, cluster: ClusterSpec,
+                 example_inputs: Sequence[torch.Tensor], loss_fn: LossFn | None = None,
+                 optimizer: str = "adamw", efficiency: Efficiency = DEFAULT_EFFICIENCY,
+                 passes: Sequence[GraphPass | str] | None = None) -> None:
+        if optimizer not in OPTIMIZER_STATES:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, "
+                             f"got {optimizer!r}")
+        self.example_inputs = tuple(example_inputs)
+        if not self.example_inputs:
+            raise ValueError("estimate needs example_inputs: one global batch (meta tensors "
+                             "will do)")
+        self.model, self.cluster, self.loss_fn = model, cluster, loss_fn
+        self.optimizer, self.efficiency, self.passes = optimizer, efficiency, passes
+        self._traced: dict[tuple, tuple] = {}
+        self._rewritten: dict[tuple, tuple] = {}
+        self._tables: dict[tuple, dict] = {}
+
+    def predict(self, layout: Layout) -> Prediction:
+        summary, stages, model_flops = self.rewritten(layout)
+        return predict(summary, self.cluster, layout, self.optimizer, self.efficiency,
+                       model_flops=model_flops, stages=stages)
+
+    def traced(self, layout: Layout) -> TrainGraph:
+        """The traced graph of one rank's micro-batch under `layout`."""
+        return self._trace(layout)[1]
+
+    def tp_placements(self, layout: Layout) -> dict | None:
+        """The tensor-parallel placement table of `layout`'s rewritten graph (tp > 1)."""
+        self.rewritten(layout)
+        return self._tables.get(self._key(layout))
+
+    def _trace(self, layout: Layout):
+        local = _local_example(self.example_inputs, layout)
+        key = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else repr(x) for x in local)
+        if key not in self._traced:
+            traced = trace_train_step(self.model, local, self.loss_fn)
+            self._traced[key] = (key, traced, summarize(traced).model_flops)
+        return self._traced[key]
+
+    def _key(self, layout: Layout) -> tuple:
+        pipelined = is_pipelined(layout)
+        # the passes of a pipelined step read its number of stages, not how the schedule
+        # runs them nor dp (the runtime reduces its gradients; the micro-batch size is in
+        # the trace's key)
+        fields = layout.replace(schedule="1f1b", microbatches=2, virtual_stages=1, dp=1,
+                                pp=layout.pp * layout.virtual_stages) if pipelined else layout
+        return self._trace(layout)[0], pipelined, fields
+
+    def rewritten(self, layout: Layout) -> tuple[GraphSummary, StageSummary | None, int]:
+        """(summary of the rewritten graph, its stages when pipelined, model FLOPs of
+        one rank's micro-batch) for `layout`."""
+        _, traced, model_flops = self._trace(layout)
+        key = self._key(layout)
+        if key not in self._rewritten:
+            rewritten, _ = run_passes(traced, layout, self.cluster, self.passes)
+            stages = stage_summary(rewritten) if key[1] else None
+            self._rewritten[key] = (summarize(rewritten), stages)
+            if "tp" in rewritten.attrs:
+                self._tables[key] = rewritten.attrs["tp"]
+        summary, stages = self._rewritten[key]
+        return summary, stages, model_flops
 
 
 def check_layout(layout: Any, cluster: ClusterSpec) -> None:

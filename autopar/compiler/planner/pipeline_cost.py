@@ -54,6 +54,7 @@ class PipelineTime:
     critical_rank: int
     timeline: Timeline  # the simulated schedule, seconds (the report draws it)
     grad_sync_s: tuple[float, ...]  # per pipeline rank, after its last action
+    optimizer_per_rank_s: tuple[float, ...]  # per pipeline rank, after its gradient sync
 
     @property
     def bubble_fraction(self) -> float:
@@ -152,4 +153,5 @@ def pipeline_time(summary: GraphSummary, stages: StageSummary, cluster: ClusterS
         total_s=ends[rank] + sync[rank] + optim[rank], compute_s=compute,
         comm_s=inside_comm + received + sync[rank],
         exposed_comm_s=inside_exposed + received + sync[rank], bubble_s=bubble,
-        optimizer_s=optim[rank], critical_rank=rank, timeline=timeline, grad_sync_s=tuple(sync))
+        optimizer_s=optim[rank], critical_rank=rank, timeline=timeline, grad_sync_s=tuple(sync),
+        optimizer_per_rank_s=tuple(optim))
