@@ -4,6 +4,8 @@
     autopar train MODEL --dp 2      train under torchrun, with progress (also --tp, --pp, ...)
     autopar estimate MODEL --cluster dgx-h100 --dp 8    predicted step time and memory
     autopar plan MODEL --cluster dgx-h100 --report plan.html   the fastest layout that fits
+    autopar calibrate --output local.yaml    measure this machine (matmul, memory, gloo)
+    autopar validate MODEL --cluster local.yaml   predicted vs measured step times
 
 MODEL is a built-in example (`autopar trace --list`) or `pkg.module:factory`.
 """
@@ -335,6 +337,45 @@ class _PlanProgress:
             self.bar.stop()
 
 
+# -- autopar calibrate / validate -----------------------------------------------------------
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from autopar.calibrate import calibrate
+
+    measured = calibrate(args.nproc)
+    spec = measured.cluster(args.nproc)
+    spec.to_yaml(args.output)
+    console.print(f"matmul {measured.matmul_flops / 1e9:.1f} GFLOP/s, memory "
+                  f"{measured.memory_bandwidth / 1e9:.1f} GB/s, "
+                  f"{measured.launch_overhead_s * 1e6:.1f} us per op per process; gloo all-reduce "
+                  f"{measured.link_bandwidth / 1e9:.2f} GB/s, {measured.link_latency_s * 1e6:.0f} us "
+                  f"per step (fit over {len(measured.all_reduce)} sizes)")
+    console.print(f"cluster spec written to {args.output} (peaks = measured / efficiency)")
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from autopar.cluster import ClusterSpec
+    from autopar.layout import Layout
+    from autopar.validate import DEFAULT_LAYOUTS, median_abs_error, validate
+
+    cluster = ClusterSpec.from_yaml(args.cluster) if args.cluster else ClusterSpec.local()
+    layouts = [Layout.from_dict(json.loads(text)) for text in args.layout] or DEFAULT_LAYOUTS
+
+    def show(row) -> None:
+        if not args.json:
+            console.print(f"{row.layout}: predicted {row.predicted_s * 1e3:.1f} ms, measured "
+                          f"{row.measured_s * 1e3:.1f} ms, error {row.error:+.1%}")
+
+    rows = validate(args.model, cluster, layouts, args.steps, args.warmup, progress=show)
+    if args.json:
+        print(json.dumps([{"layout": r.layout.to_dict(), "predicted_s": r.predicted_s,
+                           "measured_s": r.measured_s, "error": r.error} for r in rows], indent=1))
+    else:
+        console.print(f"median |error| over {len(rows)} layouts: {median_abs_error(rows):.1%}")
+    return 0
+
+
 # -- entry point --------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -416,6 +457,21 @@ def build_parser() -> argparse.ArgumentParser:
                       help="write the predicted timeline as a Chrome/Perfetto trace (JSON)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(func=cmd_plan)
+
+    cal = sub.add_parser("calibrate", help="measure this machine, write a ClusterSpec YAML")
+    cal.add_argument("--nproc", type=int, default=2, help="processes for the gloo all-reduce")
+    cal.add_argument("--output", default="cluster.yaml", help="where to write the spec")
+    cal.set_defaults(func=cmd_calibrate)
+
+    val = sub.add_parser("validate", help="predicted vs measured step time of several layouts")
+    val.add_argument("model", help="built-in example or pkg.module:factory")
+    val.add_argument("--cluster", default=None, help="a YAML spec (default: ClusterSpec.local)")
+    val.add_argument("--layout", action="append", default=[], metavar="JSON",
+                     help='a layout to run, e.g. \'{"dp": 2}\' (repeatable; default: 7 layouts)')
+    val.add_argument("--steps", type=int, default=5, help="timed steps per layout")
+    val.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    val.add_argument("--json", action="store_true")
+    val.set_defaults(func=cmd_validate)
     return parser
 
 

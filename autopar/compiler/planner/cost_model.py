@@ -62,10 +62,11 @@ def op_time(flops: float, nbytes: float, peak_flops: float, memory_bandwidth: fl
 
 
 def _op_time(op: OpRecord, cluster: ClusterSpec, eff: Efficiency) -> float:
+    launch = cluster.device.launch_overhead_s if op.role != "input" else 0.0
     if not op.flops and not op.bytes:
-        return 0.0
+        return launch
     peak = cluster.peak_flops_for(op.dtype or "fp32") if op.flops else 1.0
-    return op_time(op.flops, op.bytes, peak, cluster.device.memory_bandwidth, eff)
+    return launch + op_time(op.flops, op.bytes, peak, cluster.device.memory_bandwidth, eff)
 
 
 # -- collectives ---------------------------------------------------------------------------
