@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -273,6 +274,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from autopar.examples import load_model_spec
     from autopar.layout import LayoutError
 
+    # the tensor-parallel rules probe strategies on fake tensors, and torch logs each
+    # refused probe as an error: noise next to a progress bar
+    logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
     constraints = {k: getattr(args, k) for k in _PLAN_CONSTRAINTS if getattr(args, k) is not None}
     constraints["max_memory_fraction"] = args.max_memory_fraction
     try:
@@ -378,6 +382,18 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 # -- entry point --------------------------------------------------------------------------
 
+def _add_layout_args(parser: argparse.ArgumentParser) -> None:
+    """The Layout flags `train` and `estimate` share (each adds its own --dp)."""
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    parser.add_argument("--microbatches", type=int, default=1, help="micro-batches per step")
+    parser.add_argument("--schedule", default="1f1b",
+                        choices=("1f1b", "gpipe", "interleaved", "zero-bubble"))
+    parser.add_argument("--virtual-stages", type=int, default=1,
+                        help="stages per pipeline rank (with --schedule interleaved)")
+    parser.add_argument("--amp", default="off", choices=("off", "bf16", "fp16"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autopar", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -394,16 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("model", help="built-in example or pkg.module:factory")
     train.add_argument("--dp", type=int, default=None,
                        help="data-parallel degree (default 2, or 1 with --tp/--pp)")
-    train.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    train.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    train.add_argument("--microbatches", type=int, default=1, help="micro-batches per step")
-    train.add_argument("--schedule", default="1f1b",
-                       choices=("1f1b", "gpipe", "interleaved", "zero-bubble"))
-    train.add_argument("--virtual-stages", type=int, default=1,
-                       help="stages per pipeline rank (with --schedule interleaved)")
+    _add_layout_args(train)
     train.add_argument("--sequence-parallel", action="store_true",
                        help="with --tp: split norm/dropout regions along the sequence")
-    train.add_argument("--amp", default="off", choices=("off", "bf16", "fp16"))
     train.add_argument("--nproc", type=int, default=None, help="processes (default dp*tp*pp)")
     train.add_argument("--bucket-mb", type=float, default=25.0, help="all-reduce bucket size")
     train.add_argument("--steps", type=int, default=10)
@@ -421,14 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--nodes", type=int, default=None,
                      help="nodes of a preset or YAML cluster (default: 1 / the file's)")
     est.add_argument("--dp", type=int, default=1, help="data-parallel degree")
-    est.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    est.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    est.add_argument("--microbatches", type=int, default=1, help="micro-batches per step")
-    est.add_argument("--schedule", default="1f1b",
-                     choices=("1f1b", "gpipe", "interleaved", "zero-bubble"))
-    est.add_argument("--virtual-stages", type=int, default=1,
-                     help="stages per pipeline rank (with --schedule interleaved)")
-    est.add_argument("--amp", default="off", choices=("off", "bf16", "fp16"))
+    _add_layout_args(est)
     est.add_argument("--bucket-mb", type=float, default=25.0, help="all-reduce bucket size")
     est.add_argument("--optimizer", choices=("adamw", "adam", "sgd-momentum", "sgd"),
                      default="adamw")

@@ -68,6 +68,10 @@ class Estimator:
         return predict(summary, self.cluster, layout, self.optimizer, self.efficiency,
                        model_flops=model_flops, stages=stages)
 
+    def counts(self) -> dict[str, int]:
+        """How many traces and rewritten graphs the layouts costed so far needed."""
+        return {"traces": len(self._traced), "rewrites": len(self._rewritten)}
+
     def traced(self, layout: Layout) -> TrainGraph:
         """The traced graph of one rank's micro-batch under `layout`."""
         return self._trace(layout)[1]

@@ -5,6 +5,7 @@ its tensor-parallel placements, the cost of each layer.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,6 +42,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs: Sequence[
     estimator = Estimator(model, cluster, example_inputs, loss_fn, optimizer, efficiency)
     candidates = _candidates(model, cluster, example_inputs, fixed)
     step = None if progress is None else _counter(progress, len(candidates))
+    start = time.perf_counter()
     try:
         result = search(candidates, estimator.predict, cluster, fraction, step)
     except PlanError as exc:
@@ -48,6 +50,8 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs: Sequence[
                                     efficiency, constraints)
         raise PlanError(f"{exc}{hint}") from None
     result.details = details(estimator, result.layout, cluster, efficiency, optimizer)
+    result.details["search"] = {"candidates": len(candidates), **estimator.counts(),
+                                "seconds": time.perf_counter() - start}
     return result
 
 
