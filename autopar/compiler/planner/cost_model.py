@@ -64,9 +64,10 @@ def op_time(flops: float, nbytes: float, peak_flops: float, memory_bandwidth: fl
 def _op_time(op: OpRecord, cluster: ClusterSpec, eff: Efficiency) -> float:
     launch = cluster.device.launch_overhead_s if op.role != "input" else 0.0
     if not op.flops and not op.bytes:
-        return launch
+        return launch * op.repeat
     peak = cluster.peak_flops_for(op.dtype or "fp32") if op.flops else 1.0
-    return launch + op_time(op.flops, op.bytes, peak, cluster.device.memory_bandwidth, eff)
+    return op.repeat * (launch + op_time(op.flops, op.bytes, peak,
+                                         cluster.device.memory_bandwidth, eff))
 
 
 # -- collectives ---------------------------------------------------------------------------
@@ -161,8 +162,8 @@ def collective_seconds(op: OpRecord, cluster: ClusterSpec, layout: Layout,
         raise ValueError(f"collective {op.name} names mesh dimension {op.group!r}; the cost "
                          f"model knows {sorted(dims)}")
     size, stride = dims[op.group]
-    return collective_time(op.collective, op.comm_bytes, size, cluster,
-                           group_spans_nodes(size, stride, cluster), eff)
+    return op.repeat * collective_time(op.collective, op.comm_bytes, size, cluster,
+                                       group_spans_nodes(size, stride, cluster), eff)
 
 
 def simulate_streams(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,

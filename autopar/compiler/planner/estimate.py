@@ -20,6 +20,7 @@ from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, OPTIMIZER_S
                                                  Efficiency, predict)
 from autopar.compiler.passes.pipeline import is_pipelined
 from autopar.compiler.ir.graph import TrainGraph
+from autopar.compiler.planner.scaled import multiplicities, reduced, scale_summary
 from autopar.compiler.planner.stages import StageSummary, stage_summary
 from autopar.compiler.planner.summary import GraphSummary, summarize
 from autopar.layout import Layout, LayoutError, Prediction, unsupported_fields
@@ -49,7 +50,8 @@ class Estimator:
     def __init__(self, model: torch.nn.Module, cluster: ClusterSpec,
                  example_inputs: Sequence[torch.Tensor], loss_fn: LossFn | None = None,
                  optimizer: str = "adamw", efficiency: Efficiency = DEFAULT_EFFICIENCY,
-                 passes: Sequence[GraphPass | str] | None = None) -> None:
+                 passes: Sequence[GraphPass | str] | None = None,
+                 trace_blocks: int | None = None) -> None:
         if optimizer not in OPTIMIZER_STATES:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, "
                              f"got {optimizer!r}")
@@ -59,6 +61,9 @@ class Estimator:
                              "will do)")
         self.model, self.cluster, self.loss_fn = model, cluster, loss_fn
         self.optimizer, self.efficiency, self.passes = optimizer, efficiency, passes
+        if trace_blocks is not None and (not isinstance(trace_blocks, int) or trace_blocks < 1):
+            raise ValueError(f"trace_blocks must be a positive integer or None, got {trace_blocks!r}")
+        self.trace_blocks = trace_blocks  # planner/scaled.py: trace a few blocks, scale
         self._traced: dict[tuple, tuple] = {}
         self._rewritten: dict[tuple, tuple] = {}
         self._tables: dict[tuple, dict] = {}
@@ -81,13 +86,29 @@ class Estimator:
         self.rewritten(layout)
         return self._tables.get(self._key(layout))
 
+    def _keep(self, layout: Layout) -> int | None:
+        """Blocks to trace (None: all): a pipeline traces one per stage."""
+        if self.trace_blocks is None:
+            return None
+        return layout.pp * layout.virtual_stages if is_pipelined(layout) else self.trace_blocks
+
     def _trace(self, layout: Layout):
         local = _local_example(self.example_inputs, layout)
-        key = tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else repr(x) for x in local)
+        keep = self._keep(layout)
+        key = (tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else repr(x) for x in local),
+               keep)
         if key not in self._traced:
-            traced = trace_train_step(self.model, local, self.loss_fn)
-            self._traced[key] = (key, traced, summarize(traced).model_flops)
+            with reduced(self.model, keep) as stack:
+                traced = trace_train_step(self.model, local, self.loss_fn)
+            scaling = (stack[0], multiplicities(stack[1], keep)) \
+                if keep and stack and stack[1] > keep else None
+            flops = self._scaled(summarize(traced), traced, scaling).model_flops
+            self._traced[key] = (key, traced, flops, scaling)
         return self._traced[key]
+
+    @staticmethod
+    def _scaled(summary: GraphSummary, tg: TrainGraph, scaling) -> GraphSummary:
+        return summary if scaling is None else scale_summary(summary, tg, scaling[1])
 
     def _key(self, layout: Layout) -> tuple:
         pipelined = is_pipelined(layout)
@@ -101,12 +122,17 @@ class Estimator:
     def rewritten(self, layout: Layout) -> tuple[GraphSummary, StageSummary | None, int]:
         """(summary of the rewritten graph, its stages when pipelined, model FLOPs of
         one rank's micro-batch) for `layout`."""
-        _, traced, model_flops = self._trace(layout)
+        _, traced, model_flops, scaling = self._trace(layout)
         key = self._key(layout)
         if key not in self._rewritten:
-            rewritten, _ = run_passes(traced, layout, self.cluster, self.passes)
+            options = {}
+            if scaling is not None and key[1]:  # one traced block per stage
+                path, counts = scaling
+                options["pipeline_cuts"] = [f"{path}.{i}" for i in range(1, len(counts))]
+            rewritten, _ = run_passes(traced, layout, self.cluster, self.passes, options=options)
             stages = stage_summary(rewritten) if key[1] else None
-            self._rewritten[key] = (summarize(rewritten), stages)
+            summary = self._scaled(summarize(rewritten), rewritten, scaling)
+            self._rewritten[key] = (summary, stages)
             if "tp" in rewritten.attrs:
                 self._tables[key] = rewritten.attrs["tp"]
         summary, stages = self._rewritten[key]

@@ -30,16 +30,20 @@ LARGER_CLUSTERS = (2, 4, 8)
 def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs: Sequence[torch.Tensor],
          loss_fn: LossFn | None = None, optimizer: str = "adamw",
          efficiency: Efficiency = DEFAULT_EFFICIENCY,
-         progress: Callable[[int, int, Layout], None] | None = None, **constraints: Any) -> Plan:
+         progress: Callable[[int, int, Layout], None] | None = None,
+         trace_blocks: int | None = None, **constraints: Any) -> Plan:
     """The fastest layout of `model` on `cluster` that fits memory, and every other one
     with why not. Constraints fix Layout fields (tp=2, amp="bf16") or set
     max_memory_fraction (default 0.9). `progress(done, total, layout)` is called
-    before each candidate is costed."""
+    before each candidate is costed. `trace_blocks=k` traces k of the model's repeated
+    blocks (one per stage for a pipeline) and scales their costs to the whole stack
+    (planner/scaled.py): faster for deep models, approximate."""
     if not isinstance(cluster, ClusterSpec):
         raise TypeError(f"cluster must be an autopar.ClusterSpec, got {type(cluster).__name__}")
     fixed, fraction = check_constraints(constraints)
     example_inputs = tuple(example_inputs)
-    estimator = Estimator(model, cluster, example_inputs, loss_fn, optimizer, efficiency)
+    estimator = Estimator(model, cluster, example_inputs, loss_fn, optimizer, efficiency,
+                          trace_blocks=trace_blocks)
     candidates = _candidates(model, cluster, example_inputs, fixed)
     step = None if progress is None else _counter(progress, len(candidates))
     start = time.perf_counter()
@@ -47,7 +51,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs: Sequence[
         result = search(candidates, estimator.predict, cluster, fraction, step)
     except PlanError as exc:
         hint = _larger_cluster_hint(model, cluster, example_inputs, loss_fn, optimizer,
-                                    efficiency, constraints)
+                                    efficiency, trace_blocks, constraints)
         raise PlanError(f"{exc}{hint}") from None
     result.details = details(estimator, result.layout, cluster, efficiency, optimizer)
     result.details["search"] = {"candidates": len(candidates), **estimator.counts(),
@@ -79,13 +83,13 @@ def batch_size(example_inputs: tuple) -> int | None:
 
 
 def _larger_cluster_hint(model, cluster, example_inputs, loss_fn, optimizer, efficiency,
-                         constraints) -> str:
+                         trace_blocks, constraints) -> str:
     """' The smallest cluster that fits: nodes=N' from planning again on more nodes."""
     for factor in LARGER_CLUSTERS:
         bigger = ClusterSpec.from_dict({**cluster.to_dict(), "nodes": cluster.nodes * factor})
         try:
             found = _plan_only(model, bigger, example_inputs, loss_fn, optimizer, efficiency,
-                               constraints)
+                               trace_blocks, constraints)
         except PlanError:
             continue
         return (f". The smallest cluster of these nodes that fits: nodes={bigger.nodes} "
@@ -93,9 +97,11 @@ def _larger_cluster_hint(model, cluster, example_inputs, loss_fn, optimizer, eff
     return f". It fits none of nodes={[cluster.nodes * f for f in LARGER_CLUSTERS]} either"
 
 
-def _plan_only(model, cluster, example_inputs, loss_fn, optimizer, efficiency, constraints):
+def _plan_only(model, cluster, example_inputs, loss_fn, optimizer, efficiency, trace_blocks,
+               constraints):
     fixed, fraction = check_constraints(constraints)
-    estimator = Estimator(model, cluster, example_inputs, loss_fn, optimizer, efficiency)
+    estimator = Estimator(model, cluster, example_inputs, loss_fn, optimizer, efficiency,
+                          trace_blocks=trace_blocks)
     return search(_candidates(model, cluster, example_inputs, fixed), estimator.predict,
                   cluster, fraction)
 
