@@ -105,3 +105,13 @@ def test_a_model_that_fits_nowhere_names_the_memory_that_would_fit():
     with pytest.raises(autopar.PlanError, match=r"fits no layout .* at least 0\.00\d+ GB .*"
                                                  r"fits none of nodes=\[2, 4, 8\]"):
         autopar.plan(ex.model, small, ex.batch, ex.loss_fn, tp=1, pp=1)
+
+
+def test_compile_takes_a_plan_as_its_layout():
+    import torch
+
+    ex = gpt2(layers=2, hidden=64, heads=4, vocab=256, batch=8, seq=32)
+    plan = autopar.plan(ex.model, ClusterSpec.local(nprocs=1), ex.batch, ex.loss_fn)
+    assert plan.layout == autopar.Layout() and not plan.alternatives
+    step = autopar.compile(ex.model, None, ex.batch, ex.loss_fn, layout=plan)
+    assert torch.isfinite(step(*ex.batch))
