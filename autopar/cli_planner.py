@@ -40,7 +40,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             example = load_model_spec(args.model)
         with _PlanProgress(fancy=sys.stdout.isatty() and not args.json) as show:
             plan = autopar.plan(example.model, cluster, example.batch, example.loss_fn,
-                                optimizer=args.optimizer, progress=show, **constraints)
+                                optimizer=args.optimizer, progress=show,
+                                trace_blocks=args.trace_blocks, **constraints)
     except (LayoutError, ClusterSpecError, autopar.PlanError) as exc:
         raise SystemExit(f"autopar plan: {exc}") from exc
     for path in args.report or ():
@@ -153,6 +154,8 @@ def add_planner_commands(sub) -> None:
                       help="share of device memory a layout may use (default 0.9)")
     plan.add_argument("--optimizer", choices=("adamw", "adam", "sgd-momentum", "sgd"),
                       default="adamw")
+    plan.add_argument("--trace-blocks", type=int, default=None, metavar="K",
+                      help="trace K repeated blocks and scale their costs (deep models)")
     plan.add_argument("--report", action="append", metavar="PATH",
                       help="write the report: .html, .md or .json (repeatable)")
     plan.add_argument("--trace", metavar="PATH",

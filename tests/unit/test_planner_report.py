@@ -75,6 +75,10 @@ def test_cli_plan_writes_reports(tmp_path, capsys):
     out = capsys.readouterr().out
     info = json.loads(out[out.index("{"):])
     assert info["layout"]["pp"] == 1 and html.exists() and trace.exists()
+    assert info["details"]["search"]["traces"] >= 1
+    assert cli.main(["plan", "gpt2-tiny", "--cluster", "local", "--nproc", "2", "--pp", "2",
+                     "--trace-blocks", "1", "--microbatches", "2", "--schedule", "1f1b"]) == 0
+    assert "Chosen: Layout(pp=2, microbatches=2)" in capsys.readouterr().out.replace("\n", " ")
     with pytest.raises(SystemExit, match="unknown plan constraint|Layout.tp must be"):
         cli.main(["plan", "gpt2-tiny", "--cluster", "local", "--nproc", "2", "--tp", "0"])
 
