@@ -12,7 +12,9 @@ from autopar.compiler.passes.manager import PassManager, register_pass
 from autopar.compiler.passes.pipeline import default_passes
 from autopar.compiler.planner.cost_model import Efficiency
 from autopar.compiler.planner.estimate import estimate
-from autopar.layout import Layout, LayoutError, Prediction
+from autopar.compiler.planner.plan import plan
+from autopar.compiler.planner.search import PlanError
+from autopar.layout import Layout, LayoutError, Plan, Prediction
 from autopar.runtime.checkpoint import CheckpointError
 from autopar.runtime.mesh import WorldSizeError
 
@@ -20,7 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError", "ClusterSpec", "Efficiency", "GraphPass", "Layout", "LayoutError",
-    "PassContext", "PassManager", "PassResult", "Prediction", "TraceError", "TrainGraph",
-    "WorldSizeError", "compile", "default_passes", "estimate", "register_pass", "run_passes",
-    "trace",
+    "PassContext", "PassManager", "PassResult", "Plan", "PlanError", "Prediction", "TraceError",
+    "TrainGraph", "WorldSizeError", "compile", "default_passes", "estimate", "plan",
+    "register_pass", "run_passes", "trace",
 ]

@@ -22,7 +22,7 @@ from autopar.compiler.planner.memory import profile_optimizer
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
 from autopar.compiler.passes.manager import PassManager, get_pass
 from autopar.compiler.passes.pipeline import default_passes, is_pipelined
-from autopar.layout import Layout, LayoutError, unsupported_fields
+from autopar.layout import Layout, LayoutError, Plan, unsupported_fields
 from autopar.logs import configure_from_env
 from autopar.runtime.executor import DistributedStep, OptimizerFactory
 from autopar.runtime.mesh import launched_rank, launched_world_size
@@ -43,7 +43,7 @@ def trace(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
 
 def compile(model: torch.nn.Module, cluster: Any = None,  # noqa: A001 - the contract's name
             example_inputs: Sequence[torch.Tensor] = (), loss_fn: LossFn | None = None,
-            optimizer: OptimizerFactory = _default_optimizer, layout: Layout | None = None,
+            optimizer: OptimizerFactory = _default_optimizer, layout: Layout | Plan | None = None,
             passes: Sequence[GraphPass | str] | None = None,
             amp_lists: dict[str, Sequence[str]] | None = None) -> DistributedStep | PipelineStep:
     """Compile one training step of `model` for this job's processes and return it.
@@ -58,8 +58,9 @@ def compile(model: torch.nn.Module, cluster: Any = None,  # noqa: A001 - the con
     configure_from_env()
     world = launched_world_size()
     layout = layout if layout is not None else Layout(dp=world)
+    layout = layout.layout if isinstance(layout, Plan) else layout
     if not isinstance(layout, Layout):
-        raise TypeError(f"layout must be an autopar.Layout, got {type(layout).__name__}")
+        raise TypeError(f"layout must be an autopar.Layout or Plan, got {type(layout).__name__}")
     todo = unsupported_fields(layout)
     if todo:
         raise LayoutError(f"{layout}: not supported yet: {', '.join(todo)}. Supported now: dp, "

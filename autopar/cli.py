@@ -3,6 +3,9 @@
     autopar trace MODEL             summary of the traced training graph
     autopar train MODEL --dp 2      train under torchrun, with progress (also --tp, --pp, ...)
     autopar estimate MODEL --cluster dgx-h100 --dp 8    predicted step time and memory
+    autopar plan MODEL --cluster dgx-h100 --report plan.html   the fastest layout that fits
+    autopar calibrate --output local.yaml    measure this machine (matmul, memory, gloo)
+    autopar validate MODEL --cluster local.yaml   predicted vs measured step times
 
 MODEL is a built-in example (`autopar trace --list`) or `pkg.module:factory`.
 """
@@ -19,6 +22,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
+from autopar.cli_planner import add_planner_commands
 from autopar.layout import RECOMPUTE
 from autopar.logs import configure_from_env
 
@@ -200,7 +204,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from autopar.layout import Layout, LayoutError
 
     try:
-        layout = Layout(dp=args.dp, bucket_mb=args.bucket_mb, recompute=args.recompute)
+        layout = Layout(dp=args.dp, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
+                        schedule=args.schedule, virtual_stages=args.virtual_stages,
+                        amp=args.amp, zero=args.zero, recompute=args.recompute,
+                        bucket_mb=args.bucket_mb)
         cluster = _cluster_from_args(args.cluster, args.nodes, layout)
         with torch.device("meta"):  # nothing is allocated: weights and batch are shapes only
             example = load_model_spec(args.model)
@@ -216,14 +223,14 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cluster_from_args(name: str, nodes: int | None, layout):
+def _cluster_from_args(name: str, nodes: int | None, layout, nproc: int | None = None):
     from autopar.cluster import ClusterSpec
 
     if name == "local":
         if nodes not in (None, 1):
-            raise SystemExit("autopar estimate: --nodes applies to a preset or YAML cluster; "
+            raise SystemExit("autopar: --nodes applies to a preset or YAML cluster; "
                              "--cluster local is this one machine (one process per device)")
-        return ClusterSpec.local(nprocs=layout.world_size)
+        return ClusterSpec.local(nprocs=layout.world_size if layout is not None else nproc)
     if name.endswith((".yaml", ".yml")) or os.path.exists(name):
         spec = ClusterSpec.from_yaml(name)
         return spec if nodes is None else ClusterSpec.from_dict(
@@ -257,6 +264,23 @@ def _print_estimate(model: str, cluster, layout, pred) -> None:
 
 # -- entry point --------------------------------------------------------------------------
 
+def _add_layout_args(parser: argparse.ArgumentParser) -> None:
+    """The Layout flags `train` and `estimate` share (each adds its own --dp)."""
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    parser.add_argument("--microbatches", type=int, default=1, help="micro-batches per step")
+    parser.add_argument("--schedule", default="1f1b",
+                        choices=("1f1b", "gpipe", "interleaved", "zero-bubble"))
+    parser.add_argument("--virtual-stages", type=int, default=1,
+                        help="stages per pipeline rank (with --schedule interleaved)")
+    parser.add_argument("--amp", default="off", choices=("off", "bf16", "fp16"))
+    parser.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
+                        help="ZeRO stage over the data-parallel ranks")
+    parser.add_argument("--recompute", default="none", choices=RECOMPUTE,
+                        help="recomputation policy, see docs/memory.md ('auto' fits the "
+                             "cluster's device memory)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autopar", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -273,20 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("model", help="built-in example or pkg.module:factory")
     train.add_argument("--dp", type=int, default=None,
                        help="data-parallel degree (default 2, or 1 with --tp/--pp)")
-    train.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    train.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    train.add_argument("--microbatches", type=int, default=1, help="micro-batches per step")
-    train.add_argument("--schedule", default="1f1b",
-                       choices=("1f1b", "gpipe", "interleaved", "zero-bubble"))
-    train.add_argument("--virtual-stages", type=int, default=1,
-                       help="stages per pipeline rank (with --schedule interleaved)")
+    _add_layout_args(train)
     train.add_argument("--sequence-parallel", action="store_true",
                        help="with --tp: split norm/dropout regions along the sequence")
-    train.add_argument("--amp", default="off", choices=("off", "bf16", "fp16"))
-    train.add_argument("--zero", type=int, default=0, choices=(0, 1, 2, 3),
-                       help="ZeRO stage over the data-parallel ranks")
-    train.add_argument("--recompute", default="none", choices=RECOMPUTE,
-                       help="recomputation policy (see docs/memory.md)")
     train.add_argument("--nproc", type=int, default=None, help="processes (default dp*tp*pp)")
     train.add_argument("--bucket-mb", type=float, default=25.0, help="all-reduce bucket size")
     train.add_argument("--steps", type=int, default=10)
@@ -304,13 +317,14 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--nodes", type=int, default=None,
                      help="nodes of a preset or YAML cluster (default: 1 / the file's)")
     est.add_argument("--dp", type=int, default=1, help="data-parallel degree")
+    _add_layout_args(est)
     est.add_argument("--bucket-mb", type=float, default=25.0, help="all-reduce bucket size")
-    est.add_argument("--recompute", default="none", choices=RECOMPUTE,
-                     help="recomputation policy ('auto' fits the cluster's device memory)")
     est.add_argument("--optimizer", choices=("adamw", "adam", "sgd-momentum", "sgd"),
                      default="adamw")
     est.add_argument("--json", action="store_true", help="print the prediction as JSON")
     est.set_defaults(func=cmd_estimate)
+
+    add_planner_commands(sub)
     return parser
 
 

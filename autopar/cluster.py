@@ -168,6 +168,9 @@ class DeviceSpec(_Spec):
     peak_flops: dict[Dtype, Flops] = Field(min_length=1)
     memory_bytes: Bytes
     memory_bandwidth: Bandwidth
+    # fixed cost of running one op (kernel launch on a GPU, eager dispatch on a CPU);
+    # 0 in the presets, measured by `autopar calibrate`
+    launch_overhead_s: Annotated[float, _quantity("seconds"), Field(ge=0, allow_inf_nan=False)] = 0.0
 
 
 class LinkSpec(_Spec):
@@ -304,7 +307,8 @@ def _total_ram_bytes() -> int:
 
 
 _FIELD_KIND: dict[str, Kind] = {"memory_bytes": "bytes", "memory_bandwidth": "bandwidth",
-                                "bandwidth": "bandwidth", "latency_s": "seconds"}
+                                "bandwidth": "bandwidth", "latency_s": "seconds",
+                                "launch_overhead_s": "seconds"}
 
 
 def _human(value: float, kind: Kind) -> float | str:

@@ -16,3 +16,8 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup.sh -n
   .venv/bin/python -c "import autopar, transformers, triton, torch; assert torch.__version__.startswith('2.13')"
   touch "$stamp"
 fi
+# Headless Chromium renders the planning report in tests/unit/test_planner_report.py
+# (the test skips, saying why, without it). Best effort: root and apt only, never fatal.
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get install -y -q chromium >/dev/null 2>&1 || echo "setup: chromium not installed; the report's browser test will skip" >&2
+fi

@@ -161,6 +161,19 @@ def _stage_program(tg, s, members, needed_by) -> StageProgram:
     )
 
 
+def input_grad_side(nodes: list[fx.Node], sent: set[str]) -> set[fx.Node]:
+    """The backward `nodes` of one stage that the values named in `sent` (the gradients
+    sent to earlier stages) depend on: zero-bubble's I; the rest is W."""
+    inside, needed = set(nodes), set()
+    stack = [n for n in nodes if n.name in sent]
+    while stack:
+        n = stack.pop()
+        if n not in needed:
+            needed.add(n)
+            stack += [a for a in n.all_input_nodes if a in inside]
+    return needed
+
+
 def _split_backwards(tg, programs, members) -> None:
     """Zero-bubble: each stage's backward as I (what the gradients sent to earlier
     stages need: on the critical path) and W (the rest: weight gradients), W running
@@ -169,14 +182,7 @@ def _split_backwards(tg, programs, members) -> None:
     for program in programs:
         nodes = members[(program.stage, "B")]
         sent = {k for keys in program.send_backward.values() for k in keys}
-        inside, needed = set(nodes), set()
-        stack = [n for n in nodes if n.name in sent]
-        while stack:
-            n = stack.pop()
-            if n not in needed:
-                needed.add(n)
-                stack += [a for a in n.all_input_nodes if a in inside]
-        weight_side |= inside - needed
+        weight_side |= set(nodes) - input_grad_side(nodes, sent)
 
     def program_of(node):
         kind = _program_of(node)

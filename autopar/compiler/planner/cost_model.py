@@ -1,8 +1,10 @@
 """The cost model: predicted step time and memory of one training step.
 
 Pure functions of (GraphSummary, ClusterSpec, Layout): no process groups, no clocks
-(STYLE habit 7). What it covers today is what the passes produce today: data
-parallelism with bucketed, overlapped gradient all-reduce.
+(STYLE habit 7). It costs the graph the passes produced: data parallelism with
+bucketed, overlapped gradient all-reduce, and tensor parallelism's collectives where
+the rewrite put them; pipelined and micro-batched steps add the simulated schedule
+(pipeline_cost.py).
 
 - compute: a roofline per op, max(flops / (peak * e_compute), bytes / (bw * e_memory));
 - collectives: alpha-beta (latency + bytes / bandwidth) on the link the mesh dimension
@@ -20,7 +22,7 @@ import math
 from dataclasses import dataclass
 
 from autopar.cluster import ClusterSpec, LinkSpec
-from autopar.compiler.planner.memory import step_memory
+from autopar.compiler.planner.memory import held_parameter_bytes, step_memory
 from autopar.compiler.planner.summary import GraphSummary, OpRecord
 from autopar.layout import Layout, Prediction
 
@@ -59,10 +61,12 @@ def op_time(flops: float, nbytes: float, peak_flops: float, memory_bandwidth: fl
 
 
 def _op_time(op: OpRecord, cluster: ClusterSpec, eff: Efficiency) -> float:
+    launch = cluster.device.launch_overhead_s if op.role != "input" else 0.0
     if not op.flops and not op.bytes:
-        return 0.0
+        return launch * op.repeat
     peak = cluster.peak_flops_for(op.dtype or "fp32") if op.flops else 1.0
-    return op_time(op.flops, op.bytes, peak, cluster.device.memory_bandwidth, eff)
+    return op.repeat * (launch + op_time(op.flops, op.bytes, peak,
+                                         cluster.device.memory_bandwidth, eff))
 
 
 # -- collectives ---------------------------------------------------------------------------
@@ -143,6 +147,7 @@ class StepTime:
     comm_s: float  # every collective, as if nothing overlapped it
     exposed_comm_s: float  # the part of comm_s that stalls the compute stream
     optimizer_s: float
+    bubble_s: float = 0.0  # a whole-graph step has no pipeline bubble
 
     @property
     def total_s(self) -> float:
@@ -156,8 +161,8 @@ def collective_seconds(op: OpRecord, cluster: ClusterSpec, layout: Layout,
         raise ValueError(f"collective {op.name} names mesh dimension {op.group!r}; the cost "
                          f"model knows {sorted(dims)}")
     size, stride = dims[op.group]
-    return collective_time(op.collective, op.comm_bytes, size, cluster,
-                           group_spans_nodes(size, stride, cluster), eff)
+    return op.repeat * collective_time(op.collective, op.comm_bytes, size, cluster,
+                                       group_spans_nodes(size, stride, cluster), eff)
 
 
 def simulate_streams(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
@@ -186,17 +191,16 @@ def simulate_streams(summary: GraphSummary, cluster: ClusterSpec, layout: Layout
     return compute, comm, max([now, *finish.values()])
 
 
-def optimizer_bytes(summary: GraphSummary, optimizer: str) -> int:
-    """Memory traffic of one optimizer step: read parameters, gradients and states,
-    write parameters and states (an elementwise update streams them all once)."""
-    states = OPTIMIZER_STATES[_check_optimizer(optimizer)]
-    return summary.param_bytes * (3 + 2 * states)
+def optimizer_traffic(param_bytes: int, optimizer: str) -> int:
+    """Bytes an elementwise optimizer step streams for `param_bytes` of parameters."""
+    return param_bytes * (3 + 2 * OPTIMIZER_STATES[_check_optimizer(optimizer)])
 
 
 def step_time(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
               optimizer: str = "adamw", eff: Efficiency = DEFAULT_EFFICIENCY) -> StepTime:
     compute, comm, end = simulate_streams(summary, cluster, layout, eff)
-    optim = optimizer_bytes(summary, optimizer) / (cluster.device.memory_bandwidth * eff.memory)
+    updated = sum(held_parameter_bytes(summary, layout)[1])  # ZeRO: this rank's blocks
+    optim = optimizer_traffic(updated, optimizer) / (cluster.device.memory_bandwidth * eff.memory)
     return StepTime(compute_s=compute, comm_s=comm, exposed_comm_s=end - compute,
                     optimizer_s=optim)
 
@@ -214,15 +218,17 @@ def _check_optimizer(optimizer: str) -> str:
 
 def predict(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
             optimizer: str = "adamw", eff: Efficiency = DEFAULT_EFFICIENCY,
-            model_flops: float | None = None) -> Prediction:
-    """The Prediction of DESIGN.md for one rank's `summary` under a data-parallel layout.
+            model_flops: float | None = None, stages=None) -> Prediction:
+    """The Prediction of DESIGN.md for one rank's `summary` under `layout`.
 
-    model_flops: one rank's model FLOPs (forward + backward, no recomputation) before
-    any pass; default: the summary's own (passes insert no FLOPs today). Scaled by dp
-    for the global batch.
+    model_flops: one rank's model FLOPs (forward + backward, no recomputation) of one
+    micro-batch before any pass; default: the summary's own. Scaled by dp and
+    micro-batches for the global batch. stages: the StageSummary of a pipelined or
+    micro-batched step (planner/pipeline_cost.py), None for one whole-graph step.
     """
-    times = step_time(summary, cluster, layout, optimizer, eff)
-    flops = (summary.model_flops if model_flops is None else model_flops) * layout.dp
+    times = _times(summary, cluster, layout, optimizer, eff, stages)
+    flops = ((summary.model_flops if model_flops is None else model_flops)
+             * layout.dp * layout.microbatches)
     seconds = times.total_s
     devices = layout.world_size
     per_device = flops / devices / seconds if seconds > 0 else 0.0
@@ -230,8 +236,17 @@ def predict(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
     memory = step_memory(summary, layout, optimizer)
     return Prediction(
         step_time_s=seconds, flops_per_step=flops, tflops_per_device=per_device / 1e12,
-        mfu=per_device / peak, peak_memory_bytes=memory.peak_bytes, bubble_fraction=0.0,
+        mfu=per_device / peak, peak_memory_bytes=memory.peak_bytes,
+        bubble_fraction=times.bubble_s / seconds if seconds > 0 else 0.0,
         breakdown={"compute": times.compute_s, "comm": times.comm_s,
-                   "exposed_comm": times.exposed_comm_s, "bubble": 0.0,
+                   "exposed_comm": times.exposed_comm_s, "bubble": times.bubble_s,
                    "optimizer": times.optimizer_s},
         memory=memory.by_category)
+
+
+def _times(summary, cluster, layout, optimizer, eff, stages):
+    if stages is None:
+        return step_time(summary, cluster, layout, optimizer, eff)
+    # NOTE: imported here: the pipeline model builds on this module's functions
+    from autopar.compiler.planner.pipeline_cost import pipeline_time
+    return pipeline_time(summary, stages, cluster, layout, optimizer, eff)

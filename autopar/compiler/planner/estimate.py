@@ -7,6 +7,7 @@ device, the inputs may be meta tensors: nothing is allocated), runs the same pas
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,7 +19,12 @@ from autopar.compiler.ir.trace import LossFn, trace_train_step
 from autopar.compiler.passes.base import GraphPass
 from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, OPTIMIZER_STATES,
                                                  Efficiency, predict)
-from autopar.compiler.planner.summary import summarize
+from autopar.compiler.passes.pipeline import is_pipelined
+from autopar.compiler.ir.graph import TrainGraph
+from autopar.compiler.planner.pipeline_memory import pipeline_memory_per_rank
+from autopar.compiler.planner.scaled import multiplicities, reduced, scale_summary
+from autopar.compiler.planner.stages import StageSummary, stage_summary
+from autopar.compiler.planner.summary import GraphSummary, summarize
 from autopar.layout import Layout, LayoutError, Prediction, unsupported_fields
 
 
@@ -33,16 +39,113 @@ def estimate(model: torch.nn.Module, cluster: ClusterSpec, layout: Layout,
     replaces the default pipeline, to score your own passes.
     """
     check_layout(layout, cluster)
-    if optimizer not in OPTIMIZER_STATES:
-        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, "
-                         f"got {optimizer!r}")
-    example_inputs = tuple(example_inputs)
-    if not example_inputs:
-        raise ValueError("estimate needs example_inputs: one global batch (meta tensors will do)")
-    traced = trace_train_step(model, _local_example(example_inputs, layout), loss_fn)
-    rewritten, _ = run_passes(traced, layout, cluster, passes)
-    return predict(summarize(rewritten), cluster, layout, optimizer, efficiency,
-                   model_flops=summarize(traced).model_flops)
+    return Estimator(model, cluster, example_inputs, loss_fn, optimizer, efficiency,
+                     passes).predict(layout)
+
+
+class Estimator:
+    """Predictions of one model on one cluster under many layouts (the planner's
+    inner loop). A trace is shared by the layouts with the same micro-batch per rank,
+    and a rewritten graph by those the passes treat alike (schedules, micro-batch
+    counts of one size): what `predict` costs is exactly what `estimate` would."""
+
+    def __init__(self, model: torch.nn.Module, cluster: ClusterSpec,
+                 example_inputs: Sequence[torch.Tensor], loss_fn: LossFn | None = None,
+                 optimizer: str = "adamw", efficiency: Efficiency = DEFAULT_EFFICIENCY,
+                 passes: Sequence[GraphPass | str] | None = None,
+                 trace_blocks: int | None = None) -> None:
+        if optimizer not in OPTIMIZER_STATES:
+            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, "
+                             f"got {optimizer!r}")
+        self.example_inputs = tuple(example_inputs)
+        if not self.example_inputs:
+            raise ValueError("estimate needs example_inputs: one global batch (meta tensors "
+                             "will do)")
+        self.model, self.cluster, self.loss_fn = model, cluster, loss_fn
+        self.optimizer, self.efficiency, self.passes = optimizer, efficiency, passes
+        if trace_blocks is not None and (not isinstance(trace_blocks, int) or trace_blocks < 1):
+            raise ValueError(f"trace_blocks must be a positive integer or None, got {trace_blocks!r}")
+        self.trace_blocks = trace_blocks  # planner/scaled.py: trace a few blocks, scale
+        self._traced: dict[tuple, tuple] = {}
+        self._rewritten: dict[tuple, tuple] = {}
+        self._tables: dict[tuple, dict] = {}
+
+    def predict(self, layout: Layout) -> Prediction:
+        summary, stages, model_flops = self.rewritten(layout)
+        pred = predict(summary, self.cluster, layout, self.optimizer, self.efficiency,
+                       model_flops=model_flops, stages=stages)
+        graph, scaled = self._rewritten[self._key(layout)][2:]
+        if stages is not None and not scaled:  # each pipeline rank's schedule replayed
+            ranks = pipeline_memory_per_rank(graph, layout, self.optimizer)
+            fullest = max(ranks, key=lambda m: m.peak_bytes)
+            pred = dataclasses.replace(pred, peak_memory_bytes=fullest.peak_bytes,
+                                       memory=fullest.by_category)
+        return pred
+
+    def counts(self) -> dict[str, int]:
+        """How many traces and rewritten graphs the layouts costed so far needed."""
+        return {"traces": len(self._traced), "rewrites": len(self._rewritten)}
+
+    def traced(self, layout: Layout) -> TrainGraph:
+        """The traced graph of one rank's micro-batch under `layout`."""
+        return self._trace(layout)[1]
+
+    def tp_placements(self, layout: Layout) -> dict | None:
+        """The tensor-parallel placement table of `layout`'s rewritten graph (tp > 1)."""
+        self.rewritten(layout)
+        return self._tables.get(self._key(layout))
+
+    def _keep(self, layout: Layout) -> int | None:
+        """Blocks to trace (None: all): a pipeline traces one per stage."""
+        if self.trace_blocks is None:
+            return None
+        return layout.pp * layout.virtual_stages if is_pipelined(layout) else self.trace_blocks
+
+    def _trace(self, layout: Layout):
+        local = _local_example(self.example_inputs, layout)
+        keep = self._keep(layout)
+        key = (tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else repr(x) for x in local),
+               keep)
+        if key not in self._traced:
+            with reduced(self.model, keep) as stack:
+                traced = trace_train_step(self.model, local, self.loss_fn)
+            scaling = (stack[0], multiplicities(stack[1], keep)) \
+                if keep and stack and stack[1] > keep else None
+            flops = self._scaled(summarize(traced), traced, scaling).model_flops
+            self._traced[key] = (key, traced, flops, scaling)
+        return self._traced[key]
+
+    @staticmethod
+    def _scaled(summary: GraphSummary, tg: TrainGraph, scaling) -> GraphSummary:
+        return summary if scaling is None else scale_summary(summary, tg, scaling[1])
+
+    def _key(self, layout: Layout) -> tuple:
+        pipelined = is_pipelined(layout)
+        # the passes of a pipelined step read its number of stages, not how the schedule
+        # runs them nor dp (the runtime reduces its gradients; the micro-batch size is in
+        # the trace's key)
+        fields = layout.replace(schedule="1f1b", microbatches=2, virtual_stages=1, dp=1, zero=0,
+                                pp=layout.pp * layout.virtual_stages) if pipelined else layout
+        return self._trace(layout)[0], pipelined, fields
+
+    def rewritten(self, layout: Layout) -> tuple[GraphSummary, StageSummary | None, int]:
+        """(summary of the rewritten graph, its stages when pipelined, model FLOPs of
+        one rank's micro-batch) for `layout`."""
+        _, traced, model_flops, scaling = self._trace(layout)
+        key = self._key(layout)
+        if key not in self._rewritten:
+            options = {}
+            if scaling is not None and key[1]:  # one traced block per stage
+                path, counts = scaling
+                options["pipeline_cuts"] = [f"{path}.{i}" for i in range(1, len(counts))]
+            rewritten, _ = run_passes(traced, layout, self.cluster, self.passes, options=options)
+            stages = stage_summary(rewritten) if key[1] else None
+            summary = self._scaled(summarize(rewritten), rewritten, scaling)
+            self._rewritten[key] = (summary, stages, rewritten, scaling is not None)
+            if "tp" in rewritten.attrs:
+                self._tables[key] = rewritten.attrs["tp"]
+        summary, stages = self._rewritten[key][:2]
+        return summary, stages, model_flops
 
 
 def check_layout(layout: Any, cluster: ClusterSpec) -> None:
@@ -53,27 +156,11 @@ def check_layout(layout: Any, cluster: ClusterSpec) -> None:
         raise TypeError(f"layout must be an autopar.Layout, got {type(layout).__name__}")
     if not isinstance(cluster, ClusterSpec):
         raise TypeError(f"cluster must be an autopar.ClusterSpec, got {type(cluster).__name__}")
-    todo = unsupported_fields(layout) + not_costed_fields(layout)
+    todo = unsupported_fields(layout)
     if todo:
-        raise LayoutError(f"{layout}: not supported yet: {', '.join(dict.fromkeys(todo))}. "
-                          "Supported by estimate now: dp, bucket_mb, overlap_comm")
+        raise LayoutError(f"{layout}: not supported yet: {', '.join(dict.fromkeys(todo))}")
     if layout.world_size != cluster.world_size:
         raise LayoutError(_world_size_message(layout, cluster))
-
-
-def not_costed_fields(layout: Layout) -> list[str]:
-    """Fields compile may run but the cost model cannot cost yet: refused, not guessed."""
-    out = []
-    if layout.tp > 1:
-        out.append("tp > 1 (tensor parallelism: compile's placement solver predicts its own "
-                   "terms, the step-time model does not take them yet)")
-    if layout.zero:
-        out.append("zero > 0 (the memory model does not shard optimizer state yet)")
-    if layout.pp > 1:
-        out.append("pp > 1 (pipeline parallelism: no bubble or point-to-point model yet)")
-    if layout.microbatches > 1:
-        out.append("microbatches > 1 (gradient accumulation / pipelining)")
-    return out
 
 
 def _world_size_message(layout: Layout, cluster: ClusterSpec) -> str:

@@ -65,6 +65,7 @@ class OpRecord:
     comm_bytes: int = 0  # the collective's full (reduced or gathered) tensor size
     group: str | None = None  # mesh dimension of the collective ("dp")
     waits_on: int | None = None  # a wait: index of the collective it waits for
+    repeat: int = 1  # times the op runs back to back (planner/scaled.py: a block's copies)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,179 @@
+"""The planner's commands: `autopar plan`, `autopar calibrate`, `autopar validate`
+(see docs/planner.md). Registered on the main parser by `autopar.cli`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from rich.table import Table
+
+
+def _console():
+    from autopar.cli import console  # the one console of the CLI
+    return console
+
+
+_PLAN_CONSTRAINTS = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "amp")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import torch
+
+    import autopar
+    from autopar.cli import _cluster_from_args
+    from autopar.cluster import ClusterSpecError
+    from autopar.compiler.planner.report import save_trace
+    from autopar.examples import load_model_spec
+    from autopar.layout import LayoutError
+
+    # the tensor-parallel rules probe strategies on fake tensors, and torch logs each
+    # refused probe as an error: noise next to a progress bar
+    logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
+    constraints = {k: getattr(args, k) for k in _PLAN_CONSTRAINTS if getattr(args, k) is not None}
+    constraints["max_memory_fraction"] = args.max_memory_fraction
+    try:
+        cluster = _cluster_from_args(args.cluster, args.nodes, None, args.nproc)
+        with torch.device("meta"):  # nothing is allocated: weights and batch are shapes only
+            example = load_model_spec(args.model)
+        with _PlanProgress(fancy=sys.stdout.isatty() and not args.json) as show:
+            plan = autopar.plan(example.model, cluster, example.batch, example.loss_fn,
+                                optimizer=args.optimizer, progress=show,
+                                trace_blocks=args.trace_blocks, **constraints)
+    except (LayoutError, ClusterSpecError, autopar.PlanError) as exc:
+        raise SystemExit(f"autopar plan: {exc}") from exc
+    for path in args.report or ():
+        plan.save_report(path)
+        _console().print(f"report written to {path}")
+    if args.trace:
+        save_trace(plan, args.trace)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=1))
+    else:
+        _print_plan(args.model, cluster, plan)
+    return 0
+
+
+def _print_plan(model: str, cluster, plan) -> None:
+    from autopar.compiler.planner.report import headline
+
+    _console().print(f"[bold]{model}[/bold]")
+    for line in headline(plan):
+        _console().print(line)
+    table = Table(title="best alternatives")
+    for col in ("layout", "step ms", "why not"):
+        table.add_column(col)
+    for lay, pred, why in plan.alternatives[:8]:
+        table.add_row(str(lay), f"{pred.step_time_s * 1e3:.4g}", why)
+    _console().print(table)
+
+
+class _PlanProgress:
+    """A progress bar over the candidate layouts on a terminal; silent otherwise."""
+
+    def __init__(self, fancy: bool):
+        self.fancy, self.bar, self.task = fancy, None, None
+
+    def __enter__(self):
+        if self.fancy:
+            from rich.progress import BarColumn, Progress, TextColumn
+            self.bar = Progress(TextColumn("costing {task.completed}/{task.total}"), BarColumn(),
+                                TextColumn("{task.fields[layout]}"), console=_console(),
+                                transient=True)
+            self.bar.start()
+        return self
+
+    def __call__(self, done: int, total: int, layout) -> None:
+        if self.bar is None:
+            return
+        if self.task is None:
+            self.task = self.bar.add_task("plan", total=total, layout="")
+        self.bar.update(self.task, completed=done, layout=str(layout))
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+# -- autopar calibrate / validate -----------------------------------------------------------
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from autopar.calibrate import calibrate
+
+    measured = calibrate(args.nproc)
+    spec = measured.cluster(args.nproc)
+    spec.to_yaml(args.output)
+    _console().print(f"matmul {measured.matmul_flops / 1e9:.1f} GFLOP/s, memory "
+                  f"{measured.memory_bandwidth / 1e9:.1f} GB/s, "
+                  f"{measured.launch_overhead_s * 1e6:.1f} us per op per process; gloo all-reduce "
+                  f"{measured.link_bandwidth / 1e9:.2f} GB/s, {measured.link_latency_s * 1e6:.0f} us "
+                  f"per step (fit over {len(measured.all_reduce)} sizes)")
+    _console().print(f"cluster spec written to {args.output} (peaks = measured / efficiency)")
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from autopar.cluster import ClusterSpec
+    from autopar.layout import Layout
+    from autopar.validate import DEFAULT_LAYOUTS, median_abs_error, validate
+
+    cluster = ClusterSpec.from_yaml(args.cluster) if args.cluster else ClusterSpec.local()
+    layouts = [Layout.from_dict(json.loads(text)) for text in args.layout] or DEFAULT_LAYOUTS
+
+    def show(row) -> None:
+        if not args.json:
+            _console().print(f"{row.layout}: predicted {row.predicted_s * 1e3:.1f} ms, measured "
+                          f"{row.measured_s * 1e3:.1f} ms, error {row.error:+.1%}")
+
+    rows = validate(args.model, cluster, layouts, args.steps, args.warmup, progress=show)
+    if args.json:
+        print(json.dumps([{"layout": r.layout.to_dict(), "predicted_s": r.predicted_s,
+                           "measured_s": r.measured_s, "error": r.error} for r in rows], indent=1))
+    else:
+        _console().print(f"median |error| over {len(rows)} layouts: {median_abs_error(rows):.1%}")
+    return 0
+
+
+def add_planner_commands(sub) -> None:
+    """Add plan, calibrate and validate to the CLI's subparsers."""
+    plan = sub.add_parser("plan", help="choose the fastest layout of MODEL that fits memory")
+    plan.add_argument("model", help="built-in example or pkg.module:factory (built on meta)")
+    plan.add_argument("--cluster", default="local",
+                      help="a preset (dgx-h100, dgx-a100-80gb, dgx-h200), local, or a YAML file")
+    plan.add_argument("--nodes", type=int, default=None, help="nodes of a preset or YAML cluster")
+    plan.add_argument("--nproc", type=int, default=None,
+                      help="processes of --cluster local (default: one per core)")
+    for name in ("dp", "tp", "pp", "microbatches", "zero"):
+        plan.add_argument(f"--{name}", type=int, default=None, help=f"fix Layout.{name}")
+    plan.add_argument("--schedule", default=None,
+                      choices=("1f1b", "gpipe", "interleaved", "zero-bubble"))
+    plan.add_argument("--amp", default=None, choices=("off", "bf16", "fp16"))
+    plan.add_argument("--max-memory-fraction", type=float, default=0.9,
+                      help="share of device memory a layout may use (default 0.9)")
+    plan.add_argument("--optimizer", choices=("adamw", "adam", "sgd-momentum", "sgd"),
+                      default="adamw")
+    plan.add_argument("--trace-blocks", type=int, default=None, metavar="K",
+                      help="trace K repeated blocks and scale their costs (deep models)")
+    plan.add_argument("--report", action="append", metavar="PATH",
+                      help="write the report: .html, .md or .json (repeatable)")
+    plan.add_argument("--trace", metavar="PATH",
+                      help="write the predicted timeline as a Chrome/Perfetto trace (JSON)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.set_defaults(func=cmd_plan)
+
+    cal = sub.add_parser("calibrate", help="measure this machine, write a ClusterSpec YAML")
+    cal.add_argument("--nproc", type=int, default=2, help="processes for the gloo all-reduce")
+    cal.add_argument("--output", default="cluster.yaml", help="where to write the spec")
+    cal.set_defaults(func=cmd_calibrate)
+
+    val = sub.add_parser("validate", help="predicted vs measured step time of several layouts")
+    val.add_argument("model", help="built-in example or pkg.module:factory")
+    val.add_argument("--cluster", default=None, help="a YAML spec (default: ClusterSpec.local)")
+    val.add_argument("--layout", action="append", default=[], metavar="JSON",
+                     help='a layout to run, e.g. \'{"dp": 2}\' (repeatable; default: 7 layouts)')
+    val.add_argument("--steps", type=int, default=5, help="timed steps per layout")
+    val.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    val.add_argument("--json", action="store_true")
+    val.set_defaults(func=cmd_validate)

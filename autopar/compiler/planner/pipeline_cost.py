@@ -1,0 +1,157 @@
+"""Step time of a pipelined or micro-batched step (Layout.pp > 1 or microbatches > 1).
+
+A pure function of (GraphSummary, StageSummary, ClusterSpec, Layout), like the rest
+of the cost model. The summary is one rank's graph for one micro-batch, cut into
+stages by AssignStages. What it adds up is what the pipeline runtime does
+(runtime/pipeline.py):
+
+1. each stage's programs F, B (and I, W for zero-bubble) are replayed on the compute
+   and communication streams (cost_model.simulate_streams: tensor-parallel
+   collectives inside a stage cost there);
+2. the schedule of the layout (runtime/schedule.py) is simulated with those times;
+   a receive (RF, RB) takes alpha + bytes / bandwidth per value on the link between
+   neighbouring pipeline ranks (ranks tp*dp apart) and holds up its rank;
+3. after its last action a rank sums gradients: tied weights over the pipeline ranks
+   that share them, then all its gradients in one flat all-reduce over dp (not
+   overlapped), then runs the optimizer on its parameters.
+
+The step time is the slowest rank's; its idle time that is not a receive is the
+bubble.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.cluster import ClusterSpec
+from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, Efficiency, collective_time,
+                                                 group_spans_nodes, optimizer_traffic,
+                                                 simulate_streams)
+from autopar.compiler.planner.stages import StageSummary
+from autopar.compiler.planner.summary import GraphSummary, OpRecord
+from autopar.layout import Layout
+from autopar.runtime.schedule import Timeline, build, simulate
+
+PHASE_PROGRAMS = {"F": "F", "B": "IW", "I": "I", "W": "W"}
+WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class PhaseTime:
+    compute_s: float
+    comm_s: float  # collectives inside the phase (tensor parallelism)
+    total_s: float  # compute plus what of comm_s is not overlapped
+
+
+@dataclass(frozen=True)
+class PipelineTime:
+    total_s: float
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    bubble_s: float
+    optimizer_s: float
+    critical_rank: int
+    timeline: Timeline  # the simulated schedule, seconds (the report draws it)
+    grad_sync_s: tuple[float, ...]  # per pipeline rank, after its last action
+    optimizer_per_rank_s: tuple[float, ...]  # per pipeline rank, after its gradient sync
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.bubble_s / self.total_s if self.total_s > 0 else 0.0
+
+
+def phase_time(summary: GraphSummary, members: frozenset[int], cluster: ClusterSpec,
+               layout: Layout, eff: Efficiency = DEFAULT_EFFICIENCY) -> PhaseTime:
+    """One program's time: its ops replayed alone (the others as empty records)."""
+    ops = tuple(op if i in members else OpRecord(op.name, op.role)
+                for i, op in enumerate(summary.ops))
+    compute, comm, end = simulate_streams(
+        GraphSummary(ops, (), (), 0, summary.output_storages), cluster, layout, eff)
+    return PhaseTime(compute, comm, end)
+
+
+def p2p_time(nbytes: float, tensors: int, cluster: ClusterSpec, layout: Layout,
+             eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    """Point-to-point send of `tensors` values, `nbytes` in all, between pipeline
+    neighbours: alpha per value plus bytes over the link (the network once the
+    pipeline group leaves the node: its slowest hop paces every micro-batch)."""
+    spans = group_spans_nodes(layout.pp, layout.tp * layout.dp, cluster)
+    link = cluster.inter_node if spans else cluster.intra_node
+    return tensors * link.latency_s + nbytes / (link.bandwidth * eff.link)
+
+
+def receive_costs(stages: StageSummary, cluster: ClusterSpec, layout: Layout,
+                  eff: Efficiency = DEFAULT_EFFICIENCY) -> dict[tuple[int, str], float]:
+    """(stage, "RF" | "RB") -> seconds of the values that stage receives per micro-batch
+    (values between stages on one rank, interleaved, stay in memory)."""
+    out: dict[tuple[int, str], float] = {}
+    for m in stages.messages:
+        if m.src % layout.pp == m.dst % layout.pp:
+            continue
+        key = (m.dst, "R" + m.phase)
+        out[key] = out.get(key, 0.0) + p2p_time(m.nbytes, m.tensors, cluster, layout, eff)
+    return out
+
+
+def rank_param_bytes(summary: GraphSummary, stages: StageSummary, layout: Layout) -> list[int]:
+    """Bytes of the parameters each pipeline rank holds (read by one of its stages)."""
+    held = [0] * layout.pp
+    for i, readers in enumerate(stages.param_stages):
+        for rank in {s % layout.pp for s in readers}:
+            held[rank] += summary.param_numel[i] * summary.param_itemsize[i]
+    return held
+
+
+def grad_sync_time(summary: GraphSummary, stages: StageSummary, cluster: ClusterSpec,
+                   layout: Layout, eff: Efficiency = DEFAULT_EFFICIENCY) -> list[float]:
+    """Per pipeline rank: tied-weight all-reduces over the ranks sharing them, then one
+    all-reduce over dp of all its gradients (in Layout.grad_comm_dtype when set)."""
+    out = [0.0] * layout.pp
+    pp_spans = group_spans_nodes(layout.pp, layout.tp * layout.dp, cluster)
+    for i, readers in enumerate(stages.param_stages):
+        ranks = {s % layout.pp for s in readers}
+        seconds = collective_time("all_reduce", summary.param_numel[i] * summary.param_itemsize[i],
+                                  len(ranks), cluster, pp_spans, eff)
+        for rank in ranks:
+            out[rank] += seconds
+    for rank, nbytes in enumerate(rank_param_bytes(summary, stages, layout)):
+        out[rank] += collective_time("all_reduce", _wire(nbytes, summary, layout), layout.dp,
+                                     cluster, group_spans_nodes(layout.dp, layout.tp, cluster), eff)
+    return out
+
+
+def _wire(nbytes: int, summary: GraphSummary, layout: Layout) -> float:
+    if layout.grad_comm_dtype is None or not summary.param_itemsize:
+        return nbytes
+    itemsize = sum(summary.param_itemsize) / len(summary.param_itemsize)
+    return nbytes * WIRE_BYTES[layout.grad_comm_dtype] / itemsize
+
+
+def pipeline_time(summary: GraphSummary, stages: StageSummary, cluster: ClusterSpec,
+                  layout: Layout, optimizer: str = "adamw",
+                  eff: Efficiency = DEFAULT_EFFICIENCY) -> PipelineTime:
+    """The predicted step of `layout`'s schedule over `stages` (see the module docstring)."""
+    phases = {(s, kind): phase_time(summary, stages.members(s, programs), cluster, layout, eff)
+              for s in range(stages.stages) for kind, programs in PHASE_PROGRAMS.items()}
+    receives = receive_costs(stages, cluster, layout, eff)
+    cost = {key: phase.total_s for key, phase in phases.items()}
+    schedule = build(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
+    timeline = simulate(schedule, {**cost, **receives})
+    sync = grad_sync_time(summary, stages, cluster, layout, eff)
+    optim = [optimizer_traffic(b, optimizer) / (cluster.device.memory_bandwidth * eff.memory)
+             for b in rank_param_bytes(summary, stages, layout)]
+    ends = [max((end for _, _, end in spans), default=0.0) for spans in timeline.spans]
+    rank = max(range(layout.pp), key=lambda r: ends[r] + sync[r] + optim[r])
+    spans = timeline.spans[rank]
+    compute = sum(phases[(a.stage, a.kind)].compute_s for a, _, _ in spans)
+    inside_comm = sum(phases[(a.stage, a.kind)].comm_s for a, _, _ in spans)
+    inside_exposed = sum(end - start for _, start, end in spans) - compute
+    received = sum(receives.get((a.stage, a.kind), 0.0) for a in schedule.ranks[rank])
+    bubble = max(0.0, ends[rank] - compute - inside_exposed - received)
+    return PipelineTime(
+        total_s=ends[rank] + sync[rank] + optim[rank], compute_s=compute,
+        comm_s=inside_comm + received + sync[rank],
+        exposed_comm_s=inside_exposed + received + sync[rank], bubble_s=bubble,
+        optimizer_s=optim[rank], critical_rank=rank, timeline=timeline, grad_sync_s=tuple(sync),
+        optimizer_per_rank_s=tuple(optim))

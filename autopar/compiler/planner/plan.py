@@ -1,0 +1,159 @@
+"""autopar.plan: choose the layout of a model on a cluster (search.py), with the
+facts the report shows (details): the chosen layout's predicted timeline per rank,
+its tensor-parallel placements, the cost of each layer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from autopar.cluster import ClusterSpec
+from autopar.compiler.ir import meta as M
+from autopar.compiler.ir.annotate import repeated_block_container
+from autopar.compiler.ir.trace import LossFn, batch_dims_of
+from autopar.compiler.passes.assign_stages import node_time
+from autopar.compiler.planner.cost_model import DEFAULT_EFFICIENCY, Efficiency
+from autopar.compiler.planner.estimate import Estimator
+from autopar.compiler.planner.pipeline_cost import pipeline_time
+from autopar.compiler.planner.search import (PlanError, candidate_layouts, check_constraints,
+                                             search)
+from autopar.layout import Layout, Plan
+
+# how many times the nodes a model that fits nowhere is tried on, to name a cluster
+LARGER_CLUSTERS = (2, 4, 8)
+
+
+def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs: Sequence[torch.Tensor],
+         loss_fn: LossFn | None = None, optimizer: str = "adamw",
+         efficiency: Efficiency = DEFAULT_EFFICIENCY,
+         progress: Callable[[int, int, Layout], None] | None = None,
+         trace_blocks: int | None = None, **constraints: Any) -> Plan:
+    """The fastest layout of `model` on `cluster` that fits memory, and every other one
+    with why not. Constraints fix Layout fields (tp=2, amp="bf16") or set
+    max_memory_fraction (default 0.9). `progress(done, total, layout)` is called
+    before each candidate is costed. `trace_blocks=k` traces k of the model's repeated
+    blocks (one per stage for a pipeline) and scales their costs to the whole stack
+    (planner/scaled.py): faster for deep models, approximate."""
+    if not isinstance(cluster, ClusterSpec):
+        raise TypeError(f"cluster must be an autopar.ClusterSpec, got {type(cluster).__name__}")
+    fixed, fraction = check_constraints(constraints)
+    example_inputs = tuple(example_inputs)
+    estimator = Estimator(model, cluster, example_inputs, loss_fn, optimizer, efficiency,
+                          trace_blocks=trace_blocks)
+    candidates = _candidates(model, cluster, example_inputs, fixed)
+    step = None if progress is None else _counter(progress, len(candidates))
+    start = time.perf_counter()
+    try:
+        result = search(candidates, estimator.predict, cluster, fraction, step)
+    except PlanError as exc:
+        hint = _larger_cluster_hint(model, cluster, example_inputs, loss_fn, optimizer,
+                                    efficiency, trace_blocks, constraints)
+        raise PlanError(f"{exc}{hint}") from None
+    result.details = details(estimator, result.layout, cluster, efficiency, optimizer)
+    result.details["search"] = {"candidates": len(candidates), **estimator.counts(),
+                                "seconds": time.perf_counter() - start}
+    return result
+
+
+def _candidates(model, cluster, example_inputs, fixed) -> list[Layout]:
+    blocks = repeated_block_container(model)
+    candidates = candidate_layouts(cluster, batch_size(example_inputs),
+                                   blocks[1] if blocks else 1, fixed)
+    if not candidates:
+        raise PlanError(f"no layout of {cluster.world_size} devices satisfies the constraints "
+                        f"{fixed} with a global batch of {batch_size(example_inputs)}: dp * "
+                        "microbatches must divide the batch, tp must fit in one node "
+                        f"({cluster.devices_per_node} devices)")
+    return candidates
+
+
+def _counter(progress, total):
+    done = iter(range(total))
+    return lambda layout: progress(next(done), total, layout)
+
+
+def batch_size(example_inputs: tuple) -> int | None:
+    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    dims = batch_dims_of(tensors)
+    return next((x.shape[d] for x, d in zip(tensors, dims) if d is not None), None)
+
+
+def _larger_cluster_hint(model, cluster, example_inputs, loss_fn, optimizer, efficiency,
+                         trace_blocks, constraints) -> str:
+    """' The smallest cluster that fits: nodes=N' from planning again on more nodes."""
+    for factor in LARGER_CLUSTERS:
+        bigger = ClusterSpec.from_dict({**cluster.to_dict(), "nodes": cluster.nodes * factor})
+        try:
+            found = _plan_only(model, bigger, example_inputs, loss_fn, optimizer, efficiency,
+                               trace_blocks, constraints)
+        except PlanError:
+            continue
+        return (f". The smallest cluster of these nodes that fits: nodes={bigger.nodes} "
+                f"({bigger.world_size} devices, {found.layout})")
+    return f". It fits none of nodes={[cluster.nodes * f for f in LARGER_CLUSTERS]} either"
+
+
+def _plan_only(model, cluster, example_inputs, loss_fn, optimizer, efficiency, trace_blocks,
+               constraints):
+    fixed, fraction = check_constraints(constraints)
+    estimator = Estimator(model, cluster, example_inputs, loss_fn, optimizer, efficiency,
+                          trace_blocks=trace_blocks)
+    return search(_candidates(model, cluster, example_inputs, fixed), estimator.predict,
+                  cluster, fraction)
+
+
+# -- what the report shows ------------------------------------------------------------------
+
+def details(estimator: Estimator, layout: Layout, cluster: ClusterSpec, eff: Efficiency,
+            optimizer: str) -> dict[str, Any]:
+    return {"timeline": timeline(estimator, layout, cluster, eff, optimizer),
+            "tp_placements": estimator.tp_placements(layout) if layout.tp > 1 else None,
+            "layers": layer_costs(estimator.traced(layout), cluster)}
+
+
+def timeline(estimator: Estimator, layout: Layout, cluster: ClusterSpec, eff: Efficiency,
+             optimizer: str) -> list[dict[str, Any]]:
+    """Predicted spans per pipeline rank: the schedule's actions, then gradient sync and
+    optimizer; a whole-graph step as compute, exposed communication, optimizer."""
+    summary, stages, _ = estimator.rewritten(layout)
+    if stages is None:
+        pred = estimator.predict(layout)
+        parts = [("compute", pred.breakdown["compute"]),
+                 ("exposed comm", pred.breakdown["exposed_comm"]),
+                 ("optimizer", pred.breakdown["optimizer"])]
+        return _sequence(0, 0.0, parts)
+    times = pipeline_time(summary, stages, cluster, layout, optimizer, eff)
+    events = []
+    for rank, spans in enumerate(times.timeline.spans):
+        events += [{"rank": rank, "name": str(a), "kind": a.kind, "start": s, "end": e}
+                   for a, s, e in spans]
+        end = max((e for _, _, e in spans), default=0.0)
+        events += _sequence(rank, end, [("grad sync", times.grad_sync_s[rank]),
+                                        ("optimizer", times.optimizer_per_rank_s[rank])])
+    return events
+
+
+def _sequence(rank: int, start: float, parts: list[tuple[str, float]]) -> list[dict[str, Any]]:
+    out = []
+    for name, seconds in parts:
+        out.append({"rank": rank, "name": name, "kind": name, "start": start,
+                    "end": start + seconds})
+        start += seconds
+    return out
+
+
+def layer_costs(tg, cluster: ClusterSpec) -> list[dict[str, Any]]:
+    """FLOPs and roofline seconds (forward + backward) of each repeated block and of the
+    rest (embeddings, head, loss), on one rank's micro-batch."""
+    rows: dict[str, dict[str, Any]] = {}
+    for n in tg.call_nodes():
+        layer = n.meta.get(M.LAYER)
+        name = f"block {layer}" if layer is not None else "outside the blocks"
+        row = rows.setdefault(name, {"name": name, "flops": 0, "seconds": 0.0})
+        row["flops"] += n.meta.get(M.FLOPS, 0)
+        row["seconds"] += node_time(n, cluster)
+    return list(rows.values())

@@ -1,0 +1,105 @@
+"""Cost a deep model from a trace of a few of its repeated blocks.
+
+A model whose main stack holds L identical blocks (same class, same shapes: what
+`repeated_block_container` finds) is traced with only k of them: the container is
+swapped for its first k blocks while tracing, then put back. Each traced block b
+stands for m_b of the L real blocks (sum m_b = L, as even as L / k allows), and the
+summaries are scaled to the whole model:
+
+- every op of block b runs m_b times (`OpRecord.repeat`: its compute, launch and
+  collectives cost m_b times), its model FLOPs and the storage it allocates (the
+  activations of m_b blocks) are multiplied by m_b, and so are the parameters only
+  block b reads;
+- the gradient buckets (ops of the data-parallel pass, `autopar.bucket`) carry m_b
+  times the gradients of each block: their bytes and their collectives' bytes are
+  scaled by the ratio of whole-model to traced gradient bytes (fewer, larger
+  buckets than the real step: per-message latency is undercounted);
+- a pipeline is traced with k = pp * virtual_stages blocks and cut one traced block
+  per stage (each stage holds L / k real blocks; the exact planner may move a block
+  off the stage that also holds a large head).
+
+Nothing else changes: embeddings, head and loss are traced whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import replace
+
+import torch
+
+from autopar.compiler.ir import meta as M
+from autopar.compiler.ir.annotate import repeated_block_container
+from autopar.compiler.ir.graph import TrainGraph
+from autopar.compiler.planner.summary import GraphSummary, OpRecord
+
+
+def multiplicities(total: int, keep: int) -> tuple[int, ...]:
+    """How many of `total` blocks each of `keep` traced blocks stands for."""
+    base, extra = divmod(total, keep)
+    return tuple(base + (b < extra) for b in range(keep))
+
+
+@contextlib.contextmanager
+def reduced(model: torch.nn.Module, keep: int | None) -> Iterator[tuple[str, int] | None]:
+    """The model with its stack cut to its first `keep` blocks (None: all), restored on
+    exit. Yields (container path, blocks in the whole model), None if there is no stack."""
+    found = repeated_block_container(model)
+    if keep is None or found is None or found[1] <= keep:
+        yield found
+        return
+    path, count = found
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    whole = getattr(parent, name)
+    setattr(parent, name, type(whole)(list(whole)[:keep]))
+    try:
+        yield found
+    finally:
+        setattr(parent, name, whole)
+
+
+def op_layers(tg: TrainGraph) -> tuple[int | None, ...]:
+    """The block of each OpRecord of `summarize(tg)` (user inputs first, then calls)."""
+    n_state = len(tg.signature.params) + len(tg.signature.buffers)
+    n_inputs = len(tg.placeholders()) - n_state
+    return (None,) * n_inputs + tuple(n.meta.get(M.LAYER) for n in tg.call_nodes())
+
+
+def op_buckets(tg: TrainGraph) -> tuple[bool, ...]:
+    n_state = len(tg.signature.params) + len(tg.signature.buffers)
+    n_inputs = len(tg.placeholders()) - n_state
+    return (False,) * n_inputs + tuple(M.BUCKET in n.meta for n in tg.call_nodes())
+
+
+def param_layers(tg: TrainGraph) -> tuple[int | None, ...]:
+    """The block of each parameter: the one block all its readers belong to, else None."""
+    out = []
+    for node in tg.placeholders()[:len(tg.signature.params)]:
+        layers = {u.meta.get(M.LAYER) for u in node.users}
+        out.append(layers.pop() if len(layers) == 1 else None)
+    return tuple(out)
+
+
+def scale_summary(summary: GraphSummary, tg: TrainGraph, counts: tuple[int, ...]) -> GraphSummary:
+    """`summary` (of `tg`, traced with len(counts) blocks) as the model of sum(counts)."""
+    params = param_layers(tg)
+    numel = tuple(n * (counts[b] if b is not None else 1)
+                  for n, b in zip(summary.param_numel, params))
+    traced = sum(n * s for n, s in zip(summary.param_numel, summary.param_itemsize))
+    whole = sum(n * s for n, s in zip(numel, summary.param_itemsize))
+    ratio = whole / traced if traced else 1.0
+    ops = tuple(_scaled(op, counts[b] if b is not None else None, bucket, ratio)
+                for op, b, bucket in zip(summary.ops, op_layers(tg), op_buckets(tg)))
+    return replace(summary, ops=ops, param_numel=numel)
+
+
+def _scaled(op: OpRecord, count: int | None, bucket: bool, ratio: float) -> OpRecord:
+    if count is not None:
+        return replace(op, repeat=op.repeat * count, model_flops=op.model_flops * count,
+                       allocates=op.allocates * count)
+    if bucket:
+        return replace(op, bytes=int(op.bytes * ratio), allocates=int(op.allocates * ratio),
+                       comm_bytes=int(op.comm_bytes * ratio))
+    return op

@@ -1,0 +1,186 @@
+"""The planner's search: every layout of the cluster's devices, costed, ranked.
+
+`candidate_layouts` enumerates dp x tp x pp = world size with tp inside a node (its
+collectives sit on every layer's critical path: they need NVLink, not the network),
+pp at most the model's repeated blocks, micro-batches that split the batch evenly,
+each schedule (interleaved with 2 virtual stages where blocks allow), ZeRO stages
+(dp > 1) and AMP (when the device lists bf16). Keyword constraints fix any Layout
+field. Layouts that compile or the cost model refuse are kept aside with the reason
+(`Plan.skipped`), never silently dropped.
+
+`search` costs every candidate with one `predict(layout)` callable (the Estimator's,
+which shares traces and rewritten graphs between candidates), keeps those whose
+predicted peak memory fits `max_memory_fraction` of the device, and ranks them by
+step time; every other candidate says why it lost (`why_not`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from autopar.cluster import ClusterSpec
+from autopar.layout import Layout, LayoutError, Plan, Prediction, unsupported_fields
+
+GB = 1e9
+PARTS = ("compute", "exposed_comm", "bubble", "optimizer")
+PART_NAMES = {"compute": "compute", "exposed_comm": "exposed communication",
+              "bubble": "pipeline bubble", "optimizer": "optimizer step"}
+LAYOUT_FIELDS = tuple(f.name for f in dataclasses.fields(Layout))
+
+
+class PlanError(ValueError):
+    """No layout can run the model on the cluster: the message says what would."""
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / GB:.3g} GB"
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_constraints(constraints: dict[str, Any]) -> tuple[dict[str, Any], float]:
+    """Layout fields the user fixed, and max_memory_fraction (default 0.9)."""
+    fixed = dict(constraints)
+    fraction = fixed.pop("max_memory_fraction", 0.9)
+    unknown = sorted(set(fixed) - set(LAYOUT_FIELDS))
+    if unknown:
+        raise LayoutError(f"unknown plan constraint(s) {unknown}: constraints are Layout fields "
+                          f"({', '.join(LAYOUT_FIELDS)}) or max_memory_fraction")
+    if not (isinstance(fraction, (int, float)) and 0 < fraction <= 1):
+        raise LayoutError(f"max_memory_fraction must be in (0, 1], got {fraction!r}")
+    for name, value in fixed.items():  # a bad value fails here, naming its field
+        Layout(**{**_CONTEXT.get(name, {}), name: value})
+    return fixed, float(fraction)
+
+
+# fields valid only next to another: checked on their own in such a layout
+_CONTEXT = {"zero": {"dp": 2}, "sequence_parallel": {"tp": 2},
+            "virtual_stages": {"schedule": "interleaved"}}
+
+
+def _schedules(pp: int, blocks: int) -> list[tuple[str, int]]:
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [("1f1b", 1), ("gpipe", 1), ("zero-bubble", 1)]
+    return out + [("interleaved", 2)] if blocks >= 2 * pp else out
+
+
+def _options(name: str, default: list, fixed: dict[str, Any]) -> list:
+    return [fixed[name]] if name in fixed else default
+
+
+def candidate_layouts(cluster: ClusterSpec, batch: int | None, blocks: int,
+                      fixed: dict[str, Any]) -> list[Layout]:
+    """Every layout the search costs (see the module docstring), constraints applied.
+    Micro-batches: 1 without a pipeline, pp and 2 pp with one (each size is a trace of
+    its own: fix `microbatches` to try another)."""
+    world = cluster.world_size
+    amps = ["off", "bf16"] if "bf16" in cluster.device.peak_flops else ["off"]
+    out = []
+    for tp in _options("tp", divisors(min(world, cluster.devices_per_node)), fixed):
+        pps = [p for p in divisors(world // tp) if p <= max(blocks, 1)] if world % tp == 0 else []
+        for pp in _options("pp", pps, fixed):
+            dp = world // tp // pp
+            if dp * tp * pp != world:
+                continue
+            micro = _options("microbatches", [1] if pp == 1 else [pp, 2 * pp], fixed)
+            for m, (sched, vs), zero, amp in itertools.product(
+                    [m for m in micro if batch is None or batch % (dp * m) == 0],
+                    _schedules(pp, blocks), _options("zero", [0, 1, 2, 3] if dp > 1 else [0], fixed),
+                    _options("amp", amps, fixed)):
+                if sched == "interleaved" and m % pp:
+                    continue
+                fields = {"dp": dp, "tp": tp, "pp": pp, "microbatches": m, "schedule": sched,
+                          "virtual_stages": vs, "zero": zero, "amp": amp}
+                layout = _constrained(fields, fixed)
+                if layout is not None and layout not in out:
+                    out.append(layout)
+    return out
+
+
+def _constrained(fields: dict[str, Any], fixed: dict[str, Any]) -> Layout | None:
+    """The candidate with the fixed fields, or None when it contradicts them."""
+    if any(fields.get(k, v) != v for k, v in fixed.items() if k in fields):
+        return None
+    try:
+        return Layout(**{**fields, **fixed})
+    except LayoutError:
+        return None
+
+
+def refused(layout: Layout) -> str | None:
+    """Why compile or the cost model cannot take this layout yet, or None."""
+    todo = unsupported_fields(layout)
+    return "; ".join(dict.fromkeys(todo)) or None
+
+
+def why_not(pred: Prediction, best: Prediction, capacity: float) -> str:
+    """An alternative's reason to lose: over memory, or slower by how much and where."""
+    if pred.peak_memory_bytes > capacity:
+        return (f"does not fit: {_gb(pred.peak_memory_bytes)} per device (the fullest "
+                f"rank) over the {_gb(capacity)} allowed, by "
+                f"{_gb(pred.peak_memory_bytes - capacity)}")
+    slower = pred.step_time_s - best.step_time_s
+    if slower <= 0:
+        return "as fast as the chosen layout (ties go to the earlier candidate: less tp and pp)"
+    deltas = {p: pred.breakdown.get(p, 0.0) - best.breakdown.get(p, 0.0) for p in PARTS}
+    worst = max(deltas, key=deltas.__getitem__)
+    return (f"slower by {slower / best.step_time_s:.1%} (+{slower * 1e3:.3g} ms), mostly "
+            f"{PART_NAMES[worst]} (+{deltas[worst] * 1e3:.3g} ms)")
+
+
+def rank(costed: list[tuple[Layout, Prediction]], capacity: float
+         ) -> tuple[list[tuple[Layout, Prediction]], list[tuple[Layout, Prediction]]]:
+    """(fitting layouts fastest first, the others smallest peak memory first); sorting
+    is stable, so ties keep the candidates' order."""
+    fits = [c for c in costed if c[1].peak_memory_bytes <= capacity]
+    over = [c for c in costed if c[1].peak_memory_bytes > capacity]
+    return (sorted(fits, key=lambda c: c[1].step_time_s),
+            sorted(over, key=lambda c: c[1].peak_memory_bytes))
+
+
+def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction],
+           cluster: ClusterSpec, max_memory_fraction: float = 0.9,
+           progress: Callable[[Layout], None] | None = None) -> Plan:
+    """Cost every candidate, keep the fastest that fits (see the module docstring)."""
+    capacity = cluster.device.memory_bytes * max_memory_fraction
+    costed, skipped = [], []
+    for layout in candidates:
+        if progress is not None:
+            progress(layout)
+        reason = refused(layout)
+        if reason is None:
+            try:
+                costed.append((layout, predict(layout)))
+                continue
+            except ValueError as exc:  # a cut or a tp placement the model cannot take
+                reason = str(exc).splitlines()[0]
+        skipped.append((layout, reason))
+    fits, over = rank(costed, capacity)
+    if not fits:
+        raise PlanError(no_fit_message(over, skipped, cluster, max_memory_fraction))
+    best_layout, best = fits[0]
+    alternatives = [(lay, pred, why_not(pred, best, capacity)) for lay, pred in fits[1:] + over]
+    return Plan(layout=best_layout, predicted=best, alternatives=alternatives, skipped=skipped,
+                cluster=cluster.to_dict(), max_memory_fraction=max_memory_fraction)
+
+
+def no_fit_message(over: list[tuple[Layout, Prediction]], skipped: list, cluster: ClusterSpec,
+                   fraction: float) -> str:
+    if not over:
+        reasons = "; ".join(f"{lay}: {why}" for lay, why in skipped[:3])
+        return (f"no layout of {cluster.world_size} devices could be costed ({len(skipped)} "
+                f"refused, e.g. {reasons}); relax the constraints")
+    layout, pred = over[0]
+    need = pred.peak_memory_bytes / fraction
+    more = need / cluster.device.memory_bytes
+    return (f"the model fits no layout on {cluster.describe()}: the smallest predicted peak is "
+            f"{_gb(pred.peak_memory_bytes)} per device ({layout}), over "
+            f"{fraction:.0%} of {_gb(cluster.device.memory_bytes)}. It would fit devices "
+            f"of at least {_gb(need)} (x{more:.2f} this one's memory), or a larger "
+            f"max_memory_fraction")

@@ -1,0 +1,117 @@
+"""The planner's search: ranking properties on synthetic predictions (hypothesis),
+the cached search against costing every candidate on its own (brute force), and
+its errors."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import autopar
+from autopar.cluster import ClusterSpec
+from autopar.compiler.planner import search as S
+from autopar.examples import gpt2
+from autopar.layout import Prediction
+from tests.unit.test_cost_model import cluster
+
+logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
+
+
+def fake_prediction(seconds: float, memory: int) -> Prediction:
+    parts = {"compute": seconds * 0.6, "exposed_comm": seconds * 0.3, "bubble": seconds * 0.1,
+             "optimizer": 0.0, "comm": seconds * 0.3}
+    return Prediction(seconds, 1e12, 1.0, 0.5, memory, 0.1, parts, {"activations": memory})
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([(1, 2), (1, 4), (2, 4), (1, 8)]), st.integers(1, 4), st.data())
+def test_the_chosen_layout_is_the_fastest_that_fits(shape, blocks, data):
+    c = cluster(nodes=shape[0], per_node=shape[1])  # 10 GB devices
+    candidates = S.candidate_layouts(c, 16, blocks, {})
+    assert candidates and all(lay.world_size == c.world_size for lay in candidates)
+    assert all(lay.tp <= c.devices_per_node and lay.pp <= blocks for lay in candidates)
+    costs = {lay: fake_prediction(data.draw(st.floats(1e-3, 1.0)), data.draw(st.integers(1, 2 * 10**10)))
+             for lay in candidates}
+    capacity = 0.9 * 10**10
+    fitting = [lay for lay in candidates if costs[lay].peak_memory_bytes <= capacity
+               and S.refused(lay) is None]
+    if not fitting:
+        with pytest.raises(S.PlanError, match="fits no layout|could be costed"):
+            S.search(candidates, costs.__getitem__, c)
+        return
+    plan = S.search(candidates, costs.__getitem__, c)
+    # brute force: the first of the fastest fitting candidates
+    best = min(fitting, key=lambda lay: (costs[lay].step_time_s, candidates.index(lay)))
+    assert plan.layout == best and plan.predicted.peak_memory_bytes <= capacity
+    for lay, pred, why in plan.alternatives:
+        assert pred.step_time_s >= plan.predicted.step_time_s or pred.peak_memory_bytes > capacity
+        assert ("does not fit" in why) == (pred.peak_memory_bytes > capacity)
+    seen = {lay for lay, _, _ in plan.alternatives} | {lay for lay, _ in plan.skipped}
+    assert seen | {plan.layout} == set(candidates)
+    assert all(reason for _, reason in plan.skipped)
+
+
+def test_why_not_names_the_part_that_costs_more():
+    best = fake_prediction(1.0, 10)
+    worse = Prediction(1.5, 1e12, 1.0, 0.5, 10, 0.3,
+                       {"compute": 0.6, "exposed_comm": 0.3, "bubble": 0.6, "optimizer": 0.0})
+    assert S.why_not(worse, best, 100) == ("slower by 50.0% (+500 ms), mostly pipeline bubble "
+                                           "(+500 ms)")
+    assert S.why_not(fake_prediction(1.0, 3 * 10**9), best, 2e9) == (
+        "does not fit: 3 GB per device (the fullest rank) over the 2 GB allowed, by 1 GB")
+
+
+def test_constraints_fix_fields_and_bad_ones_are_named():
+    c = cluster(per_node=8)
+    only = S.candidate_layouts(c, 16, 4, S.check_constraints({"tp": 2, "schedule": "gpipe"})[0])
+    assert only and all(lay.tp == 2 and lay.schedule == "gpipe" for lay in only)
+    assert all(lay.pp > 1 for lay in only)  # gpipe is a pipeline schedule
+    with pytest.raises(autopar.LayoutError, match=r"unknown plan constraint\(s\) \['tpp'\]"):
+        S.check_constraints({"tpp": 2})
+    with pytest.raises(autopar.LayoutError, match="Layout.amp must be one of"):
+        S.check_constraints({"amp": "fp8"})
+    with pytest.raises(autopar.LayoutError, match="max_memory_fraction must be in"):
+        S.check_constraints({"max_memory_fraction": 1.5})
+    assert S.check_constraints({"zero": 1})[0] == {"zero": 1}
+
+
+# -- on a real model -----------------------------------------------------------------------
+
+def test_search_equals_costing_each_candidate_alone():
+    ex = gpt2(layers=2, hidden=64, heads=4, vocab=256, batch=8, seq=32)
+    c = ClusterSpec.local(nprocs=2)
+    plan = autopar.plan(ex.model, c, ex.batch, ex.loss_fn)
+    costed = [(plan.layout, plan.predicted)] + [(lay, p) for lay, p, _ in plan.alternatives]
+    assert {lay.tp for lay, _ in costed} == {1, 2} and {lay.pp for lay, _ in costed} == {1, 2}
+    for lay, pred in costed:
+        alone = autopar.estimate(ex.model, c, lay, ex.batch, ex.loss_fn)
+        assert pred.step_time_s == pytest.approx(alone.step_time_s, rel=1e-9), lay
+        assert pred.peak_memory_bytes == alone.peak_memory_bytes
+        assert plan.predicted.step_time_s <= pred.step_time_s
+    assert all("zero" in why for _, why in plan.skipped)
+    # a Plan round-trips through JSON and compile takes it as its layout
+    again = autopar.Plan.from_dict(plan.to_dict())
+    assert again.layout == plan.layout and again.alternatives[0][2] == plan.alternatives[0][2]
+
+
+def test_a_model_that_fits_nowhere_names_the_memory_that_would_fit():
+    ex = gpt2(layers=2, hidden=64, heads=4, vocab=256, batch=8, seq=32)
+    small = ClusterSpec.from_dict({**ClusterSpec.local(nprocs=2).to_dict(),
+                                   "device": {**ClusterSpec.local(2).device.model_dump(),
+                                              "memory_bytes": 10**6}})
+    with pytest.raises(autopar.PlanError, match=r"fits no layout .* at least 0\.00\d+ GB .*"
+                                                 r"fits none of nodes=\[2, 4, 8\]"):
+        autopar.plan(ex.model, small, ex.batch, ex.loss_fn, tp=1, pp=1)
+
+
+def test_compile_takes_a_plan_as_its_layout():
+    import torch
+
+    ex = gpt2(layers=2, hidden=64, heads=4, vocab=256, batch=8, seq=32)
+    plan = autopar.plan(ex.model, ClusterSpec.local(nprocs=1), ex.batch, ex.loss_fn)
+    assert plan.layout == autopar.Layout() and not plan.alternatives
+    step = autopar.compile(ex.model, None, ex.batch, ex.loss_fn, layout=plan)
+    assert torch.isfinite(step(*ex.batch))

@@ -1,0 +1,66 @@
+"""Costing a deep model from a few traced blocks (planner/scaled.py): the scaling
+rules by hand, the model restored, and scaled predictions against exact ones."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import autopar
+from autopar.compiler.planner import scaled as S
+from autopar.compiler.planner.estimate import Estimator
+from autopar.compiler.planner.summary import summarize
+from autopar.examples import causal_lm_loss, gpt2
+from tests.unit.test_cost_model import meta_gpt2
+
+logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
+
+
+def test_multiplicities_cover_every_block_as_evenly_as_possible():
+    assert S.multiplicities(128, 2) == (64, 64)
+    assert S.multiplicities(10, 4) == (3, 3, 2, 2)
+    assert sum(S.multiplicities(97, 8)) == 97
+
+
+def test_reduced_traces_the_first_blocks_and_restores_the_stack():
+    ex = gpt2(layers=6, hidden=32, heads=2, vocab=64, batch=2, seq=8)
+    blocks = ex.model.transformer.h
+    with S.reduced(ex.model, 2) as stack:
+        assert stack == ("transformer.h", 6) and len(ex.model.transformer.h) == 2
+        tg = autopar.trace(ex.model, ex.batch, ex.loss_fn)
+    assert ex.model.transformer.h is blocks and len(blocks) == 6
+    with S.reduced(ex.model, None) as stack:
+        assert len(ex.model.transformer.h) == 6
+    # block 1 of the 2 traced stands for 3 blocks: its ops run 3 times, its parameters
+    # and activations count 3 times
+    summary = summarize(tg)
+    scaled = S.scale_summary(summary, tg, (3, 3))
+    layers = S.op_layers(tg)
+    for op, big, layer in zip(summary.ops, scaled.ops, layers):
+        assert big.repeat == (3 if layer is not None else 1)
+        assert big.model_flops == op.model_flops * big.repeat
+        assert big.allocates == op.allocates * big.repeat
+    block_params = sum(n for n, b in zip(summary.param_numel, S.param_layers(tg)) if b is not None)
+    assert sum(scaled.param_numel) - sum(summary.param_numel) == 2 * block_params
+    whole = sum(p.numel() for p in ex.model.parameters())
+    assert sum(scaled.param_numel) == whole
+
+
+@pytest.mark.parametrize("fields", [dict(dp=8), dict(dp=4, tp=2),
+                                    dict(dp=2, pp=4, microbatches=8),
+                                    dict(dp=4, pp=2, microbatches=4, schedule="zero-bubble")])
+def test_scaled_predictions_match_exact_ones(fields):
+    model, batch = meta_gpt2(layers=8, hidden=256, heads=8, vocab=1000, batch=16, seq=64)
+    c = autopar.ClusterSpec.preset("dgx-h100")
+    layout = autopar.Layout(**fields)
+    exact = Estimator(model, c, batch, causal_lm_loss).predict(layout)
+    approx = Estimator(model, c, batch, causal_lm_loss, trace_blocks=2).predict(layout)
+    assert approx.flops_per_step == exact.flops_per_step
+    assert approx.step_time_s == pytest.approx(exact.step_time_s, rel=0.05)
+    if layout.pp == 1:
+        assert approx.peak_memory_bytes == pytest.approx(exact.peak_memory_bytes, rel=0.01)
+    else:  # the scaled pipeline's memory is the unpipelined step's: an upper bound
+        assert approx.peak_memory_bytes >= exact.peak_memory_bytes
+    with pytest.raises(ValueError, match="trace_blocks must be a positive integer"):
+        Estimator(model, c, batch, causal_lm_loss, trace_blocks=0)
