@@ -135,8 +135,6 @@ def unsupported_fields(layout: Layout) -> list[str]:
                    "whole parameters)")
     if layout.recompute != "none":
         out.append(f"recompute={layout.recompute!r}")
-    if layout.fusion:
-        out.append("fusion=True")
     return out
 
 

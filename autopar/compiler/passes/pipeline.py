@@ -5,6 +5,7 @@ from __future__ import annotations
 from autopar.compiler.passes.amp import AutoMixedPrecision
 from autopar.compiler.passes.assign_stages import AssignStages
 from autopar.compiler.passes.base import GraphPass
+from autopar.compiler.passes.fuse_regions import FuseRegions
 from autopar.compiler.passes.insert_allreduce import InsertAllReduce
 from autopar.compiler.passes.shard_parameters import ShardParameters
 from autopar.compiler.passes.tensor_parallel import TensorParallel
@@ -28,7 +29,8 @@ def default_passes(layout: Layout) -> list[GraphPass]:
     # before the op runs on local shards (collectives then carry half-precision values)
     first = [TensorParallel()] if layout.tp > 1 else []
     first += [AutoMixedPrecision()] if layout.amp != "off" else []
+    last = [FuseRegions()] if layout.fusion else []
     if is_pipelined(layout):
-        return first + [AssignStages()]
+        return first + [AssignStages()] + last
     sync = [InsertAllReduce()] if layout.dp > 1 else []
-    return first + sync + ([ShardParameters()] if layout.zero == 3 else [])
+    return first + sync + ([ShardParameters()] if layout.zero == 3 else []) + last
