@@ -42,6 +42,15 @@ def lit(value) -> str:
     return repr(value)
 
 
+def round_bf16(x: str) -> str:
+    """fp32 -> nearest bf16 (ties to even), kept in fp32. NOTE: Triton's interpreter casts
+    to bf16 by truncation (measured: 39.2x -> 39.0 where eager gives 39.25), so the bits
+    are rounded here; the cast after it is then exact on every backend."""
+    bits = f"{x}.to(tl.uint32, bitcast=True)"
+    rounded = f"(({bits} + 0x7FFF + (({bits} >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)"
+    return f"tl.where({x} != {x}, {x}, {rounded})"
+
+
 def _tanh(x: str) -> str:
     # NOTE: the interpreter cannot run libdevice, so tanh comes from exp: for |x| < 2^-4
     # the Taylor series (error < 1e-9) avoids the cancellation of 1 - exp(-2|x|)
@@ -201,6 +210,10 @@ ROW_OPS: dict[object, Callable[..., object]] = {
     aten.native_layer_norm_backward.default: _layer_norm_backward,
     aten.sum.dim_IntList: _sum, aten.mean.dim: _mean, aten.amax.default: _amax,
 }
+# passes over its inputs an unfused aten op makes. NOTE: PyTorch's CUDA layer-norm backward
+# launches a dX kernel and a separate dgamma/dbeta kernel (layer_norm_kernel.cu), each
+# reading dY and X; the fused row kernel reads them once
+ATEN_INPUT_PASSES = {aten.native_layer_norm_backward.default: 2}
 REDUCTIONS = frozenset({aten.sum.dim_IntList, aten.mean.dim, aten.amax.default})
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

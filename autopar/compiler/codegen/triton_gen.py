@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from autopar.compiler.codegen.ops import (CAST, POINTWISE, ROW_OPS, TL_DTYPES, Row, Unsupported,
-                                          lit)
+                                          lit, round_bf16)
 
 FULL, ROW, COLUMN = "full", "row", "column"
 POINTWISE_BLOCK = 1024
@@ -99,6 +99,8 @@ class _Emitter:
     def _full_shape(self) -> tuple[int, ...]:
         shapes = [tuple(a.shape) for a in self.args]
         for n in self.ops:
+            if not isinstance(n.meta.get("val"), (torch.Tensor, tuple, list)):
+                continue  # getitem of an output the op does not compute (None)
             s = _shape(n)
             shapes += [x for x in s if x is not None] if isinstance(s, list) else [s]
         full = max(shapes, key=_numel)
@@ -218,6 +220,8 @@ class _Emitter:
         # the original op's strides (eager keeps an input's layout; later views rely on it)
         off = self.offset(TensorArg(spec.shape, spec.stride, val.dtype), spec.shape, kind == FULL)
         masked = ", mask=mask" if kind == FULL else ""
+        if val.dtype == torch.bfloat16:
+            value = self.temp(round_bf16(value))
         self.lines.append(f"tl.store(out{k} + ({off}), ({value}).to({TL_DTYPES[val.dtype]}){masked})")
         return dataclasses.replace(spec, kind=kind)
 
@@ -229,6 +233,8 @@ def _cast(x: str, src: torch.dtype, dst: torch.dtype) -> str:
         return f"{x}.to(tl.float32)"
     if dst == torch.float32:
         return x
+    if dst == torch.bfloat16:
+        return round_bf16(x)
     return f"{x}.to({TL_DTYPES[dst]}).to(tl.float32)"  # round through the narrow dtype
 
 

@@ -38,8 +38,8 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from autopar.compiler.codegen.kernels import FUSED_OP, register_region
-from autopar.compiler.codegen.ops import (POINTWISE, ROW_OPS, Unsupported, has_lowering,
-                                          unsupported_reason)
+from autopar.compiler.codegen.ops import (ATEN_INPUT_PASSES, POINTWISE, ROW_OPS, Unsupported,
+                                          has_lowering, unsupported_reason)
 from autopar.compiler.codegen.triton_gen import TensorArg
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.annotate import tensor_bytes
@@ -101,9 +101,14 @@ def _subgraph(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node
 
 
 def _bytes_unfused(nodes: list[fx.Node]) -> int:
-    return sum(tensor_bytes(a.meta.get(M.VAL)) for n in nodes if n.target is not operator.getitem
-               for a in n.all_input_nodes) + sum(tensor_bytes(n.meta.get(M.VAL)) for n in nodes
-                                                if n.target is not operator.getitem)
+    """Bytes the region's ops move as aten ops: each reads its inputs (twice for ops with
+    two kernels, ATEN_INPUT_PASSES) and writes its output."""
+    total = 0
+    for n in nodes:
+        if n.target is not operator.getitem:
+            reads = sum(tensor_bytes(a.meta.get(M.VAL)) for a in n.all_input_nodes)
+            total += reads * ATEN_INPUT_PASSES.get(n.target, 1) + tensor_bytes(n.meta.get(M.VAL))
+    return total
 
 
 def _region_name(nodes: list[fx.Node]) -> str:
