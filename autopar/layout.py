@@ -43,7 +43,7 @@ class Layout:
     recompute: str = "none"
     amp: str = "off"
     sequence_parallel: bool = False
-    fusion: bool = False
+    fusion: bool = True
     # communication options
     bucket_mb: float = 25.0
     overlap_comm: bool = True

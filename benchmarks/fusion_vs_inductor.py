@@ -29,7 +29,9 @@ from autopar.compiler.codegen.listing import kernel_rows
 from autopar.compiler.ir import meta as M
 from autopar.examples import load_example
 
-_NO_KERNEL = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
+# views that the schema does not mark as views: they move no data and launch nothing
+_NO_KERNEL = {torch.ops.aten.detach.default, torch.ops.aten.alias.default,
+              torch.ops.aten._unsafe_view.default}
 
 
 def launches(tg, matmuls: bool = True) -> int:

@@ -135,11 +135,26 @@ def test_casts_round_as_eager(a, n, seed):
 
 
 def test_unsupported_region_says_why():
-    x = torch.randn(4, 6)
-    region = region_of(lambda x: [x * 2.0, aten.sum.dim_IntList(x, [-1]) + 1.0,
-                                  aten.sum.dim_IntList(x, [0])], x)
+    x, w = torch.randn(4, 6), torch.randn(6)
+    region = region_of(lambda x, w: [x * 2.0, w * 3.0], x, w)
     with pytest.raises(Unsupported, match="shape"):
+        generate(region.gm, [TensorArg.of(x), TensorArg.of(w)])
+    region = region_of(lambda x: [aten.amax(x, [0]) * 2.0], x)
+    with pytest.raises(Unsupported, match="reduces dims"):
         generate(region.gm, [TensorArg.of(x)])
+
+
+@SETTINGS
+@given(a=dims, b=dims, n=cols, seed=st.integers(0, 99))
+def test_views_and_column_sums(a, b, n, seed):
+    """A backward chain through a reshape into a bias gradient (sum over all rows)."""
+    x, dy = _rand((a, b, n), torch.float32, seed), _rand((a * b, n), torch.float32, seed + 1)
+
+    def fn(x, dy):
+        g = aten.gelu_backward(aten.view(dy, [a, b, n]), x)
+        flat = aten.view(g, [a * b, n])
+        return [flat, aten.sum.dim_IntList(flat, [0], True), aten.sum.dim_IntList(g, [0, 1])]
+    assert_error_model(*run_both(fn, x, dy))
 
 
 def test_cache_compiles_once_per_input_layout():

@@ -46,7 +46,17 @@ class FusedRegion:
         return generate(self.gm, args, self.name)
 
     def fallback(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        return list(self.gm(*inputs))
+        """The region's own aten ops. An output that is a view of another output (a
+        region may return a value and its reshape) is copied: a custom op's outputs
+        must not alias each other or its inputs."""
+        outs = list(self.gm(*inputs))
+        seen = {t.untyped_storage().data_ptr() for t in inputs}
+        for i, t in enumerate(outs):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen:
+                outs[i] = t.clone()
+            seen.add(ptr)
+        return outs
 
     def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         backend = _state["backend"]

@@ -187,7 +187,7 @@ def _layer_norm_backward(r: Row, dy, x, shape, mean, rstd, weight, bias, mask):
     g = r.emit(f"({dy} * {weight})" if weight is not None else dy)
     dx = f"({rstd} * ({g} - {r.sum(g)} / {r.n}.0 - {xhat} * {r.sum(f'{g} * {xhat}')} / {r.n}.0))"
     # weight and bias gradients sum over rows: column partials, added atomically
-    return dx, f"COLUMN({dy} * {xhat})", f"COLUMN({dy})"
+    return dx, f"COLUMN(cols, {dy} * {xhat})", f"COLUMN(cols, {dy})"
 
 
 def _sum(r: Row, x, dims, keepdim=False, dtype=None):
@@ -214,6 +214,10 @@ ROW_OPS: dict[object, Callable[..., object]] = {
 # launches a dX kernel and a separate dgamma/dbeta kernel (layer_norm_kernel.cu), each
 # reading dY and X; the fused row kernel reads them once
 ATEN_INPUT_PASSES = {aten.native_layer_norm_backward.default: 2}
+# reshapes of contiguous tensors: the same elements in the same order, so inside a kernel
+# a view is a new name for its input (a region no longer ends at every reshape)
+VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.unsqueeze.default,
+                   aten.squeeze.dim, aten.squeeze.dims})
 REDUCTIONS = frozenset({aten.sum.dim_IntList, aten.mean.dim, aten.amax.default})
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -244,7 +248,23 @@ def _reduced_dim_reason(node: fx.Node) -> str | None:
 
 
 def has_lowering(node: fx.Node) -> bool:
-    return node.target in POINTWISE or node.target in ROW_OPS or node.target == CAST
+    return (node.target in POINTWISE or node.target in ROW_OPS or node.target == CAST
+            or node.target in VIEWS)
+
+
+def is_column_sum(node: fx.Node) -> bool:
+    """A sum over every dim but the last (a bias gradient): summed with atomics per column."""
+    if node.target != aten.sum.dim_IntList:
+        return False
+    x = _val(node.args[0])
+    dims = node.args[1]
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or not isinstance(dims, (list, tuple)):
+        return False
+    return sorted(d % x.dim() for d in dims) == list(range(x.dim() - 1))
+
+
+def is_row_op(node: fx.Node) -> bool:
+    return node.target in ROW_OPS and not is_column_sum(node)
 
 
 def unsupported_reason(node: fx.Node) -> str | None:
@@ -271,6 +291,11 @@ def unsupported_reason(node: fx.Node) -> str | None:
     if node.target == aten.native_layer_norm_backward.default and \
             any(isinstance(v, torch.Tensor) and v.dtype != torch.float32 for v in outs[1:]):
         return "layer norm backward with half-precision weights (summed with fp32 atomics)"
+    if node.target in VIEWS and not all(t.is_contiguous() for t in tensors):
+        return "a view of a non-contiguous tensor (a kernel reads views as reshapes)"
+    if is_column_sum(node):
+        return None if outs[0].dtype == torch.float32 and len(node.args) <= 3 and \
+            node.kwargs.get("dtype") is None else "a column sum into a non-fp32 tensor (atomics)"
     if node.target in ROW_OPS:
         return _reduced_dim_reason(node)
     return None

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopar.compiler.codegen.ops import (CAST, POINTWISE, ROW_OPS, TL_DTYPES, Row, Unsupported,
-                                          lit, round_bf16)
+from autopar.compiler.codegen.ops import (CAST, POINTWISE, ROW_OPS, TL_DTYPES, VIEWS, Row,
+                                          Unsupported, is_column_sum, is_row_op, lit,
+                                          round_bf16, unsupported_reason)
 
 FULL, ROW, COLUMN = "full", "row", "column"
 POINTWISE_BLOCK = 1024
@@ -85,19 +86,22 @@ class _Emitter:
 
     def __init__(self, gm: fx.GraphModule, args: list[TensorArg]):
         self.gm = gm
-        self.args = args
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        # node -> (input index, how the kernel reads it): placeholders and views of them
+        self.sources = {p: (i, a) for i, (p, a) in enumerate(zip(self.placeholders, args))}
         self.ops = [n for n in gm.graph.nodes if n.op == "call_function"]
         self.outputs = list(gm.graph.output_node().args[0])
-        self.row_kernel = any(n.target in ROW_OPS for n in self.ops)
-        self.full = self._full_shape()
+        self.row_kernel = any(is_row_op(n) for n in self.ops)
+        self.full = self._full_shape(args)
+        self.rows = _numel(self.full[:-1]) if self.row_kernel else 0
         self.lines: list[str] = []
         self.values: dict[fx.Node, object] = {}
-        self.loads: dict[tuple[fx.Node, str], str] = {}
+        self.loads: dict[tuple, str] = {}
+        self.indices: dict[tuple[int, ...], list[str]] = {}
         self.count = 0
 
-    def _full_shape(self) -> tuple[int, ...]:
-        shapes = [tuple(a.shape) for a in self.args]
+    def _full_shape(self, args) -> tuple[int, ...]:
+        shapes = [tuple(a.shape) for a in args]
         for n in self.ops:
             if not isinstance(n.meta.get("val"), (torch.Tensor, tuple, list)):
                 continue  # getitem of an output the op does not compute (None)
@@ -115,10 +119,13 @@ class _Emitter:
         return name
 
     def cls(self, shape) -> str:
+        """FULL: every element of the iteration space (any contiguous reshape of F that
+        keeps the row length); ROW: one value per row."""
         shape = tuple(shape)
-        if shape == self.full:
+        if _numel(shape) == _numel(self.full) and (
+                not self.row_kernel or (shape and shape[-1] == self.full[-1])):
             return FULL
-        if self.row_kernel and shape in (self.full[:-1], self.full[:-1] + (1,)):
+        if self.row_kernel and _numel(shape) == self.rows:
             return ROW
         raise Unsupported(f"a value of shape {list(shape)} inside a kernel over "
                           f"{list(self.full)} (one output shape per kernel)")
@@ -126,45 +133,49 @@ class _Emitter:
     # -- index space ------------------------------------------------------------------------
 
     def prologue(self) -> list[str]:
-        dims = len(self.full)
         if self.row_kernel:
-            lines = ["row = tl.program_id(0)", "cols = tl.arange(0, BLOCK)",
-                     f"mask = cols < {self.full[-1]}", "zero = cols * 0", "rem = row"]
-            index_dims = range(dims - 2, -1, -1)
-            lines.append(f"i{dims - 1} = cols")
-        else:
-            lines = ["lin = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)",
-                     f"mask = lin < {_numel(self.full)}", "zero = lin * 0", "rem = lin"]
-            index_dims = range(dims - 1, -1, -1)
-        for d in index_dims:
-            lines += [f"i{d} = rem % {self.full[d]}", f"rem = rem // {self.full[d]}"]
-        return lines
+            return ["row = tl.program_id(0)", "cols = tl.arange(0, BLOCK)",
+                    f"mask = cols < {self.full[-1]}", "zero = cols * 0"]
+        return ["lin = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)",
+                f"mask = lin < {_numel(self.full)}", "zero = lin * 0"]
 
-    def offset(self, arg: TensorArg, target: tuple[int, ...], vector: bool) -> str:
-        """Element offset of `arg` broadcast (right-aligned) to `target`, one of F,
-        F[:-1] + (1,) or F[:-1], whose dims map to the index variables i0.."""
-        terms = []
+    def index(self, shape: tuple[int, ...]) -> list[str]:
+        """Index variables of `shape`'s dims for this program's elements: decomposed from
+        the linear index (pointwise), from the row index (+ the columns for FULL shapes)."""
+        shape = tuple(shape)
+        if shape not in self.indices:
+            full = self.cls(shape) == FULL
+            lead = shape[:-1] if self.row_kernel and full else shape
+            names = [f"x{len(self.indices)}_{d}" for d in range(len(lead))]
+            self.lines.append(f"rem = {'row' if self.row_kernel else 'lin'}")
+            for d in reversed(range(len(lead))):
+                self.lines += [f"{names[d]} = rem % {lead[d]}", f"rem = rem // {lead[d]}"]
+            self.indices[shape] = names + (["cols"] if self.row_kernel and full else [])
+        return self.indices[shape]
+
+    def offset(self, arg: TensorArg, target: tuple[int, ...]) -> str:
+        """Element offset of `arg` broadcast (right-aligned) to `target`."""
+        vector = self.cls(target) == FULL
+        index = self.index(target)
         lead = len(target) - len(arg.shape)
         if lead < 0:
             raise Unsupported(f"input of shape {list(arg.shape)} broadcast to {list(target)}")
+        terms = []
         for i, (size, stride) in enumerate(zip(arg.shape, arg.stride)):
-            d = i + lead
             if size == 1:
                 continue
-            if size != target[d] or (d == len(self.full) - 1 and target != self.full):
+            if size != target[i + lead]:
                 raise Unsupported(f"input of shape {list(arg.shape)} does not broadcast to "
                                   f"{list(target)}")
-            terms.append(f"i{d} * {stride}")
+            terms.append(f"{index[i + lead]} * {stride}")
         return " + ".join(terms + (["zero"] if vector else [])) or "0"
 
     def load(self, node: fx.Node, target: tuple[int, ...]) -> str:
-        vector = self.cls(target) == FULL
         key = (node, tuple(target))
         if key not in self.loads:
-            index = self.placeholders.index(node)
-            arg = self.args[index]
-            off = self.offset(arg, tuple(target), vector)
-            masked = ", mask=mask, other=0" if vector else ""
+            index, arg = self.sources[node]
+            off = self.offset(arg, tuple(target))
+            masked = ", mask=mask, other=0" if self.cls(target) == FULL else ""
             cast = "" if arg.dtype == torch.bool else ".to(tl.float32)"
             self.loads[key] = self.temp(f"tl.load(in{index} + ({off}){masked}){cast}")
         return self.loads[key]
@@ -174,11 +185,14 @@ class _Emitter:
     def operand(self, a, target, node: fx.Node):
         if not isinstance(a, fx.Node):
             return lit(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else a
-        if a.op == "placeholder":
+        if a in self.sources:
             return self.load(a, target)
         value = self.values[a]
-        shape = _shape(a)
-        if self.cls(target) == FULL and len(shape) != len(target) and shape != target:
+        if isinstance(value, str) and value.startswith("COLUMN("):
+            raise Unsupported(f"{node.name} uses the column sum {a.name} inside its kernel")
+        shape = _strip(_shape(a))
+        if self.cls(_shape(a)) == ROW and self.cls(target) == FULL and \
+                shape != _strip(tuple(target[:-1]) + (1,)):
             raise Unsupported(f"{node.name} broadcasts a row value of shape {list(shape)} "
                               f"against {list(target)}")
         if a.meta["val"].dtype == torch.bool and node.target not in (
@@ -186,17 +200,36 @@ class _Emitter:
             return f"{value}.to(tl.float32)"
         return value
 
+    def emit_view(self, node: fx.Node) -> None:
+        src = node.args[0]
+        if src not in self.sources:
+            self.values[node] = self.values[src]  # same elements, same order: a new name
+            return
+        index, arg = self.sources[src]
+        if arg.stride != _contiguous(arg.shape):
+            raise Unsupported(f"{node.name} views an input with strides {list(arg.stride)}")
+        shape = tuple(node.meta["val"].shape)
+        self.sources[node] = (index, TensorArg(shape, _contiguous(shape), arg.dtype))
+
     def emit_op(self, node: fx.Node) -> None:
         if node.target is operator.getitem:
             self.values[node] = self.values[node.args[0]][node.args[1]]
-            return
-        if node.target in ROW_OPS:
-            args = [self.operand(a, self.full, node) for a in node.args]
+        elif node.target in VIEWS:
+            self.emit_view(node)
+        elif is_column_sum(node):
+            x = self.operand(node.args[0], _shape(node.args[0]), node)
+            self.values[node] = (f"COLUMN({self.index(_shape(node.args[0]))[-1]}, {x})")
+        elif node.target in ROW_OPS:
+            target = _shape(node.args[0])
+            args = [self.operand(a, target, node) for a in node.args]
             out = ROW_OPS[node.target](Row(self.temp, self.full[-1]), *args, **node.kwargs)
             outs = out if isinstance(out, tuple) else (out,)
             names = tuple(self._name(o) for o in outs)
             self.values[node] = names if isinstance(out, tuple) else names[0]
-            return
+        else:
+            self.emit_pointwise(node)
+
+    def emit_pointwise(self, node: fx.Node) -> None:
         target = _shape(node)
         self.cls(target)
         args = [self.operand(a, target, node) for a in node.args]
@@ -211,19 +244,39 @@ class _Emitter:
         return expr if expr.startswith("COLUMN(") else self.temp(expr)
 
     def store(self, k: int, node: fx.Node) -> OutputSpec:
-        value, val = self.values[node], node.meta["val"]
+        val = node.meta["val"]
         spec = OutputSpec(tuple(val.shape), tuple(val.stride()), val.dtype, FULL)
+        if node in self.sources:
+            raise Unsupported(f"output {node.name} is a view of an input")
+        value = self.values[node]
         if isinstance(value, str) and value.startswith("COLUMN("):
-            self.lines.append(f"tl.atomic_add(out{k} + cols, {value[7:-1]}, mask=mask)")
+            column, expr = value[7:-1].split(", ", 1)  # layer norm's: over this row's columns
+            self.lines.append(f"tl.atomic_add(out{k} + {column}, {expr}, mask=mask)")
             return dataclasses.replace(spec, kind=COLUMN)
         kind = self.cls(val.shape)
         # the original op's strides (eager keeps an input's layout; later views rely on it)
-        off = self.offset(TensorArg(spec.shape, spec.stride, val.dtype), spec.shape, kind == FULL)
+        off = self.offset(TensorArg(spec.shape, spec.stride, val.dtype), spec.shape)
         masked = ", mask=mask" if kind == FULL else ""
         if val.dtype == torch.bfloat16:
             value = self.temp(round_bf16(value))
         self.lines.append(f"tl.store(out{k} + ({off}), ({value}).to({TL_DTYPES[val.dtype]}){masked})")
         return dataclasses.replace(spec, kind=kind)
+
+
+def _strip(shape) -> tuple[int, ...]:
+    """A shape without its leading 1s (broadcasting ignores them)."""
+    shape = tuple(shape)
+    while shape and shape[0] == 1:
+        shape = shape[1:]
+    return shape
+
+
+def _contiguous(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _cast(x: str, src: torch.dtype, dst: torch.dtype) -> str:
@@ -247,10 +300,11 @@ def generate(gm: fx.GraphModule, args: list[TensorArg], name_hint: str = "fused"
     Unsupported (with the reason) for a region the generator cannot emit."""
     em = _Emitter(gm, args)
     for node in em.ops:
+        reason = unsupported_reason(node)
+        if reason is not None:
+            raise Unsupported(f"{node.name}: {reason}")
         em.emit_op(node)
     outputs = tuple(em.store(k, node) for k, node in enumerate(em.outputs))
-    if any(o.kind == COLUMN for o in outputs) and not em.row_kernel:
-        raise Unsupported("column sums outside a row kernel")
     params = [f"in{i}" for i in range(len(args))] + [f"out{k}" for k in range(len(outputs))]
     body = em.prologue() + em.lines
     digest = hashlib.sha256("\n".join(body).encode()).hexdigest()[:12]

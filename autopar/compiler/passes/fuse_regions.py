@@ -38,8 +38,9 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from autopar.compiler.codegen.kernels import FUSED_OP, register_region
-from autopar.compiler.codegen.ops import (ATEN_INPUT_PASSES, POINTWISE, ROW_OPS, Unsupported,
-                                          has_lowering, unsupported_reason)
+from autopar.compiler.codegen.ops import (ATEN_INPUT_PASSES, POINTWISE, ROW_OPS, VIEWS,
+                                          Unsupported, has_lowering, is_column_sum,
+                                          is_row_op, unsupported_reason)
 from autopar.compiler.codegen.triton_gen import TensorArg
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.annotate import tensor_bytes
@@ -116,6 +117,20 @@ def _region_name(nodes: list[fx.Node]) -> str:
         [n.target for n in nodes if n.target in POINTWISE]
     base = named[0]._schema.name.split("::")[-1].lstrip("_") if named else "fused"
     return f"{base}_x{len(nodes)}"
+
+
+def _trim_views(nodes: list[fx.Node]) -> list[fx.Node]:
+    """Leave out views of the region's inputs whose values are also used outside it:
+    a kernel output cannot be a view of its input (they read the input through the view
+    instead). They sit at the region's boundary, so no cycle appears."""
+    nodes = list(nodes)
+    while True:
+        inside = set(nodes)
+        edge = [n for n in nodes if n.target in VIEWS and not set(n.all_input_nodes) & inside
+                and any(u not in inside for u in n.users)]
+        if not edge:
+            return nodes
+        nodes = [n for n in nodes if n not in edge]
 
 
 class _Region:
@@ -198,35 +213,104 @@ class FuseRegions(GraphPass):
             return tg, PassResult(self.name, changed=False, declined=[("fusion", "Layout.fusion=False")])
         out = tg.copy()
         rejected: dict[fx.Node, str] = {}
-        declined: list[tuple[str, str]] = []
-        first: dict[fx.Node, float] = {}
-        order = {n: i for i, n in enumerate(out.graph.nodes)}
+        declined: dict[tuple[str, str], fx.Node] = {}
         stats = Counter()
-        for nodes in _candidates(out, rejected):
-            if all(n.target is operator.getitem for n in nodes):
-                continue
-            region = _Region(nodes)
-            if region.bytes_after >= region.bytes_before:
-                continue  # a lone op (or a region saving nothing) stays an aten op
-            try:
-                fused = register_region(region.gm, region.args, _region_name(nodes))
-                fused.source(region.args)
-            except Unsupported as exc:
-                declined.append((region.describe(), str(exc)))
-                continue
-            start = min(order[n] for n in nodes)
-            _replace(out, region, fused.key, fused.name)
-            stats["kernels"] += 1
-            stats["ops_fused"] += sum(n.target is not operator.getitem for n in nodes)
-            stats["bytes_saved"] += region.bytes_before - region.bytes_after
-            first.update({n: start + 0.5 for n in out.graph.nodes if n not in order})
-            order.update({n: start + 0.5 for n in out.graph.nodes if n not in order})
-        stable_toposort(out.graph, first)
+        # NOTE: rounds until nothing more fuses: what a round peels off a region (another
+        # iteration shape) is proposed again, as its own region, in the next round
+        while _fuse_round(out, rejected, declined, stats):
+            pass
         out.gm.recompile()
-        for reason, count in Counter(rejected.values()).items():
-            declined.append((f"{count} op(s)", reason))
+        alive = set(out.graph.nodes)
+        reasons = [what for what, node in declined.items() if node in alive]
+        reasons += [(f"{count} op(s)", why) for why, count in Counter(rejected.values()).items()]
         return out, PassResult(self.name, changed=stats["kernels"] > 0, stats=dict(stats),
-                               declined=declined)
+                               declined=reasons)
+
+
+def _fuse_round(out: TrainGraph, rejected, declined, stats) -> int:
+    """Fuse every profitable region the partitioner proposes now; the number fused."""
+    order = {n: i for i, n in enumerate(out.graph.nodes)}
+    first: dict[fx.Node, float] = {}
+    fused_now = 0
+    for nodes in _candidates(out, rejected):
+        found = _emit(nodes, order, declined)
+        if found is None:
+            continue
+        region, fused = found
+        start = min(order[n] for n in region.nodes)
+        _replace(out, region, fused.key, fused.name)
+        fused_now += 1
+        stats["kernels"] += 1
+        stats["ops_fused"] += sum(n.target is not operator.getitem for n in region.nodes)
+        stats["bytes_saved"] += region.bytes_before - region.bytes_after
+        first.update({n: start + 0.5 for n in out.graph.nodes if n not in order})
+        order.update({n: start + 0.5 for n in out.graph.nodes if n not in order})
+    stable_toposort(out.graph, first)
+    return fused_now
+
+
+def _emit(nodes: list[fx.Node], order, declined):
+    """(region, its registered kernel) for a candidate partition, or None: unprofitable,
+    or the code generator declined it and its largest-shape part (recorded in `declined`)."""
+    nodes = _trim_views(nodes)
+    for attempt in (nodes, _peel(nodes)):
+        if not attempt or all(n.target is operator.getitem or n.target in VIEWS for n in attempt):
+            return None
+        if attempt is not nodes and (attempt == nodes or _has_cycle(attempt, order)):
+            return None
+        region = _Region(attempt)
+        if region.bytes_after >= region.bytes_before:
+            return None  # a lone op (or a region saving nothing) stays an aten op
+        try:
+            fused = register_region(region.gm, region.args, _region_name(attempt))
+            fused.source(region.args)
+            return region, fused
+        except Unsupported as exc:
+            declined.setdefault((region.describe(), str(exc)), attempt[0])
+    return None
+
+
+def _domain(node: fx.Node) -> int:
+    """Elements of the iteration a node belongs to (a reduction: its input's)."""
+    src = node.args[0] if node.target is operator.getitem else node
+    val = src.args[0].meta[M.VAL] if is_row_op(src) or is_column_sum(src) else src.meta[M.VAL]
+    val = next((v for v in val if isinstance(v, torch.Tensor)), None) \
+        if isinstance(val, (tuple, list)) else val
+    return val.numel() if isinstance(val, torch.Tensor) else 0
+
+
+def _peel(nodes: list[fx.Node]) -> list[fx.Node]:
+    """The part of a region over its largest iteration: nodes of other sizes are taken off
+    its input and output sides (Llama's rotary tables feed both the query's and the
+    smaller key's chain: the query's chain stays, the rest is proposed again later)."""
+    if not nodes:
+        return nodes
+    domain = max(_domain(n) for n in nodes)
+    kept = list(nodes)
+    while True:
+        inside = set(kept)
+        edge = {n for n in kept if _domain(n) != domain
+                and (not set(n.all_input_nodes) & inside or not set(n.users) & inside)}
+        if not edge:
+            return kept
+        kept = [n for n in kept if n not in edge]
+
+
+def _has_cycle(nodes: list[fx.Node], order: dict[fx.Node, float]) -> bool:
+    """Whether a path leaves `nodes` and comes back (fusing them would make a cycle)."""
+    inside, last = set(nodes), max(order[n] for n in nodes)
+    stack = [u for n in nodes for u in n.users if u not in inside]
+    seen: set[fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        if node in seen or order.get(node, last + 1) > last:
+            continue
+        seen.add(node)
+        for user in node.users:
+            if user in inside:
+                return True
+            stack.append(user)
+    return False
 
 
 __all__ = ["FuseRegions", "FUSED_KEY", "FUSED_OPS", "stable_toposort"]
