@@ -63,7 +63,7 @@ def compile(model: torch.nn.Module, cluster: Any = None,  # noqa: A001 - the con
     if todo:
         raise LayoutError(f"{layout}: not supported yet: {', '.join(todo)}. Supported now: dp, "
                           "tp, pp, microbatches, schedule, sequence_parallel, bucket_mb, "
-                          "overlap_comm, amp, grad_comm_dtype")
+                          "overlap_comm, amp, grad_comm_dtype, zero, fusion")
     layout.check_world_size(world)
     parse_amp_lists(amp_lists)  # a misspelt op fails before the (slow) trace
     example_inputs = tuple(example_inputs)

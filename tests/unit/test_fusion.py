@@ -233,3 +233,16 @@ def test_property_every_op_in_at_most_one_kernel_and_values_kept(steps):
     with backend("triton"):
         got = out.gm(*params, x)
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(got, want))
+
+
+def test_cli_kernels_writes_every_kernel(tmp_path):
+    import json
+
+    from autopar.cli import main
+
+    assert main(["kernels", "gpt2-tiny", "--out", str(tmp_path)]) == 0
+    index = json.loads((tmp_path / "kernels.json").read_text())
+    assert len(index) >= 10 and {row["kind"] for row in index} == {"pointwise", "row"}
+    for row in index:
+        text = (tmp_path / f"{row['kernel']}.py").read_text()
+        assert "@triton.jit" in text and f"def {row['kernel']}(" in text
