@@ -174,3 +174,14 @@ def test_bf16_cast_ties_to_even():
                        float("nan"), 0.0]])
     got, eager, _ = run_both(lambda x: [aten._to_copy(x, dtype=torch.bfloat16)], x)
     assert torch.allclose(got[0].float(), eager[0].float(), equal_nan=True, rtol=0, atol=0)
+
+
+def test_custom_op_passes_opcheck():
+    """Schema, fake (meta) implementation and AOT dispatch of autopar::fused, with a region
+    whose outputs include a reshape of another output (the fallback copies it)."""
+    from torch.library import opcheck
+
+    x = torch.randn(4, 6)
+    region = region_of(lambda x: [torch.exp(x) * 2.0, aten.view(torch.exp(x) * 2.0, [24])], x)
+    result = opcheck(torch.ops.autopar.fused.default, (region.key, [x]))
+    assert set(result.values()) == {"SUCCESS"}, result

@@ -136,7 +136,7 @@ def fused(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
 
 @fused.register_fake
 def _fused_fake(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [t.clone() for t in region(key).fallback(inputs)]
+    return [t.clone() for t in region(key).gm(*inputs)]  # fresh outputs, no aliasing
 
 
 FUSED_OP = torch.ops.autopar.fused.default
