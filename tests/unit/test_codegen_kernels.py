@@ -187,3 +187,15 @@ def test_custom_op_passes_opcheck():
     region = region_of(lambda x: [torch.exp(x) * 2.0, aten.view(torch.exp(x) * 2.0, [24])], x)
     result = opcheck(torch.ops.autopar.fused.default, (region.key, [x]))
     assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_limits_are_declined_with_reasons():
+    """Rows wider than one block, and tensors beyond int32 offsets, are not emitted."""
+    wide = torch.randn(2, 20000)  # a vocabulary-sized softmax
+    region = region_of(lambda x: [aten._softmax(x, -1, False)], wide)
+    with pytest.raises(Unsupported, match="wider than one block"):
+        generate(region.gm, [TensorArg.of(wide)])
+    region = region_of(lambda x: [x * 2.0], torch.randn(2, 8))
+    huge = TensorArg((2, 8), (2 ** 31, 1), torch.float32)
+    with pytest.raises(Unsupported, match="int32"):
+        generate(region.gm, [huge])

@@ -34,6 +34,12 @@ from autopar.compiler.codegen.ops import (CAST, POINTWISE, ROW_OPS, TL_DTYPES, V
 
 FULL, ROW, COLUMN = "full", "row", "column"
 POINTWISE_BLOCK = 1024
+# NOTE: a row kernel holds a whole row in one block; Triton caps a block at 2^20 elements
+# (tl.TRITON_MAX_TENSOR_NUMEL) and registers run out long before. Wider rows (a 50k
+# vocabulary's softmax) are declined until a looped row kernel exists; 2^14 is an
+# assumption, not measured on a GPU (none on the development machine)
+MAX_ROW_BLOCK = 1 << 14
+INT32_LIMIT = 2 ** 31  # offsets are int32 (program ids and aranges are)
 
 
 @dataclass(frozen=True)
@@ -291,6 +297,16 @@ def _cast(x: str, src: torch.dtype, dst: torch.dtype) -> str:
     return f"{x}.to({TL_DTYPES[dst]}).to(tl.float32)"  # round through the narrow dtype
 
 
+def _check_limits(em: _Emitter, args: list[TensorArg]) -> None:
+    if em.row_kernel and _next_pow2(em.full[-1]) > MAX_ROW_BLOCK:
+        raise Unsupported(f"rows of {em.full[-1]} elements, wider than one block of "
+                          f"{MAX_ROW_BLOCK} (a looped row kernel is not emitted yet)")
+    extents = [_numel(em.full)] + [sum((n - 1) * st for n, st in zip(a.shape, a.stride)) + 1
+                                   for a in args if _numel(a.shape)]
+    if max(extents) >= INT32_LIMIT:
+        raise Unsupported(f"a tensor spanning {max(extents)} elements (offsets are int32)")
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -299,6 +315,7 @@ def generate(gm: fx.GraphModule, args: list[TensorArg], name_hint: str = "fused"
     """The Triton source of region `gm` for inputs described by `args`; raises
     Unsupported (with the reason) for a region the generator cannot emit."""
     em = _Emitter(gm, args)
+    _check_limits(em, args)
     for node in em.ops:
         reason = unsupported_reason(node)
         if reason is not None:
