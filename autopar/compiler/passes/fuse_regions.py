@@ -6,13 +6,15 @@ outputs are taken apart with getitem; the region's original aten ops become the
 kernel's eager fallback and the source of its Triton kernel.
 
 - Candidates: ops with a Triton lowering (codegen/ops.py: pointwise ops with
-  broadcasting, reductions over the last dim, softmax, log-softmax, layer norm and
-  their backwards). Matmuls, views, collectives and `comm` nodes are never fused.
+  broadcasting, reductions over the last dim, column sums, softmax, log-softmax,
+  layer norm and their backwards, reshapes of contiguous tensors). Matmuls,
+  attention, other views, collectives and `comm` nodes are never fused.
 - Legality: torch.fx's CapabilityBasedPartitioner groups connected candidates
   without a cycle through the rest of the graph; it runs once per program (forward
   or backward of a pipeline stage), so no kernel spans two programs. The code
   generator then accepts the region (one iteration shape, or a row kernel with
-  per-row and column outputs) or says why not.
+  per-row and column outputs) or says why not; a region over two sizes is cut to its
+  largest part and the rest proposed again in the next round (see `_peel`).
 - Profitability: a region is fused when it moves fewer bytes than its ops did
   unfused (each op reading its inputs and writing its output, as the cost model
   counts them); a lone op gains nothing and stays an aten op.
