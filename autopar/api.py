@@ -22,7 +22,7 @@ from autopar.compiler.planner.memory import profile_optimizer
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
 from autopar.compiler.passes.manager import PassManager, get_pass
 from autopar.compiler.passes.pipeline import default_passes, is_pipelined
-from autopar.layout import Layout, LayoutError, Plan, unsupported_fields
+from autopar.layout import Layout, LayoutError, Plan
 from autopar.logs import configure_from_env
 from autopar.runtime.executor import DistributedStep, OptimizerFactory
 from autopar.runtime.mesh import launched_rank, launched_world_size
@@ -61,11 +61,6 @@ def compile(model: torch.nn.Module, cluster: Any = None,  # noqa: A001 - the con
     layout = layout.layout if isinstance(layout, Plan) else layout
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be an autopar.Layout or Plan, got {type(layout).__name__}")
-    todo = unsupported_fields(layout)
-    if todo:
-        raise LayoutError(f"{layout}: not supported yet: {', '.join(todo)}. Supported now: dp, "
-                          "tp, pp, microbatches, schedule, sequence_parallel, zero, recompute, "
-                          "bucket_mb, overlap_comm, amp, grad_comm_dtype")
     layout.check_world_size(world)
     parse_amp_lists(amp_lists)  # a misspelt op fails before the (slow) trace
     example_inputs = tuple(example_inputs)

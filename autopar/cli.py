@@ -6,6 +6,7 @@
     autopar plan MODEL --cluster dgx-h100 --report plan.html   the fastest layout that fits
     autopar calibrate --output local.yaml    measure this machine (matmul, memory, gloo)
     autopar validate MODEL --cluster local.yaml   predicted vs measured step times
+    autopar kernels MODEL --out DIR  the fused Triton kernels of MODEL's training step
 
 MODEL is a built-in example (`autopar trace --list`) or `pkg.module:factory`.
 """
@@ -262,6 +263,30 @@ def _print_estimate(model: str, cluster, layout, pred) -> None:
     console.print(memory)
 
 
+# -- autopar kernels ----------------------------------------------------------------------
+
+def cmd_kernels(args: argparse.Namespace) -> int:
+    import autopar
+    from autopar.api import run_passes
+    from autopar.compiler.codegen.listing import write_kernels
+    from autopar.examples import load_model_spec
+
+    example = load_model_spec(args.model)
+    tg = autopar.trace(example.model, example.batch, example.loss_fn)
+    tg, results = run_passes(tg, autopar.Layout(fusion=True))
+    rows = write_kernels(tg, args.out)
+    table = Table(title=f"{len(rows)} fused kernels of {args.model} ({results[-1].summary()})")
+    for col in ("kernel", "kind", "role", "module", "ops"):
+        table.add_column(col)
+    for row in rows:
+        names = [op.removeprefix("aten.").split(".")[0] for op in row["ops"]]
+        ops = f"{len(names)}: " + " ".join(names[:4]) + (" ..." if len(names) > 4 else "")
+        table.add_row(row["kernel"], row["kind"], row["role"], row["module"] or "-", ops)
+    console.print(table)
+    console.print(f"sources and kernels.json written to {args.out}")
+    return 0
+
+
 # -- entry point --------------------------------------------------------------------------
 
 def _add_layout_args(parser: argparse.ArgumentParser) -> None:
@@ -325,6 +350,10 @@ def build_parser() -> argparse.ArgumentParser:
     est.set_defaults(func=cmd_estimate)
 
     add_planner_commands(sub)
+    kern = sub.add_parser("kernels", help="write the fused Triton kernels of MODEL's step")
+    kern.add_argument("model", help="built-in example or pkg.module:factory")
+    kern.add_argument("--out", required=True, metavar="DIR", help="directory for the sources")
+    kern.set_defaults(func=cmd_kernels)
     return parser
 
 

@@ -1,9 +1,7 @@
 """Layout (how one training step is parallelised), Prediction and Plan.
 
 A Layout is plain data: every field has a default, `validate` checks it on its own
-and `check_world_size` checks it against a number of processes. Fields whose pass
-has not landed yet are accepted by the dataclass but refused by `autopar.compile`
-with a message saying so (see `unsupported_fields`), never silently ignored.
+and `check_world_size` checks it against a number of processes.
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ class Layout:
     recompute: str = "none"
     amp: str = "off"
     sequence_parallel: bool = False
-    fusion: bool = False
+    fusion: bool = True
     # communication options
     bucket_mb: float = 25.0
     overlap_comm: bool = True
@@ -123,14 +121,6 @@ class Layout:
 def _check_choice(name: str, value: Any, choices: tuple) -> None:
     if value not in choices:
         raise LayoutError(f"Layout.{name} must be one of {list(choices)}, got {value!r}")
-
-
-def unsupported_fields(layout: Layout) -> list[str]:
-    """Fields set to values whose pass has not landed yet (compile refuses them)."""
-    out = []
-    if layout.fusion:
-        out.append("fusion=True")
-    return out
 
 
 @dataclass

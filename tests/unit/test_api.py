@@ -37,13 +37,6 @@ def test_world_size_mismatch_outside_torchrun():
         autopar.compile(ex.model, None, ex.batch, ex.loss_fn, layout=autopar.Layout(dp=2))
 
 
-def test_layout_fields_without_a_pass_are_refused_not_ignored():
-    ex = mlp()
-    with pytest.raises(autopar.LayoutError, match=r"not supported yet: fusion=True"):
-        autopar.compile(ex.model, None, ex.batch, ex.loss_fn,
-                        layout=autopar.Layout(fusion=True))
-
-
 def test_batch_shape_mismatch_at_step_time():
     ex = mlp()
     step = autopar.compile(copy.deepcopy(ex.model), None, ex.batch, ex.loss_fn)

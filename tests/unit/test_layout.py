@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from autopar.layout import Layout, LayoutError, unsupported_fields
+from autopar.layout import Layout, LayoutError
 
 
 def test_defaults_and_world_size():
@@ -54,21 +54,6 @@ def test_dict_round_trip_and_unknown_fields():
     assert Layout.from_dict(layout.to_dict()) == layout
     with pytest.raises(LayoutError, match=r"unknown Layout field\(s\) \['dpp'\]"):
         Layout.from_dict({"dpp": 2})
-
-
-def test_fields_without_their_pass_are_listed():
-    assert unsupported_fields(Layout(dp=4, bucket_mb=1)) == []
-    assert unsupported_fields(Layout(dp=2, tp=2)) == []
-    assert unsupported_fields(Layout(tp=2, amp="bf16")) == []
-    assert unsupported_fields(Layout(tp=2, pp=2)) == []
-    assert unsupported_fields(Layout(tp=2, sequence_parallel=True)) == []
-    assert unsupported_fields(Layout(pp=2, amp="bf16")) == []
-    assert unsupported_fields(Layout(pp=2, amp="fp16", grad_comm_dtype="bf16")) == []
-    assert unsupported_fields(Layout(dp=2, zero=2)) == []
-    assert unsupported_fields(Layout(dp=2, zero=3)) == []
-    assert unsupported_fields(Layout(dp=2, tp=2, zero=3)) == []
-    assert unsupported_fields(Layout(dp=2, pp=2, zero=2, recompute="auto")) == []
-    assert unsupported_fields(Layout(dp=2, pp=2, zero=3)) == []
 
 
 @given(st.integers(1, 8), st.integers(1, 8), st.integers(1, 8))

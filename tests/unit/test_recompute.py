@@ -59,7 +59,8 @@ def test_a_random_op_is_kept_and_declined_visibly():
     _, tg, result = rewritten(Mlp(dropout=0.5), (torch.randn(4, 8),), "full")
     assert any("random op" in why for _, why in result.declined), result.declined
     copies = {n.target for n in tg.call_nodes() if n.meta.get(M.RECOMPUTED)}
-    assert not any(torch.Tag.nondeterministic_seeded in t.tags for t in copies)
+    assert not any(torch.Tag.nondeterministic_seeded in t.tags for t in copies
+                   if isinstance(t, torch._ops.OpOverload))
 
 
 def test_full_keeps_only_layer_boundaries_and_never_crosses_layers():
@@ -101,7 +102,8 @@ def test_full_recompute_halves_measured_activation_memory_of_gpt2_at_4_layers():
     activations = {}
     for policy in ("none", "full"):
         step = autopar.compile(copy.deepcopy(ex.model), example_inputs=ex.batch,
-                               loss_fn=ex.loss_fn, layout=autopar.Layout(recompute=policy),
+                               loss_fn=ex.loss_fn,
+                               layout=autopar.Layout(recompute=policy, fusion=False),
                                optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01))
         step(*ex.batch)
         peak, held = measure_step(step, *ex.batch)
@@ -118,7 +120,7 @@ def gpt2_graph():
     tg = autopar.trace(ex.model, ex.batch, ex.loss_fn)
     peaks = {}
     for policy in ("none", "selective", "full"):
-        out, _ = autopar.run_passes(tg, autopar.Layout(recompute=policy))
+        out, _ = autopar.run_passes(tg, autopar.Layout(recompute=policy, fusion=False))
         peaks[policy] = step_memory(summarize(out), autopar.Layout(), "adamw").peak_bytes
     return tg, peaks
 
@@ -129,7 +131,7 @@ def test_auto_never_exceeds_its_budget(gpt2_graph, fraction):
     tg, peaks = gpt2_graph
     smallest = min(peaks.values())
     budget = int(smallest + fraction * (peaks["none"] - smallest))
-    out, results = autopar.run_passes(tg, autopar.Layout(recompute="auto"),
+    out, results = autopar.run_passes(tg, autopar.Layout(recompute="auto", fusion=False),
                                       options={"memory_budget": budget})
     assert step_memory(summarize(out), autopar.Layout(), "adamw").peak_bytes <= budget
     if budget >= peaks["none"]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from autopar.compiler.passes.amp import AutoMixedPrecision
 from autopar.compiler.passes.assign_stages import AssignStages
 from autopar.compiler.passes.base import GraphPass
+from autopar.compiler.passes.fuse_regions import FuseRegions
 from autopar.compiler.passes.insert_allreduce import InsertAllReduce
 from autopar.compiler.passes.recompute import Recompute
 from autopar.compiler.passes.shard_parameters import ShardParameters
@@ -30,7 +31,8 @@ def default_passes(layout: Layout) -> list[GraphPass]:
     first = [TensorParallel()] if layout.tp > 1 else []
     first += [AutoMixedPrecision()] if layout.amp != "off" else []
     first += [Recompute()] if layout.recompute != "none" else []
+    last = [FuseRegions()] if layout.fusion else []
     if is_pipelined(layout):
-        return first + [AssignStages()]
+        return first + [AssignStages()] + last
     sync = [InsertAllReduce()] if layout.dp > 1 else []
-    return first + sync + ([ShardParameters()] if layout.zero == 3 else [])
+    return first + sync + ([ShardParameters()] if layout.zero == 3 else []) + last

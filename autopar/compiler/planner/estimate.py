@@ -25,7 +25,7 @@ from autopar.compiler.planner.pipeline_memory import pipeline_memory_per_rank
 from autopar.compiler.planner.scaled import multiplicities, reduced, scale_summary
 from autopar.compiler.planner.stages import StageSummary, stage_summary
 from autopar.compiler.planner.summary import GraphSummary, summarize
-from autopar.layout import Layout, LayoutError, Prediction, unsupported_fields
+from autopar.layout import Layout, LayoutError, Prediction
 
 
 def estimate(model: torch.nn.Module, cluster: ClusterSpec, layout: Layout,
@@ -156,9 +156,6 @@ def check_layout(layout: Any, cluster: ClusterSpec) -> None:
         raise TypeError(f"layout must be an autopar.Layout, got {type(layout).__name__}")
     if not isinstance(cluster, ClusterSpec):
         raise TypeError(f"cluster must be an autopar.ClusterSpec, got {type(cluster).__name__}")
-    todo = unsupported_fields(layout)
-    if todo:
-        raise LayoutError(f"{layout}: not supported yet: {', '.join(dict.fromkeys(todo))}")
     if layout.world_size != cluster.world_size:
         raise LayoutError(_world_size_message(layout, cluster))
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from autopar.cluster import ClusterSpec
-from autopar.layout import Layout, LayoutError, Plan, Prediction, unsupported_fields
+from autopar.layout import Layout, LayoutError, Plan, Prediction
 
 GB = 1e9
 PARTS = ("compute", "exposed_comm", "bubble", "optimizer")
@@ -113,12 +113,6 @@ def _constrained(fields: dict[str, Any], fixed: dict[str, Any]) -> Layout | None
         return None
 
 
-def refused(layout: Layout) -> str | None:
-    """Why compile or the cost model cannot take this layout yet, or None."""
-    todo = unsupported_fields(layout)
-    return "; ".join(dict.fromkeys(todo)) or None
-
-
 def why_not(pred: Prediction, best: Prediction, capacity: float) -> str:
     """An alternative's reason to lose: over memory, or slower by how much and where."""
     if pred.peak_memory_bytes > capacity:
@@ -153,14 +147,10 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
     for layout in candidates:
         if progress is not None:
             progress(layout)
-        reason = refused(layout)
-        if reason is None:
-            try:
-                costed.append((layout, predict(layout)))
-                continue
-            except ValueError as exc:  # a cut or a tp placement the model cannot take
-                reason = str(exc).splitlines()[0]
-        skipped.append((layout, reason))
+        try:
+            costed.append((layout, predict(layout)))
+        except ValueError as exc:  # a cut or a tp placement the model cannot take
+            skipped.append((layout, str(exc).splitlines()[0]))
     fits, over = rank(costed, capacity)
     if not fits:
         raise PlanError(no_fit_message(over, skipped, cluster, max_memory_fraction))

@@ -1,0 +1,142 @@
+"""Fused regions as one torch.library custom op, their Triton kernels and the kernel cache.
+
+The fusion pass replaces each region by `autopar::fused(key, inputs) -> outputs`.
+`key` is a content hash of the region (its aten code and input shapes/dtypes) and
+names a `FusedRegion` registered in this process, which holds the region's original
+aten ops as a GraphModule. Calling the op runs, by the backend in force:
+
+- "auto" (default): the Triton kernel for CUDA tensors, the eager fallback (the
+  region's own aten ops, so results are bit-identical to the unfused graph) otherwise;
+- "triton": the Triton kernel always (on CPU this needs `TRITON_INTERPRET=1` set
+  before triton is first imported: the tests run kernels that way);
+- "eager": the fallback always.
+
+Kernels are generated and compiled lazily, on the first call with given input
+shapes, strides and dtypes, and cached in memory by (region key, inputs) and on disk
+by the hash of their source (`kernel_dir()`), so a process pays for each once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+
+from autopar.compiler.codegen.triton_gen import COLUMN, KernelSource, TensorArg, generate
+
+BACKENDS = ("auto", "triton", "eager")
+_state = {"backend": "auto", "dir": Path(tempfile.gettempdir()) / "autopar-kernels"}
+_REGIONS: dict[str, FusedRegion] = {}
+
+
+@dataclass
+class FusedRegion:
+    key: str
+    name: str  # readable, e.g. "native_layer_norm_mul"
+    gm: fx.GraphModule  # the region's original aten ops (the fallback)
+    _kernels: dict = field(default_factory=dict)  # tuple[TensorArg] -> (KernelSource, fn)
+
+    def source(self, args: list[TensorArg]) -> KernelSource:
+        return generate(self.gm, args, self.name)
+
+    def fallback(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The region's own aten ops. An output that is a view of another output (a
+        region may return a value and its reshape) is copied: a custom op's outputs
+        must not alias each other or its inputs."""
+        outs = list(self.gm(*inputs))
+        seen = {t.untyped_storage().data_ptr() for t in inputs}
+        for i, t in enumerate(outs):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen:
+                outs[i] = t.clone()
+            seen.add(ptr)
+        return outs
+
+    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        backend = _state["backend"]
+        use_triton = backend == "triton" or (backend == "auto" and inputs and inputs[0].is_cuda)
+        return self.launch(inputs) if use_triton else self.fallback(inputs)
+
+    def launch(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        args = tuple(TensorArg.of(t) for t in inputs)
+        if args not in self._kernels:
+            src = self.source(list(args))
+            self._kernels[args] = (src, _compile(src))
+        src, fn = self._kernels[args]
+        device = inputs[0].device
+        outs = [torch.zeros(o.shape, dtype=o.dtype, device=device) if o.kind == COLUMN
+                else torch.empty_strided(o.shape, o.stride, dtype=o.dtype, device=device)
+                for o in src.outputs]
+        fn[(src.grid,)](*inputs, *outs, BLOCK=src.block)
+        return outs
+
+
+def region_key(gm: fx.GraphModule, args: list[TensorArg]) -> str:
+    """Content hash of a region: its aten code and its inputs' shapes and dtypes."""
+    spec = "|".join(f"{a.shape}:{a.dtype}" for a in args)
+    return hashlib.sha256((gm.code + spec).encode()).hexdigest()[:16]
+
+
+def register_region(gm: fx.GraphModule, args: list[TensorArg], name: str) -> FusedRegion:
+    key = region_key(gm, args)
+    if key not in _REGIONS:
+        _REGIONS[key] = FusedRegion(key, name, gm)
+    return _REGIONS[key]
+
+
+def region(key: str) -> FusedRegion:
+    if key not in _REGIONS:
+        raise KeyError(f"fused region {key} is not registered in this process: the graph was "
+                       "fused elsewhere; run the fusion pass (autopar.compile with "
+                       "Layout(fusion=True)) in the process that runs the step")
+    return _REGIONS[key]
+
+
+@contextlib.contextmanager
+def backend(name: str):
+    """Run fused regions with `name` ("auto", "triton", "eager") inside the block."""
+    if name not in BACKENDS:
+        raise ValueError(f"kernel backend must be one of {list(BACKENDS)}, got {name!r}")
+    old, _state["backend"] = _state["backend"], name
+    try:
+        yield
+    finally:
+        _state["backend"] = old
+
+
+def kernel_dir() -> Path:
+    return _state["dir"]
+
+
+def _compile(src: KernelSource):
+    """Import the kernel's module from the disk cache (triton.jit reads the source file)."""
+    path = kernel_dir() / f"{src.name}.py"
+    if not path.exists() or path.read_text() != src.text:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{id(src)}.tmp")
+        tmp.write_text(src.text)
+        tmp.replace(path)
+    spec = importlib.util.spec_from_file_location(f"autopar_kernels.{src.name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, src.name)
+
+
+@torch.library.custom_op("autopar::fused", mutates_args=())
+def fused(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One fused region (see the module docstring)."""
+    return region(key).run(inputs)
+
+
+@fused.register_fake
+def _fused_fake(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t.clone() for t in region(key).gm(*inputs)]  # fresh outputs, no aliasing
+
+
+FUSED_OP = torch.ops.autopar.fused.default

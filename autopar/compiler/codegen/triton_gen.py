@@ -1,0 +1,336 @@
+"""Triton source for one fused region, specialised to its input shapes, strides, dtypes.
+
+A region is a small FX graph (placeholders -> aten ops -> output tuple). Its
+iteration space is the largest tensor shape F in it. Without row ops the kernel is
+pointwise over the flattened index space of F (BLOCK elements per program); with
+one, it is a row kernel: one program per row of F (all dims but the last), a block
+of BLOCK >= F[-1] columns, so a reduction over the row is one `tl.sum`.
+
+Each value in a row kernel is *full* (shape F: a vector over the columns), *row*
+(shape F[:-1] or F[:-1] + (1,): a scalar per program, from a reduction), or
+*column* (layer-norm weight/bias gradients: summed over rows with atomics). Inputs
+are loaded through their strides, broadcast the way the consuming op broadcasts
+them (stride 0 along size-1 or missing dims), so non-contiguous and broadcast
+inputs need no copies. Outputs are written contiguous.
+
+    region: mul = mul(x, 0.5); tanh = tanh(mul); add = add(tanh, y)
+    kernel: lin = pid * BLOCK + arange; i1 = lin % 64; i0 = lin // 64 % 8
+            v0 = load(in0 + i0 * 64 + i1) * 0.5; ...; store(out0 + lin, v2)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from autopar.compiler.codegen.ops import (CAST, POINTWISE, ROW_OPS, TL_DTYPES, VIEWS, Row,
+                                          Unsupported, is_column_sum, is_row_op, lit,
+                                          round_bf16, unsupported_reason)
+
+FULL, ROW, COLUMN = "full", "row", "column"
+POINTWISE_BLOCK = 1024
+# NOTE: a row kernel holds a whole row in one block; Triton caps a block at 2^20 elements
+# (tl.TRITON_MAX_TENSOR_NUMEL) and registers run out long before. Wider rows (a 50k
+# vocabulary's softmax) are declined until a looped row kernel exists; 2^14 is an
+# assumption, not measured on a GPU (none on the development machine)
+MAX_ROW_BLOCK = 1 << 14
+INT32_LIMIT = 2 ** 31  # offsets are int32 (program ids and aranges are)
+
+
+@dataclass(frozen=True)
+class TensorArg:
+    """What the generated source is specialised to, per input."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(t: torch.Tensor) -> TensorArg:
+        return TensorArg(tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    kind: str  # FULL, ROW or COLUMN
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    name: str
+    text: str  # a Python module defining `name` as a @triton.jit function
+    kind: str  # "pointwise" | "row"
+    grid: int
+    block: int
+    outputs: tuple[OutputSpec, ...]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _shape(node: fx.Node) -> tuple[int, ...] | list:
+    val = node.meta["val"]
+    if isinstance(val, (tuple, list)):
+        return [tuple(v.shape) if isinstance(v, torch.Tensor) else None for v in val]
+    return tuple(val.shape)
+
+
+class _Emitter:
+    """Builds the kernel body line by line."""
+
+    def __init__(self, gm: fx.GraphModule, args: list[TensorArg]):
+        self.gm = gm
+        self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        # node -> (input index, how the kernel reads it): placeholders and views of them
+        self.sources = {p: (i, a) for i, (p, a) in enumerate(zip(self.placeholders, args))}
+        self.ops = [n for n in gm.graph.nodes if n.op == "call_function"]
+        self.outputs = list(gm.graph.output_node().args[0])
+        self.row_kernel = any(is_row_op(n) for n in self.ops)
+        self.full = self._full_shape(args)
+        self.rows = _numel(self.full[:-1]) if self.row_kernel else 0
+        self.lines: list[str] = []
+        self.values: dict[fx.Node, object] = {}
+        self.loads: dict[tuple, str] = {}
+        self.indices: dict[tuple[int, ...], list[str]] = {}
+        self.count = 0
+
+    def _full_shape(self, args) -> tuple[int, ...]:
+        shapes = [tuple(a.shape) for a in args]
+        for n in self.ops:
+            if not isinstance(n.meta.get("val"), (torch.Tensor, tuple, list)):
+                continue  # getitem of an output the op does not compute (None)
+            s = _shape(n)
+            shapes += [x for x in s if x is not None] if isinstance(s, list) else [s]
+        full = max(shapes, key=_numel)
+        if self.row_kernel and not full:
+            raise Unsupported("a row op over a 0-d tensor")
+        return full
+
+    def temp(self, expr: str) -> str:
+        name = f"t{self.count}"
+        self.count += 1
+        self.lines.append(f"{name} = {expr}")
+        return name
+
+    def cls(self, shape) -> str:
+        """FULL: every element of the iteration space (any contiguous reshape of F that
+        keeps the row length); ROW: one value per row."""
+        shape = tuple(shape)
+        if _numel(shape) == _numel(self.full) and (
+                not self.row_kernel or (shape and shape[-1] == self.full[-1])):
+            return FULL
+        if self.row_kernel and _numel(shape) == self.rows:
+            return ROW
+        raise Unsupported(f"a value of shape {list(shape)} inside a kernel over "
+                          f"{list(self.full)} (one output shape per kernel)")
+
+    # -- index space ------------------------------------------------------------------------
+
+    def prologue(self) -> list[str]:
+        if self.row_kernel:
+            return ["row = tl.program_id(0)", "cols = tl.arange(0, BLOCK)",
+                    f"mask = cols < {self.full[-1]}", "zero = cols * 0"]
+        return ["lin = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)",
+                f"mask = lin < {_numel(self.full)}", "zero = lin * 0"]
+
+    def index(self, shape: tuple[int, ...]) -> list[str]:
+        """Index variables of `shape`'s dims for this program's elements: decomposed from
+        the linear index (pointwise), from the row index (+ the columns for FULL shapes)."""
+        shape = tuple(shape)
+        if shape not in self.indices:
+            full = self.cls(shape) == FULL
+            lead = shape[:-1] if self.row_kernel and full else shape
+            names = [f"x{len(self.indices)}_{d}" for d in range(len(lead))]
+            self.lines.append(f"rem = {'row' if self.row_kernel else 'lin'}")
+            for d in reversed(range(len(lead))):
+                self.lines += [f"{names[d]} = rem % {lead[d]}", f"rem = rem // {lead[d]}"]
+            self.indices[shape] = names + (["cols"] if self.row_kernel and full else [])
+        return self.indices[shape]
+
+    def offset(self, arg: TensorArg, target: tuple[int, ...]) -> str:
+        """Element offset of `arg` broadcast (right-aligned) to `target`."""
+        vector = self.cls(target) == FULL
+        index = self.index(target)
+        lead = len(target) - len(arg.shape)
+        if lead < 0:
+            raise Unsupported(f"input of shape {list(arg.shape)} broadcast to {list(target)}")
+        terms = []
+        for i, (size, stride) in enumerate(zip(arg.shape, arg.stride)):
+            if size == 1:
+                continue
+            if size != target[i + lead]:
+                raise Unsupported(f"input of shape {list(arg.shape)} does not broadcast to "
+                                  f"{list(target)}")
+            terms.append(f"{index[i + lead]} * {stride}")
+        return " + ".join(terms + (["zero"] if vector else [])) or "0"
+
+    def load(self, node: fx.Node, target: tuple[int, ...]) -> str:
+        key = (node, tuple(target))
+        if key not in self.loads:
+            index, arg = self.sources[node]
+            off = self.offset(arg, tuple(target))
+            masked = ", mask=mask, other=0" if self.cls(target) == FULL else ""
+            cast = "" if arg.dtype == torch.bool else ".to(tl.float32)"
+            self.loads[key] = self.temp(f"tl.load(in{index} + ({off}){masked}){cast}")
+        return self.loads[key]
+
+    # -- ops --------------------------------------------------------------------------------
+
+    def operand(self, a, target, node: fx.Node):
+        if not isinstance(a, fx.Node):
+            return lit(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else a
+        if a in self.sources:
+            return self.load(a, target)
+        value = self.values[a]
+        if isinstance(value, str) and value.startswith("COLUMN("):
+            raise Unsupported(f"{node.name} uses the column sum {a.name} inside its kernel")
+        shape = _strip(_shape(a))
+        if self.cls(_shape(a)) == ROW and self.cls(target) == FULL and \
+                shape != _strip(tuple(target[:-1]) + (1,)):
+            raise Unsupported(f"{node.name} broadcasts a row value of shape {list(shape)} "
+                              f"against {list(target)}")
+        if a.meta["val"].dtype == torch.bool and node.target not in (
+                torch.ops.aten.where.self, CAST) and node.meta["val"].dtype != torch.bool:
+            return f"{value}.to(tl.float32)"
+        return value
+
+    def emit_view(self, node: fx.Node) -> None:
+        src = node.args[0]
+        if src not in self.sources:
+            self.values[node] = self.values[src]  # same elements, same order: a new name
+            return
+        index, arg = self.sources[src]
+        if arg.stride != _contiguous(arg.shape):
+            raise Unsupported(f"{node.name} views an input with strides {list(arg.stride)}")
+        shape = tuple(node.meta["val"].shape)
+        self.sources[node] = (index, TensorArg(shape, _contiguous(shape), arg.dtype))
+
+    def emit_op(self, node: fx.Node) -> None:
+        if node.target is operator.getitem:
+            self.values[node] = self.values[node.args[0]][node.args[1]]
+        elif node.target in VIEWS:
+            self.emit_view(node)
+        elif is_column_sum(node):
+            x = self.operand(node.args[0], _shape(node.args[0]), node)
+            self.values[node] = (f"COLUMN({self.index(_shape(node.args[0]))[-1]}, {x})")
+        elif node.target in ROW_OPS:
+            target = _shape(node.args[0])
+            args = [self.operand(a, target, node) for a in node.args]
+            out = ROW_OPS[node.target](Row(self.temp, self.full[-1]), *args, **node.kwargs)
+            outs = out if isinstance(out, tuple) else (out,)
+            names = tuple(self._name(o) for o in outs)
+            self.values[node] = names if isinstance(out, tuple) else names[0]
+        else:
+            self.emit_pointwise(node)
+
+    def emit_pointwise(self, node: fx.Node) -> None:
+        target = _shape(node)
+        self.cls(target)
+        args = [self.operand(a, target, node) for a in node.args]
+        kwargs = {k: self.operand(v, target, node) for k, v in node.kwargs.items()}
+        if node.target == CAST:
+            expr = _cast(args[0], node.args[0].meta["val"].dtype, node.meta["val"].dtype)
+        else:
+            expr = POINTWISE[node.target](*args, **kwargs)
+        self.values[node] = self.temp(expr)
+
+    def _name(self, expr: str) -> str:
+        return expr if expr.startswith("COLUMN(") else self.temp(expr)
+
+    def store(self, k: int, node: fx.Node) -> OutputSpec:
+        val = node.meta["val"]
+        spec = OutputSpec(tuple(val.shape), tuple(val.stride()), val.dtype, FULL)
+        if node in self.sources:
+            raise Unsupported(f"output {node.name} is a view of an input")
+        value = self.values[node]
+        if isinstance(value, str) and value.startswith("COLUMN("):
+            column, expr = value[7:-1].split(", ", 1)  # layer norm's: over this row's columns
+            self.lines.append(f"tl.atomic_add(out{k} + {column}, {expr}, mask=mask)")
+            return dataclasses.replace(spec, kind=COLUMN)
+        kind = self.cls(val.shape)
+        # the original op's strides (eager keeps an input's layout; later views rely on it)
+        off = self.offset(TensorArg(spec.shape, spec.stride, val.dtype), spec.shape)
+        masked = ", mask=mask" if kind == FULL else ""
+        if val.dtype == torch.bfloat16:
+            value = self.temp(round_bf16(value))
+        self.lines.append(f"tl.store(out{k} + ({off}), ({value}).to({TL_DTYPES[val.dtype]}){masked})")
+        return dataclasses.replace(spec, kind=kind)
+
+
+def _strip(shape) -> tuple[int, ...]:
+    """A shape without its leading 1s (broadcasting ignores them)."""
+    shape = tuple(shape)
+    while shape and shape[0] == 1:
+        shape = shape[1:]
+    return shape
+
+
+def _contiguous(shape) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _cast(x: str, src: torch.dtype, dst: torch.dtype) -> str:
+    if dst == torch.bool:
+        return f"({x} != 0)"
+    if src == torch.bool:
+        return f"{x}.to(tl.float32)"
+    if dst == torch.float32:
+        return x
+    if dst == torch.bfloat16:
+        return round_bf16(x)
+    return f"{x}.to({TL_DTYPES[dst]}).to(tl.float32)"  # round through the narrow dtype
+
+
+def _check_limits(em: _Emitter, args: list[TensorArg]) -> None:
+    if em.row_kernel and _next_pow2(em.full[-1]) > MAX_ROW_BLOCK:
+        raise Unsupported(f"rows of {em.full[-1]} elements, wider than one block of "
+                          f"{MAX_ROW_BLOCK} (a looped row kernel is not emitted yet)")
+    extents = [_numel(em.full)] + [sum((n - 1) * st for n, st in zip(a.shape, a.stride)) + 1
+                                   for a in args if _numel(a.shape)]
+    if max(extents) >= INT32_LIMIT:
+        raise Unsupported(f"a tensor spanning {max(extents)} elements (offsets are int32)")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def generate(gm: fx.GraphModule, args: list[TensorArg], name_hint: str = "fused") -> KernelSource:
+    """The Triton source of region `gm` for inputs described by `args`; raises
+    Unsupported (with the reason) for a region the generator cannot emit."""
+    em = _Emitter(gm, args)
+    _check_limits(em, args)
+    for node in em.ops:
+        reason = unsupported_reason(node)
+        if reason is not None:
+            raise Unsupported(f"{node.name}: {reason}")
+        em.emit_op(node)
+    outputs = tuple(em.store(k, node) for k, node in enumerate(em.outputs))
+    params = [f"in{i}" for i in range(len(args))] + [f"out{k}" for k in range(len(outputs))]
+    body = em.prologue() + em.lines
+    digest = hashlib.sha256("\n".join(body).encode()).hexdigest()[:12]
+    name = f"{name_hint}_{digest}"
+    text = "\n".join(["import triton", "import triton.language as tl", "", "",
+                      "@triton.jit", f"def {name}({', '.join(params)}, BLOCK: tl.constexpr):"]
+                     + [f"    {line}" for line in body]) + "\n"
+    if em.row_kernel:
+        grid, block = _numel(em.full[:-1]), _next_pow2(em.full[-1])
+        return KernelSource(name, text, "row", grid, block, outputs)
+    block = min(POINTWISE_BLOCK, _next_pow2(_numel(em.full)))
+    return KernelSource(name, text, "pointwise", -(-_numel(em.full) // block), block, outputs)

@@ -1,0 +1,318 @@
+"""FuseRegions: group the joint graph's pointwise and row-reduction ops into fused kernels.
+
+Rewrites each fusable region of the joint forward+loss+backward graph into one call
+of the custom op `autopar::fused(key, inputs)` (compiler/codegen/kernels.py) whose
+outputs are taken apart with getitem; the region's original aten ops become the
+kernel's eager fallback and the source of its Triton kernel.
+
+- Candidates: ops with a Triton lowering (codegen/ops.py: pointwise ops with
+  broadcasting, reductions over the last dim, column sums, softmax, log-softmax,
+  layer norm and their backwards, reshapes of contiguous tensors). Matmuls,
+  attention, other views, collectives and `comm` nodes are never fused.
+- Legality: torch.fx's CapabilityBasedPartitioner groups connected candidates
+  without a cycle through the rest of the graph; it runs once per program (forward
+  or backward of a pipeline stage), so no kernel spans two programs. The code
+  generator then accepts the region (one iteration shape, or a row kernel with
+  per-row and column outputs) or says why not; a region over two sizes is cut to its
+  largest part and the rest proposed again in the next round (see `_peel`).
+- Profitability: a region is fused when it moves fewer bytes than its ops did
+  unfused (each op reading its inputs and writing its output, as the cost model
+  counts them); a lone op gains nothing and stays an aten op.
+
+Requires: "traced". Provides: "fused". Runs last in the pipeline (after the comm passes).
+
+Before:                                         After:
+    mul = mul(add, 0.5)                             fused = autopar.fused(k3f.., [add])
+    tanh = tanh(mul)                                getitem = getitem(fused, 0)
+    mul_1 = mul(tanh, add)                          mm = mm(getitem, t)
+    mm = mm(mul_1, t)
+"""
+
+from __future__ import annotations
+
+import heapq
+import operator
+from collections import Counter
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupportBase
+
+from autopar.compiler.codegen.kernels import FUSED_OP, register_region
+from autopar.compiler.codegen.ops import (ATEN_INPUT_PASSES, POINTWISE, ROW_OPS, VIEWS,
+                                          Unsupported, has_lowering, is_column_sum,
+                                          is_row_op, unsupported_reason)
+from autopar.compiler.codegen.triton_gen import TensorArg
+from autopar.compiler.ir import meta as M
+from autopar.compiler.ir.annotate import tensor_bytes
+from autopar.compiler.ir.graph import TrainGraph
+from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
+from autopar.compiler.passes.manager import register_pass
+
+STAGE = "autopar.stage"  # assign_stages' key: a region stays inside one stage program
+FUSED_KEY = "autopar.fused_key"  # str: the region's key on its fused node
+FUSED_OPS = "autopar.fused_ops"  # list[str]: names of the ops the fused node replaced
+
+
+def program_of(node: fx.Node) -> tuple | None:
+    """Which program a node runs in (forward or backward, and its pipeline stage);
+    None for nodes never fused (collectives and their packing, the optimizer)."""
+    role = node.meta.get(M.ROLE)
+    if role not in (M.Role.FORWARD, M.Role.LOSS, M.Role.BACKWARD):
+        return None
+    return (role == M.Role.BACKWARD, node.meta.get(STAGE))
+
+
+class _Fusable(OperatorSupportBase):
+    """The partitioner's checker: candidates of one program; records why others are not."""
+
+    def __init__(self, program: tuple):
+        self.program = program
+        self.rejected: dict[fx.Node, str] = {}
+
+    def is_node_supported(self, submodules, node: fx.Node) -> bool:
+        if node.op != "call_function" or program_of(node) != self.program:
+            return False
+        if node.target is operator.getitem:  # of a multi-output op that is itself fused
+            return node.args[0].op == "call_function" and unsupported_reason(node.args[0]) is None
+        reason = unsupported_reason(node)
+        if reason is not None and has_lowering(node):  # views, matmuls: never fused, by design
+            self.rejected[node] = reason
+        return reason is None
+
+
+def _region_io(nodes: list[fx.Node]) -> tuple[list[fx.Node], list[fx.Node]]:
+    """External inputs (first-use order) and the nodes whose values leave the region."""
+    inside = set(nodes)
+    inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
+    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
+    return inputs, outputs
+
+
+def _subgraph(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> fx.GraphModule:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i, a in enumerate(inputs):
+        env[a] = graph.placeholder(f"in{i}")
+        env[a].meta = {"val": a.meta[M.VAL]}
+    for n in nodes:
+        env[n] = graph.node_copy(n, lambda a: env[a])
+        env[n].meta = {"val": n.meta[M.VAL]}
+    graph.output([env[n] for n in outputs])
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _bytes_unfused(nodes: list[fx.Node]) -> int:
+    """Bytes the region's ops move as aten ops: each reads its inputs (twice for ops with
+    two kernels, ATEN_INPUT_PASSES) and writes its output."""
+    total = 0
+    for n in nodes:
+        if n.target is not operator.getitem:
+            reads = sum(tensor_bytes(a.meta.get(M.VAL)) for a in n.all_input_nodes)
+            total += reads * ATEN_INPUT_PASSES.get(n.target, 1) + tensor_bytes(n.meta.get(M.VAL))
+    return total
+
+
+def _region_name(nodes: list[fx.Node]) -> str:
+    named = [n.target for n in nodes if n.target in ROW_OPS] or \
+        [n.target for n in nodes if n.target in POINTWISE]
+    base = named[0]._schema.name.split("::")[-1].lstrip("_") if named else "fused"
+    return f"{base}_x{len(nodes)}"
+
+
+def _trim_views(nodes: list[fx.Node]) -> list[fx.Node]:
+    """Leave out views of the region's inputs whose values are also used outside it:
+    a kernel output cannot be a view of its input (they read the input through the view
+    instead). They sit at the region's boundary, so no cycle appears."""
+    nodes = list(nodes)
+    while True:
+        inside = set(nodes)
+        edge = [n for n in nodes if n.target in VIEWS and not set(n.all_input_nodes) & inside
+                and any(u not in inside for u in n.users)]
+        if not edge:
+            return nodes
+        nodes = [n for n in nodes if n not in edge]
+
+
+class _Region:
+    """One candidate partition, its generated kernel and its byte accounting."""
+
+    def __init__(self, nodes: list[fx.Node]):
+        self.nodes = nodes
+        self.inputs, self.outputs = _region_io(nodes)
+        self.gm = _subgraph(nodes, self.inputs, self.outputs)
+        self.args = [TensorArg(tuple(a.meta[M.VAL].shape), tuple(a.meta[M.VAL].stride()),
+                               a.meta[M.VAL].dtype) for a in self.inputs]
+        self.bytes_before = _bytes_unfused(nodes)
+        self.bytes_after = sum(tensor_bytes(n.meta.get(M.VAL)) for n in self.inputs + self.outputs)
+
+    def describe(self) -> str:
+        return f"{_region_name(self.nodes)} at {self.nodes[0].name} ({len(self.nodes)} ops)"
+
+
+def _candidates(tg: TrainGraph, rejected: dict[fx.Node, str]) -> list[list[fx.Node]]:
+    order = {n: i for i, n in enumerate(tg.graph.nodes)}
+    programs = dict.fromkeys(p for n in tg.call_nodes() if (p := program_of(n)) is not None)
+    out = []
+    for program in programs:
+        support = _Fusable(program)
+        partitioner = CapabilityBasedPartitioner(tg.gm, support, allows_single_node_partition=True,
+                                                 skip_horizontal_fusion=True)
+        for part in partitioner.propose_partitions():
+            out.append(sorted(part.nodes, key=order.__getitem__))
+        rejected.update(support.rejected)
+    return sorted(out, key=lambda nodes: order[nodes[0]])
+
+
+def _replace(tg: TrainGraph, region: _Region, key: str, name: str) -> None:
+    graph, last = tg.graph, region.nodes[-1]
+    with graph.inserting_after(last):
+        fused = graph.create_node("call_function", FUSED_OP, (key, list(region.inputs)),
+                                  name=f"fused_{name}")
+    fused.meta = {**last.meta, M.VAL: [n.meta[M.VAL] for n in region.outputs],
+                  M.CREATED_BY: "fusion", M.FLOPS: sum(n.meta.get(M.FLOPS, 0) for n in region.nodes),
+                  M.BYTES: region.bytes_after, FUSED_KEY: key,
+                  FUSED_OPS: [n.name for n in region.nodes]}
+    fused.meta.pop(M.GRAD_OF, None)  # a getitem below carries it, with the value
+    for index, old in enumerate(region.outputs):
+        with graph.inserting_after(fused):
+            item = graph.call_function(operator.getitem, (fused, index))
+        item.meta = {**old.meta, M.CREATED_BY: "fusion", M.BYTES: 0, M.FLOPS: 0}
+        old.replace_all_uses_with(item)
+    for old in reversed(region.nodes):
+        graph.erase_node(old)
+
+
+def stable_toposort(graph: fx.Graph, first: dict[fx.Node, float]) -> None:
+    """Reorder `graph` topologically, keeping each node as early as its original
+    position allows (`first`: a node's sort key; missing nodes sort by position)."""
+    position = {n: first.get(n, i) for i, n in enumerate(graph.nodes)}
+    output = graph.output_node()
+    pending = {n: len(set(n.all_input_nodes)) for n in graph.nodes}
+    ready = [(position[n], i, n) for i, n in enumerate(graph.nodes) if not pending[n]]
+    heapq.heapify(ready)
+    tie = len(pending)
+    while ready:
+        _, _, node = heapq.heappop(ready)
+        if node is not output:
+            output.prepend(node)
+        for user in node.users:
+            pending[user] -= 1
+            if not pending[user]:
+                tie += 1
+                heapq.heappush(ready, (position[user], tie, user))
+
+
+@register_pass
+class FuseRegions(GraphPass):
+    name = "fusion"
+    requires = frozenset({"traced"})
+    provides = frozenset({"fused"})
+
+    def run(self, tg: TrainGraph, ctx: PassContext) -> tuple[TrainGraph, PassResult]:
+        if not ctx.layout.fusion:
+            return tg, PassResult(self.name, changed=False, declined=[("fusion", "Layout.fusion=False")])
+        out = tg.copy()
+        rejected: dict[fx.Node, str] = {}
+        declined: dict[tuple[str, str], fx.Node] = {}
+        stats = Counter()
+        # NOTE: rounds until nothing more fuses: what a round peels off a region (another
+        # iteration shape) is proposed again, as its own region, in the next round
+        while _fuse_round(out, rejected, declined, stats):
+            pass
+        out.gm.recompile()
+        alive = set(out.graph.nodes)
+        reasons = [what for what, node in declined.items() if node in alive]
+        reasons += [(f"{count} op(s)", why) for why, count in Counter(rejected.values()).items()]
+        return out, PassResult(self.name, changed=stats["kernels"] > 0, stats=dict(stats),
+                               declined=reasons)
+
+
+def _fuse_round(out: TrainGraph, rejected, declined, stats) -> int:
+    """Fuse every profitable region the partitioner proposes now; the number fused."""
+    order = {n: i for i, n in enumerate(out.graph.nodes)}
+    first: dict[fx.Node, float] = {}
+    fused_now = 0
+    for nodes in _candidates(out, rejected):
+        found = _emit(nodes, order, declined)
+        if found is None:
+            continue
+        region, fused = found
+        start = min(order[n] for n in region.nodes)
+        _replace(out, region, fused.key, fused.name)
+        fused_now += 1
+        stats["kernels"] += 1
+        stats["ops_fused"] += sum(n.target is not operator.getitem for n in region.nodes)
+        stats["bytes_saved"] += region.bytes_before - region.bytes_after
+        first.update({n: start + 0.5 for n in out.graph.nodes if n not in order})
+        order.update({n: start + 0.5 for n in out.graph.nodes if n not in order})
+    stable_toposort(out.graph, first)
+    return fused_now
+
+
+def _emit(nodes: list[fx.Node], order, declined):
+    """(region, its registered kernel) for a candidate partition, or None: unprofitable,
+    or the code generator declined it and its largest-shape part (recorded in `declined`)."""
+    nodes = _trim_views(nodes)
+    for attempt in (nodes, _peel(nodes)):
+        if not attempt or all(n.target is operator.getitem or n.target in VIEWS for n in attempt):
+            return None
+        if attempt is not nodes and (attempt == nodes or _has_cycle(attempt, order)):
+            return None
+        region = _Region(attempt)
+        if region.bytes_after >= region.bytes_before:
+            return None  # a lone op (or a region saving nothing) stays an aten op
+        try:
+            fused = register_region(region.gm, region.args, _region_name(attempt))
+            fused.source(region.args)
+            return region, fused
+        except Unsupported as exc:
+            declined.setdefault((region.describe(), str(exc)), attempt[0])
+    return None
+
+
+def _domain(node: fx.Node) -> int:
+    """Elements of the iteration a node belongs to (a reduction: its input's)."""
+    src = node.args[0] if node.target is operator.getitem else node
+    val = src.args[0].meta[M.VAL] if is_row_op(src) or is_column_sum(src) else src.meta[M.VAL]
+    val = next((v for v in val if isinstance(v, torch.Tensor)), None) \
+        if isinstance(val, (tuple, list)) else val
+    return val.numel() if isinstance(val, torch.Tensor) else 0
+
+
+def _peel(nodes: list[fx.Node]) -> list[fx.Node]:
+    """The part of a region over its largest iteration: nodes of other sizes are taken off
+    its input and output sides (Llama's rotary tables feed both the query's and the
+    smaller key's chain: the query's chain stays, the rest is proposed again later)."""
+    if not nodes:
+        return nodes
+    domain = max(_domain(n) for n in nodes)
+    kept = list(nodes)
+    while True:
+        inside = set(kept)
+        edge = {n for n in kept if _domain(n) != domain
+                and (not set(n.all_input_nodes) & inside or not set(n.users) & inside)}
+        if not edge:
+            return kept
+        kept = [n for n in kept if n not in edge]
+
+
+def _has_cycle(nodes: list[fx.Node], order: dict[fx.Node, float]) -> bool:
+    """Whether a path leaves `nodes` and comes back (fusing them would make a cycle)."""
+    inside, last = set(nodes), max(order[n] for n in nodes)
+    stack = [u for n in nodes for u in n.users if u not in inside]
+    seen: set[fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        if node in seen or order.get(node, last + 1) > last:
+            continue
+        seen.add(node)
+        for user in node.users:
+            if user in inside:
+                return True
+            stack.append(user)
+    return False
+
+
+__all__ = ["FuseRegions", "FUSED_KEY", "FUSED_OPS", "stable_toposort"]
