@@ -49,21 +49,25 @@ def compile(model: torch.nn.Module, cluster: Any = None,  # noqa: A001 - the con
     """Compile one training step of `model` for this job's processes and return it.
 
     `example_inputs` is one global batch (every rank passes the same one to the
-    step). `layout=None` uses every process for data parallelism (the planner that
-    will choose a hybrid layout is not in this release). `passes` replaces the default
+    step). `layout=None` plans it: `autopar.plan` on `cluster` (default
+    `ClusterSpec.local` of this job's processes), which must have this job's world
+    size; every rank plans the same layout (the plan is a pure function of the traced
+    graph and the cluster), and the plan is on `step.plan`. `passes` replaces the default
     pipeline (`autopar.default_passes(layout)`) with your own list of passes or
     registered pass names. `amp_lists={"white": [...], "black": [...], "gray": [...]}`
     moves aten ops ("mm" or "aten.mm") between AMP's lists (with Layout.amp on).
     """
     configure_from_env()
     world = launched_world_size()
-    layout = layout if layout is not None else Layout(dp=world)
-    layout = layout.layout if isinstance(layout, Plan) else layout
+    example_inputs = tuple(example_inputs)
+    plan = layout if isinstance(layout, Plan) else None
+    if layout is None:
+        plan = _plan_for_job(model, cluster, example_inputs, loss_fn, optimizer, world)
+    layout = plan.layout if plan is not None else layout
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be an autopar.Layout or Plan, got {type(layout).__name__}")
     layout.check_world_size(world)
     parse_amp_lists(amp_lists)  # a misspelt op fails before the (slow) trace
-    example_inputs = tuple(example_inputs)
     if not example_inputs:
         raise ValueError("compile needs example_inputs: one global batch, as passed to the step")
     local = _local_example(example_inputs, layout)
@@ -87,7 +91,51 @@ def compile(model: torch.nn.Module, cluster: Any = None,  # noqa: A001 - the con
         step = DistributedStep(to_program(tg, layout), model, optimizer)
     step.pass_results = results
     step.train_graph = tg  # the rewritten graph the step runs (to inspect, or cost)
+    step.plan = plan  # the Plan it came from (layout=None or a Plan), else None
     return step
+
+
+def _plan_for_job(model, cluster, example_inputs: tuple, loss_fn, optimizer,
+                  world: int) -> Plan:
+    """autopar.plan for `compile(layout=None)` on this job's processes."""
+    from autopar.cluster import ClusterSpec
+    from autopar.compiler.planner.plan import plan
+
+    if not example_inputs:
+        raise ValueError("compile needs example_inputs: one global batch, as passed to the step")
+    if cluster is None:
+        cluster = ClusterSpec.local(nprocs=world)
+    if not isinstance(cluster, ClusterSpec):
+        raise TypeError(f"layout=None plans the layout, which needs cluster to be an "
+                        f"autopar.ClusterSpec (or None for this machine), got "
+                        f"{type(cluster).__name__}")
+    if cluster.world_size != world:
+        raise LayoutError(f"layout=None plans for the cluster, but cluster {cluster.name!r} has "
+                          f"{cluster.world_size} devices and this job has {world} processes: "
+                          f"launch {cluster.world_size} processes, or pass a cluster of {world} "
+                          f"devices (e.g. ClusterSpec.local(nprocs={world}))")
+    kind = optimizer_kind(optimizer)
+    chosen = plan(model, cluster, example_inputs, loss_fn, optimizer=kind)
+    log.info("planned %s on %s: predicted %.3g s per step (%s optimizer), %d layouts costed",
+             chosen.layout, cluster.describe(), chosen.predicted.step_time_s, kind,
+             len(chosen.alternatives) + 1)
+    return chosen
+
+
+def optimizer_kind(factory: OptimizerFactory) -> str:
+    """The cost model's name of the optimizer a factory builds ("adamw", "adam",
+    "sgd-momentum", "sgd"). Another optimizer is refused: its memory and step time
+    would be guessed."""
+    opt = factory([torch.nn.Parameter(torch.zeros(1))])
+    if isinstance(opt, torch.optim.AdamW):
+        return "adamw"
+    if isinstance(opt, torch.optim.Adam):
+        return "adam"
+    if isinstance(opt, torch.optim.SGD):
+        return "sgd-momentum" if opt.defaults.get("momentum") else "sgd"
+    raise ValueError(f"layout=None plans the layout with the cost model, which knows AdamW, "
+                     f"Adam and SGD; the optimizer factory built {type(opt).__name__}: pass a "
+                     "layout= (or a Plan from autopar.plan(..., optimizer=...)) instead")
 
 
 def run_passes(tg: TrainGraph, layout: Layout, cluster: Any = None,

@@ -2,7 +2,8 @@
 
 Measured with one thread per process (autopar runs one process per core on CPU):
 fp32 matmul throughput (square `mm`), memory bandwidth (a large copy: read + write),
-the fixed cost of one eager op (a chain of one-element adds),
+the fixed cost of one eager op (a chain of one-element adds), the rate at which the
+OS hands out fresh pages (a new large tensor filled, against refilling one),
 and gloo all-reduce times over loopback between `nprocs` processes at several sizes,
 fitted to the cost model's ring formula t = 2(p-1)/p * n / bandwidth + 2(p-1) *
 latency by least squares.
@@ -10,6 +11,15 @@ latency by least squares.
 The cost model multiplies peaks by Efficiency (0.7 compute, 0.8 memory and link by
 default); the YAML stores measured / efficiency, so that predictions with the
 default Efficiency reproduce what was measured.
+
+`fit_model` (`autopar calibrate --model MODEL`) then times one single-process step of
+the user's model op by op (its traced graph run node by node, median of a few runs)
+and the optimizer's step on its parameters, and stores measured / modelled time per
+aten op ("mm", "_log_softmax") and per optimizer kind as DeviceSpec.op_time_factors:
+what the roofline misses on this machine (a CPU's exp-heavy softmax is bound by
+arithmetic the FLOP count leaves out; a GEMM of one shape runs slower than the
+square one measured). Ops with no work (views) and ops that took less than
+`min_seconds` in all keep the plain model.
 """
 
 from __future__ import annotations
@@ -22,9 +32,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.fx as fx
 
 from autopar.cluster import ClusterSpec
-from autopar.compiler.planner.cost_model import DEFAULT_EFFICIENCY, Efficiency
+from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, Efficiency, kernel_time,
+                                                 optimizer_time)
 
 ALL_REDUCE_SIZES = (2**12, 2**16, 2**20, 2**22, 2**24)  # bytes
 
@@ -37,6 +49,7 @@ class Measurements:
     link_bandwidth: float  # bytes/s per direction (alpha-beta fit)
     link_latency_s: float
     all_reduce: tuple[tuple[int, float], ...]  # (bytes, median seconds) as measured
+    first_touch_bandwidth: float | None = None  # bytes/s of fresh pages from the OS
 
     def cluster(self, nprocs: int, eff: Efficiency = DEFAULT_EFFICIENCY) -> ClusterSpec:
         link = {"bandwidth": self.link_bandwidth / eff.link, "latency_s": self.link_latency_s}
@@ -44,7 +57,8 @@ class Measurements:
         device = {**base["device"], "name": "cpu (calibrated)",
                   "peak_flops": {"fp32": self.matmul_flops / eff.compute},
                   "memory_bandwidth": self.memory_bandwidth / eff.memory,
-                  "launch_overhead_s": self.launch_overhead_s}
+                  "launch_overhead_s": self.launch_overhead_s,
+                  "first_touch_bandwidth": self.first_touch_bandwidth}
         return ClusterSpec.from_dict({**base, "name": "local-calibrated", "device": device,
                                       "intra_node": link, "inter_node": link},
                                      source="autopar calibrate")
@@ -69,6 +83,19 @@ def measure_memory_bandwidth(nbytes: int = 2**28, repeats: int = 5) -> float:
     src = torch.ones(nbytes // 4)
     dst = torch.empty_like(src)
     return 2 * nbytes / _median_time(lambda: dst.copy_(src), repeats)
+
+
+def measure_first_touch(nbytes: int = 2**28, repeats: int = 5) -> float:
+    """Bytes/s at which fresh pages are mapped: filling a new tensor (above the
+    allocator's mmap threshold, so its pages come from the OS each time) minus
+    refilling one whose pages are mapped."""
+    mapped = torch.empty(nbytes // 4)
+    refill = _median_time(lambda: mapped.fill_(1.0), repeats)
+    fresh = _median_time(lambda: torch.empty(nbytes // 4).fill_(1.0), repeats)
+    if fresh <= refill:
+        raise RuntimeError("a fresh tensor filled no slower than a mapped one: the machine is "
+                           "too busy to calibrate; try again")
+    return nbytes / (fresh - refill)
 
 
 def _all_reduce_worker(rank: int, nprocs: int, store_path: str, sizes, repeats, out) -> None:
@@ -149,9 +176,94 @@ def calibrate(nprocs: int = 2) -> Measurements:
     torch.set_num_threads(1)
     try:
         flops, bandwidth = measure_matmul(), measure_memory_bandwidth()
-        launch = measure_launch_overhead()
+        launch, touch = measure_launch_overhead(), measure_first_touch()
     finally:
         torch.set_num_threads(threads)
     samples = measure_all_reduce(nprocs)
     link_bw, latency = fit_ring(samples, nprocs)
-    return Measurements(flops, bandwidth, launch, link_bw, latency, tuple(samples))
+    return Measurements(flops, bandwidth, launch, link_bw, latency, tuple(samples), touch)
+
+
+# -- fitting the cost model to one model's step ----------------------------------------------
+
+class _TimedInterpreter(fx.Interpreter):
+    """Runs a graph node by node, recording each call node's seconds."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.seconds: dict[fx.Node, list[float]] = {}
+
+    def run_node(self, n: fx.Node):
+        start = time.perf_counter()
+        out = super().run_node(n)
+        if n.op == "call_function":
+            self.seconds.setdefault(n, []).append(time.perf_counter() - start)
+        return out
+
+
+def time_nodes(tg, args: list[torch.Tensor], repeats: int = 3) -> dict[fx.Node, float]:
+    """Median seconds of each call node of `tg` run on `args` (after one warm-up run)."""
+    timed = _TimedInterpreter(tg.gm)
+    with torch.no_grad():
+        for _ in range(repeats + 1):
+            timed.run(*args)
+    return {n: statistics.median(t[1:]) for n, t in timed.seconds.items()}
+
+
+def _optimizers(params: list[torch.nn.Parameter]) -> dict[str, torch.optim.Optimizer]:
+    """torch's optimizer of each kind the cost model knows (cost_model.OPTIMIZER_STATES)."""
+    return {"adamw": torch.optim.AdamW(params, lr=1e-3), "adam": torch.optim.Adam(params, lr=1e-3),
+            "sgd-momentum": torch.optim.SGD(params, lr=1e-3, momentum=0.9),
+            "sgd": torch.optim.SGD(params, lr=1e-3)}
+
+
+def fit_model(model: torch.nn.Module, example_inputs: tuple, loss_fn, cluster: ClusterSpec,
+              repeats: int = 3, min_seconds: float = 5e-4) -> dict[str, float]:
+    """Measured / modelled seconds per aten op of one step of `model` on
+    `example_inputs` (one process, one thread), and per optimizer kind ("optimizer.adamw")
+    on its parameters: the DeviceSpec.op_time_factors of `cluster`'s device."""
+    from autopar.compiler.ir.trace import trace_train_step
+    from autopar.compiler.planner.summary import summarize
+
+    data = cluster.to_dict()
+    cluster = ClusterSpec.from_dict({**data, "device": {**data["device"], "op_time_factors": {}}})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tg = trace_train_step(model, example_inputs, loss_fn)
+        state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        args = [state[s.name].detach() for s in (*tg.signature.params, *tg.signature.buffers)]
+        measured = time_nodes(tg, args + list(example_inputs), repeats)
+        factors = _op_factors(tg, summarize(tg), measured, cluster, min_seconds)
+        factors.update(_optimizer_factors(model, cluster, repeats))
+    finally:
+        torch.set_num_threads(threads)
+    return factors
+
+
+def _op_factors(tg, summary, measured: dict[fx.Node, float], cluster: ClusterSpec,
+                min_seconds: float) -> dict[str, float]:
+    records = summary.ops[len(summary.ops) - len(tg.call_nodes()):]  # inputs come first
+    totals: dict[str, list[float]] = {}
+    for node, op in zip(tg.call_nodes(), records):
+        if not (op.flops or op.bytes) or op.collective:
+            continue
+        modelled = kernel_time(op.target, op.flops, op.bytes, op.allocates, op.dtype, cluster)
+        total = totals.setdefault(op.target, [0.0, 0.0])
+        total[0] += measured[node]
+        total[1] += modelled
+    return {target: seconds / modelled for target, (seconds, modelled) in sorted(totals.items())
+            if seconds >= min_seconds and modelled > 0}
+
+
+def _optimizer_factors(model: torch.nn.Module, cluster: ClusterSpec,
+                       repeats: int) -> dict[str, float]:
+    params = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    nbytes = sum(p.nbytes for p in params)
+    out = {}
+    for kind, opt in _optimizers(params).items():
+        seconds = _median_time(opt.step, repeats)
+        out[f"optimizer.{kind}"] = seconds / optimizer_time(nbytes, kind, cluster)
+    return out

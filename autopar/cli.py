@@ -105,10 +105,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         layout = _train_layout(args)
     except LayoutError as exc:
         raise SystemExit(f"autopar train: {exc}") from exc
-    nproc = args.nproc or layout.world_size
+    if args.plan:  # compile(layout=None): every rank plans on this machine's processes
+        nproc, layout_arg = args.nproc or 2, "plan"
+    else:
+        nproc, layout_arg = args.nproc or layout.world_size, json.dumps(layout.non_default_fields())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", "-m", "autopar.train_worker", args.model,
-           "--layout", json.dumps(layout.non_default_fields()), "--steps", str(args.steps),
+           "--layout", layout_arg, "--steps", str(args.steps),
            "--lr", str(args.lr), "--optimizer", args.optimizer]
     if args.parity:
         cmd.append("--parity")
@@ -134,14 +137,28 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _train_layout(args: argparse.Namespace):
-    """The Layout of `autopar train`'s flags; --dp defaults to 2 when nothing else splits."""
-    from autopar.layout import Layout
+    """The Layout of `autopar train`'s flags; --dp defaults to 2 when nothing else splits.
+    With --plan no layout flag may be given (the planner chooses them)."""
+    from autopar.layout import Layout, LayoutError
+
+    if getattr(args, "plan", False):
+        defaults = vars(build_parser().parse_args(["train", args.model]))
+        given = [f"--{name.replace('_', '-')}" for name in _LAYOUT_FLAGS
+                 if getattr(args, name) != defaults[name]]
+        if given:
+            raise LayoutError(f"--plan chooses the layout; drop {', '.join(given)} (or drop "
+                              "--plan to train the layout they give)")
+        return Layout()
 
     dp = args.dp if args.dp is not None else (2 if args.tp == args.pp == 1 else 1)
     return Layout(dp=dp, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
                   schedule=args.schedule, virtual_stages=args.virtual_stages,
                   sequence_parallel=args.sequence_parallel, amp=args.amp,
                   zero=args.zero, recompute=args.recompute, bucket_mb=args.bucket_mb)
+
+
+_LAYOUT_FLAGS = ("dp", "tp", "pp", "microbatches", "schedule", "virtual_stages",
+                 "sequence_parallel", "amp", "zero", "recompute", "bucket_mb")
 
 
 class _Progress:
@@ -325,7 +342,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_layout_args(train)
     train.add_argument("--sequence-parallel", action="store_true",
                        help="with --tp: split norm/dropout regions along the sequence")
-    train.add_argument("--nproc", type=int, default=None, help="processes (default dp*tp*pp)")
+    train.add_argument("--nproc", type=int, default=None,
+                       help="processes (default dp*tp*pp; 2 with --plan)")
+    train.add_argument("--plan", action="store_true",
+                       help="let autopar.plan choose the layout for --nproc processes "
+                            "(compile(layout=None))")
     train.add_argument("--bucket-mb", type=float, default=25.0, help="all-reduce bucket size")
     train.add_argument("--steps", type=int, default=10)
     train.add_argument("--lr", type=float, default=1e-3)

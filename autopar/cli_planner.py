@@ -104,14 +104,38 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     measured = calibrate(args.nproc)
     spec = measured.cluster(args.nproc)
+    if args.model:
+        spec = _fit_to_model(spec, args.model, args.nproc)
     spec.to_yaml(args.output)
     _console().print(f"matmul {measured.matmul_flops / 1e9:.1f} GFLOP/s, memory "
-                  f"{measured.memory_bandwidth / 1e9:.1f} GB/s, "
+                  f"{measured.memory_bandwidth / 1e9:.1f} GB/s (fresh pages "
+                  f"{measured.first_touch_bandwidth / 1e9:.1f} GB/s), "
                   f"{measured.launch_overhead_s * 1e6:.1f} us per op per process; gloo all-reduce "
                   f"{measured.link_bandwidth / 1e9:.2f} GB/s, {measured.link_latency_s * 1e6:.0f} us "
                   f"per step (fit over {len(measured.all_reduce)} sizes)")
     _console().print(f"cluster spec written to {args.output} (peaks = measured / efficiency)")
     return 0
+
+
+def _fit_to_model(spec, model: str, nproc: int):
+    """`spec` with op_time_factors fitted to one step of `model` on one process's share
+    of its batch (as data parallelism over `nproc` processes would run it)."""
+    from autopar.api import _local_example
+    from autopar.calibrate import fit_model
+    from autopar.cluster import ClusterSpec
+    from autopar.examples import load_model_spec
+    from autopar.layout import Layout
+
+    example = load_model_spec(model)
+    batch = _local_example(example.batch, Layout(dp=nproc))
+    factors = fit_model(example.model, batch, example.loss_fn, spec)
+    shown = ", ".join(f"{k} x{v:.2f}" for k, v in sorted(factors.items(), key=lambda kv: -abs(
+        kv[1] - 1))[:6])
+    _console().print(f"fitted to {model} ({len(factors)} factors; furthest from the roofline: "
+                     f"{shown})")
+    data = spec.to_dict()
+    return ClusterSpec.from_dict({**data, "device": {**data["device"], "op_time_factors": factors}},
+                                 source="autopar calibrate --model")
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
@@ -166,13 +190,16 @@ def add_planner_commands(sub) -> None:
     cal = sub.add_parser("calibrate", help="measure this machine, write a ClusterSpec YAML")
     cal.add_argument("--nproc", type=int, default=2, help="processes for the gloo all-reduce")
     cal.add_argument("--output", default="cluster.yaml", help="where to write the spec")
+    cal.add_argument("--model", default=None,
+                     help="also fit per-op time factors to one step of this model (a built-in "
+                          "example or pkg.module:factory), run on one process")
     cal.set_defaults(func=cmd_calibrate)
 
     val = sub.add_parser("validate", help="predicted vs measured step time of several layouts")
     val.add_argument("model", help="built-in example or pkg.module:factory")
     val.add_argument("--cluster", default=None, help="a YAML spec (default: ClusterSpec.local)")
     val.add_argument("--layout", action="append", default=[], metavar="JSON",
-                     help='a layout to run, e.g. \'{"dp": 2}\' (repeatable; default: 7 layouts)')
+                     help='a layout to run, e.g. \'{"dp": 2}\' (repeatable; default: 9 layouts)')
     val.add_argument("--steps", type=int, default=5, help="timed steps per layout")
     val.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     val.add_argument("--json", action="store_true")

@@ -171,6 +171,13 @@ class DeviceSpec(_Spec):
     # fixed cost of running one op (kernel launch on a GPU, eager dispatch on a CPU);
     # 0 in the presets, measured by `autopar calibrate`
     launch_overhead_s: Annotated[float, _quantity("seconds"), Field(ge=0, allow_inf_nan=False)] = 0.0
+    # bytes/s at which a CPU process maps fresh pages: allocations above the C
+    # allocator's mmap threshold come from the OS and are zeroed on first touch each
+    # time; None on GPUs (the caching allocator reuses memory). `autopar calibrate`.
+    first_touch_bandwidth: Bandwidth | None = None
+    # measured / modelled time of ops by aten name ("mm", "_log_softmax") and of the
+    # optimizer step ("optimizer.adamw"), fitted by `autopar calibrate --model`
+    op_time_factors: dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]] = {}
 
 
 class LinkSpec(_Spec):
@@ -308,7 +315,8 @@ def _total_ram_bytes() -> int:
 
 _FIELD_KIND: dict[str, Kind] = {"memory_bytes": "bytes", "memory_bandwidth": "bandwidth",
                                 "bandwidth": "bandwidth", "latency_s": "seconds",
-                                "launch_overhead_s": "seconds"}
+                                "launch_overhead_s": "seconds",
+                                "first_touch_bandwidth": "bandwidth"}
 
 
 def _human(value: float, kind: Kind) -> float | str:
@@ -323,7 +331,7 @@ def _with_units(data: dict[str, Any]) -> dict[str, Any]:
             out[key] = {dtype: _human(flops, "flops") for dtype, flops in value.items()}
         elif isinstance(value, dict):
             out[key] = _with_units(value)
-        elif key in _FIELD_KIND:
+        elif key in _FIELD_KIND and value is not None:
             out[key] = _human(value, _FIELD_KIND[key])
         else:
             out[key] = value

@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="autopar-train-worker")
     parser.add_argument("model")
-    parser.add_argument("--layout", required=True, help="Layout fields as JSON")
+    parser.add_argument("--layout", required=True,
+                        help='Layout fields as JSON, or "plan" (compile plans the layout)')
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--optimizer", default="adamw")
@@ -46,15 +47,18 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
 
     example = load_model_spec(args.model)
-    layout = autopar.Layout.from_dict(json.loads(args.layout))
+    layout = None if args.layout == "plan" else autopar.Layout.from_dict(json.loads(args.layout))
     optimizer = make_optimizer(args.optimizer, args.lr)
     initial = copy.deepcopy(example.model) if args.parity else None
     start = time.perf_counter()
     step = autopar.compile(example.model, None, example.batch, example.loss_fn,
                            optimizer=optimizer, layout=layout)
     rank0 = launched_rank() == 0
+    if step.plan is not None and layout is None:
+        layout = step.plan.layout
     if rank0:
-        emit("compiled", seconds=time.perf_counter() - start, layout=str(layout),
+        emit("compiled", seconds=time.perf_counter() - start,
+             layout=str(layout) + (" (planned)" if step.plan is not None else ""),
              passes=[r.summary() for r in step.pass_results], description=example.description)
     batches = example.batches(args.steps)
     losses = []

@@ -21,11 +21,13 @@ from dataclasses import dataclass
 from autopar.cluster import ClusterSpec
 from autopar.layout import Layout
 
-# layouts of 2 processes covering dp, tp, pp, accumulation, schedules and buckets
+# layouts of 2 processes covering dp, tp, pp, accumulation, schedules, buckets, ZeRO and
+# recomputation
 DEFAULT_LAYOUTS = (Layout(dp=2), Layout(dp=2, bucket_mb=1.0), Layout(tp=2),
                    Layout(pp=2, microbatches=2), Layout(pp=2, microbatches=4, schedule="gpipe"),
                    Layout(pp=2, microbatches=4, schedule="zero-bubble"),
-                   Layout(dp=2, microbatches=2))
+                   Layout(dp=2, microbatches=2), Layout(dp=2, zero=2),
+                   Layout(dp=2, recompute="full"))
 
 
 @dataclass(frozen=True)

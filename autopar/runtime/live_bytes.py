@@ -43,7 +43,7 @@ class LiveBytes(TorchDispatchMode):
         kwargs = kwargs or {}
         inputs = {_weak(t).cdata for t in tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor) and not is_traceable_wrapper_subclass(t)}
-        out = func(*args, **kwargs)
+        out = self._fused_fallback(func, args) or func(*args, **kwargs)
         self._collect()
         for t in tree_leaves(out):
             # a tensor subclass (DTensor) holds no storage of its own: the ops on its
@@ -59,6 +59,17 @@ class LiveBytes(TorchDispatchMode):
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes, self.peak_op = self.live_bytes, str(func)
         return out
+
+    def _fused_fallback(self, func, args):
+        """A fused region that runs its eager fallback (a CPU tensor, the default kernel
+        backend) allocates inside the custom op, where this mode is not active: run the
+        fallback under the mode so its intermediates count. None for any other op."""
+        from autopar.compiler.codegen.kernels import FUSED_OP, region, would_run_fallback
+
+        if func is not FUSED_OP or not would_run_fallback(args[1]):
+            return None
+        with self:
+            return region(args[0]).fallback(list(args[1]))
 
     def _collect(self) -> None:
         dead = [ref for ref in self._live if ref.expired()]

@@ -166,3 +166,18 @@ def dp2_full_state_dict_has_every_original_name():
         set(example.model.state_dict()) ^ set(step.full_state_dict())
 
 
+
+
+@case(world=2)
+def planned_layout_parity_gpt2_sgd():
+    """compile(layout=None) plans on this job's cluster: every rank picks the layout
+    autopar.plan picks, and it trains as single-process PyTorch does."""
+    example = gpt2()
+    cluster = autopar.ClusterSpec.local(2)
+    expected = autopar.plan(example.model, cluster, example.batch, example.loss_fn,
+                            optimizer="sgd-momentum")
+    step = check_parity(example, sgd, None, cluster=cluster)
+    assert step.plan is not None and step.plan.layout == expected.layout
+    layouts = [None, None]
+    dist.all_gather_object(layouts, step.plan.layout)
+    assert layouts[0] == layouts[1]

@@ -69,3 +69,22 @@ def test_docs_pass_example_runs():
         plain = tg.gm(*ex.model.parameters(), *ex.batch)
         scaled = new.gm(*ex.model.parameters(), *ex.batch)
     torch.testing.assert_close(scaled[1], 2 * plain[1])
+
+
+def test_planned_compile_needs_the_jobs_world_size_and_a_known_optimizer():
+    ex = mlp()
+    with pytest.raises(autopar.LayoutError, match=r"2 devices and this job has 1 process"):
+        autopar.compile(ex.model, autopar.ClusterSpec.local(2), ex.batch, ex.loss_fn)
+    with pytest.raises(ValueError, match="knows AdamW, Adam and SGD.*built Adagrad"):
+        autopar.compile(ex.model, None, ex.batch, ex.loss_fn,
+                        optimizer=lambda p: torch.optim.Adagrad(p))
+    assert autopar.api.optimizer_kind(lambda p: torch.optim.SGD(p, lr=0.1)) == "sgd"
+    assert autopar.api.optimizer_kind(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)) \
+        == "sgd-momentum"
+
+
+def test_planned_compile_on_one_process_trains_the_plans_layout():
+    ex = mlp()
+    step = autopar.compile(ex.model, None, ex.batch, ex.loss_fn)
+    assert step.plan is not None and step.plan.layout == autopar.Layout()
+    assert torch.isfinite(step(*ex.batch))

@@ -53,3 +53,86 @@ def test_measurements_on_this_machine():
     assert 0 < cal.measure_launch_overhead(200, 3) < 1e-3
     samples = cal.measure_all_reduce(2, sizes=(2**12, 2**20), repeats=3)
     assert [n for n, _ in samples] == [2**12, 2**20] and all(t > 0 for _, t in samples)
+
+
+# -- what the roofline misses on a CPU, and fitting it to a model -------------------------------
+
+def _device(c: autopar.ClusterSpec, **fields) -> autopar.ClusterSpec:
+    data = c.to_dict()
+    return autopar.ClusterSpec.from_dict({**data, "device": {**data["device"], **fields}})
+
+
+def test_large_fresh_allocations_pay_first_touch_small_ones_do_not():
+    c = _device(cluster(), first_touch_bandwidth=1e9)
+    big, small = 64 * 2**20, 2**20
+    assert cm.MMAP_THRESHOLD < big
+    plain = cm.kernel_time("clone", 0, big, 0, "fp32", c, EXACT)
+    assert plain == pytest.approx(big / 1e11)
+    assert cm.kernel_time("clone", 0, big, big, "fp32", c, EXACT) == pytest.approx(plain + big / 1e9)
+    assert cm.kernel_time("clone", 0, small, small, "fp32", c, EXACT) == pytest.approx(small / 1e11)
+    assert cm.kernel_time("clone", 0, big, big, "fp32", cluster(), EXACT) == pytest.approx(plain)
+
+
+def test_fitted_factors_scale_their_op_and_the_optimizer_step():
+    c = _device(cluster(), op_time_factors={"mm": 3.0, "optimizer.adamw": 2.0})
+    assert cm.kernel_time("mm", 1e12, 0, 0, "fp32", c, EXACT) == pytest.approx(3.0)
+    assert cm.kernel_time("addmm", 1e12, 0, 0, "fp32", c, EXACT) == pytest.approx(1.0)
+    base = cm.optimizer_time(10**9, "adamw", cluster(), EXACT)
+    assert base == pytest.approx(7e9 / 1e11)  # param + grad + 2 states read, param + states written
+    assert cm.optimizer_time(10**9, "adamw", c, EXACT) == pytest.approx(2 * base)
+    assert cm.optimizer_time(10**9, "sgd", c, EXACT) == pytest.approx(3e9 / 1e11)
+
+
+def test_fused_region_costs_its_members_on_a_cpu_and_one_kernel_on_a_gpu():
+    members = (("mul", 0, 4 * 10**8, 0), ("add", 0, 4 * 10**8, 0), ("tanh", 0, 4 * 10**8, 0))
+    fused = OpRecord("fused", "forward", bytes=2 * 10**8, dtype="fp32", target="fused",
+                     members=members)
+    summary = GraphSummary((fused,), (), (), 0, frozenset())
+    cpu = _device(cluster(), launch_overhead_s=1e-6)
+    compute = cm.simulate_streams(summary, cpu, autopar.Layout(), EXACT)[0]
+    assert compute == pytest.approx(3 * (1e-6 + 4e8 / 1e11))
+    gpu = _device(cluster(), kind="gpu", launch_overhead_s=1e-6)
+    compute = cm.simulate_streams(summary, gpu, autopar.Layout(), EXACT)[0]
+    assert compute == pytest.approx(1e-6 + 2e8 / 1e11)
+    # the fallback's fresh allocations pay first touch like any op's
+    big = OpRecord("fused", "forward", bytes=1, dtype="fp32", target="fused",
+                   members=(("exp", 0, 2 * 10**8, 10**8),))
+    touch = _device(cpu, first_touch_bandwidth=1e9)
+    compute = cm.simulate_streams(GraphSummary((big,), (), (), 0, frozenset()), touch,
+                                  autopar.Layout(), EXACT)[0]
+    assert compute == pytest.approx(1e-6 + 2e8 / 1e11 + 1e8 / 1e9)
+
+
+def test_op_factors_are_measured_over_modelled_per_op():
+    from autopar.compiler.planner.summary import summarize
+    from autopar.examples import load_example
+
+    ex = load_example("mlp")
+    tg = autopar.trace(ex.model, ex.batch, ex.loss_fn)
+    summary = summarize(tg)
+    c = cluster(flops=1e9, bandwidth=1e9)
+    records = dict(zip(tg.call_nodes(), summary.ops[len(summary.ops) - len(tg.call_nodes()):]))
+    # pretend every mm ran 2x and every other op with work 5x its modelled time
+    measured = {n: cm.kernel_time(op.target, op.flops, op.bytes, op.allocates, op.dtype, c)
+                * (2.0 if op.target == "mm" else 5.0) for n, op in records.items()}
+    factors = cal._op_factors(tg, summary, measured, c, min_seconds=0.0)
+    assert factors["mm"] == pytest.approx(2.0)
+    assert factors and all(v == pytest.approx(5.0) for k, v in factors.items() if k != "mm")
+    assert "view" not in factors and "t" not in factors  # no work: the plain model stays
+    few = cal._op_factors(tg, summary, measured, c, min_seconds=1e9)
+    assert few == {}  # nothing measured long enough to fit
+
+
+def test_fit_model_on_this_machine_and_the_spec_reads_back(tmp_path):
+    from autopar.examples import load_example
+
+    ex = load_example("mlp")
+    c = _device(cluster(flops=5e10, bandwidth=2e10), first_touch_bandwidth=2e9)
+    factors = cal.fit_model(ex.model, ex.batch, ex.loss_fn, c, repeats=2, min_seconds=0.0)
+    assert "addmm" in factors or "mm" in factors
+    assert {f"optimizer.{k}" for k in cm.OPTIMIZER_STATES} <= set(factors)
+    assert all(v > 0 for v in factors.values())
+    fitted = _device(c, op_time_factors=factors)
+    fitted.to_yaml(tmp_path / "c.yaml")
+    assert autopar.ClusterSpec.from_yaml(tmp_path / "c.yaml") == fitted
+    assert cal.measure_first_touch(2**26, 3) > 1e8

@@ -57,6 +57,15 @@ def test_train_command_reports_progress_and_parity(tmp_path):
     assert "checkpoint saved" in done.stdout and (tmp_path / "ck").is_dir()
 
 
+@pytest.mark.slow
+def test_train_command_plans_the_layout():
+    cmd = [sys.executable, "-m", "autopar", "train", "gpt2-tiny", "--plan", "--nproc", "2",
+           "--steps", "3", "--parity", "--optimizer", "sgd", "--lr", "0.05"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "(planned)" in done.stdout and "step 3/3" in done.stdout and "equal" in done.stdout
+
+
 def test_train_layout_flags():
     import autopar
     from autopar.cli import _train_layout, build_parser
@@ -66,3 +75,6 @@ def test_train_layout_flags():
     layout = _train_layout(parse(["train", "gpt2-tiny", "--tp", "2", "--pp", "2",
                                   "--microbatches", "2", "--sequence-parallel"]))
     assert layout == autopar.Layout(tp=2, pp=2, microbatches=2, sequence_parallel=True)
+    assert _train_layout(parse(["train", "mlp", "--plan"])) == autopar.Layout()
+    with pytest.raises(autopar.LayoutError, match="--plan chooses the layout; drop --tp, --zero"):
+        _train_layout(parse(["train", "mlp", "--plan", "--tp", "2", "--zero", "1"]))

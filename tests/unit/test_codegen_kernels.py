@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from autopar.compiler.codegen.ops import Unsupported
@@ -190,12 +190,96 @@ def test_custom_op_passes_opcheck():
 
 
 def test_limits_are_declined_with_reasons():
-    """Rows wider than one block, and tensors beyond int32 offsets, are not emitted."""
-    wide = torch.randn(2, 20000)  # a vocabulary-sized softmax
-    region = region_of(lambda x: [aten._softmax(x, -1, False)], wide)
-    with pytest.raises(Unsupported, match="wider than one block"):
-        generate(region.gm, [TensorArg.of(wide)])
+    """Tensors beyond int32 offsets are not emitted."""
     region = region_of(lambda x: [x * 2.0], torch.randn(2, 8))
     huge = TensorArg((2, 8), (2 ** 31, 1), torch.float32)
     with pytest.raises(Unsupported, match="int32"):
         generate(region.gm, [huge])
+
+
+# -- looped row kernels: rows wider than one block ---------------------------------------------
+
+@pytest.fixture
+def tiny_blocks(monkeypatch):
+    """Rows wider than 4 columns loop over blocks of 4: every family below loops, odd
+    sizes end in a partial block (kernels compiled before are set aside)."""
+    from autopar.compiler.codegen import kernels, triton_gen
+
+    monkeypatch.setattr(triton_gen, "MAX_ROW_BLOCK", 4)
+    monkeypatch.setattr(triton_gen, "LOOP_BLOCK", 4)
+    monkeypatch.setattr(kernels, "_REGIONS", {})
+
+
+# the fixture's patches hold for every example of a test (they are not per-input state)
+LOOPED = settings(max_examples=4, deadline=None, derandomize=True,
+                  suppress_health_check=[HealthCheck.function_scoped_fixture])
+wide = st.integers(5, 19)
+
+
+@LOOPED
+@given(a=dims, n=wide, log=st.booleans(), transpose=st.booleans(), seed=st.integers(0, 99))
+def test_looped_softmax_forward_and_backward(tiny_blocks, a, n, log, transpose, seed):
+    x, dy = _rand((a, 2, n), torch.float32, seed, transpose), _rand((a, 2, n), torch.float32, seed + 1)
+    fwd = aten._log_softmax if log else aten._softmax
+    bwd = aten._log_softmax_backward_data if log else aten._softmax_backward_data
+
+    def fn(x, dy):
+        y = fwd(x, -1, False)
+        return [y, bwd(dy, y, -1, x.dtype)]
+    region = region_of(fn, x, dy)
+    src = generate(region.gm, [TensorArg.of(x), TensorArg.of(dy)])
+    assert src.kind == "looped row" and src.block == 4
+    # log-softmax: max and the backward's sum of dy need nothing pending (one loop),
+    # then exp's sum, then the stores; softmax's backward sums dy * y, which needs
+    # exp's sum first: one loop more
+    assert src.text.count("for start in range") == (3 if log else 4)
+    assert_error_model(*run_both(fn, x, dy))
+
+
+@LOOPED
+@given(a=dims, n=wide, dtype=dtypes, seed=st.integers(0, 99))
+def test_looped_layer_norm_forward_and_backward(tiny_blocks, a, n, dtype, seed):
+    x, res = _rand((a, n), dtype, seed), _rand((a, n), dtype, seed + 1)
+    w, bias = _rand((n,), torch.float32, seed + 2), _rand((n,), torch.float32, seed + 3)
+
+    def fwd(x, res, w, b):
+        return list(aten.native_layer_norm(x + res, [n], w, b, 1e-5))
+    if dtype == torch.float32:
+        assert_error_model(*run_both(fwd, x, res, w, bias))
+        out, mean, rstd = aten.native_layer_norm(x, [n], w, bias, 1e-5)
+
+        def bwd(dy, x, mean, rstd, w, b):  # column sums: atomics inside the last loop
+            return list(aten.native_layer_norm_backward(dy, x, [n], mean, rstd, w, b,
+                                                        [True, True, True]))
+        assert_error_model(*run_both(bwd, res, x, mean, rstd, w, bias))
+    else:
+        h = _rand((n,), dtype, seed + 2)
+
+        def rms(x, w):  # Llama's RMSNorm
+            f = aten._to_copy(x, dtype=torch.float32)
+            var = aten.mean.dim(torch.pow(f, 2), [-1], True)
+            return [w * aten._to_copy(f * torch.rsqrt(var + 1e-6), dtype=dtype), var]
+        assert_error_model(*run_both(rms, x, h))
+
+
+@LOOPED
+@given(a=dims, n=wide, keepdim=st.booleans(), seed=st.integers(0, 99))
+def test_looped_row_reductions(tiny_blocks, a, n, keepdim, seed):
+    x = _rand((a, n), torch.float32, seed)
+
+    def fn(x):
+        return [aten.sum.dim_IntList(x * x, [-1], keepdim), aten.amax(x, [1], keepdim),
+                aten.mean.dim(x, [-1], keepdim), x * 2.0]
+    assert_error_model(*run_both(fn, x))
+
+
+def test_vocabulary_wide_log_softmax_loops_in_blocks():
+    """A 50k vocabulary's log-softmax with its backward: a looped row kernel."""
+    x, dy = torch.randn(2, 50257), torch.randn(2, 50257)
+
+    def fn(x, dy):
+        y = aten._log_softmax(x, -1, False)
+        return [y, aten._log_softmax_backward_data(dy, y, -1, x.dtype)]
+    src = generate(region_of(fn, x, dy).gm, [TensorArg.of(x), TensorArg.of(dy)])
+    assert src.kind == "looped row" and src.grid == 2 and src.block == 4096
+    assert_error_model(*run_both(fn, x, dy))

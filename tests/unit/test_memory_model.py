@@ -84,14 +84,30 @@ def measured_and_predicted(name, layout=autopar.Layout(), **kw):
     measured, _ = measure_step(step, *ex.batch)
     tg = autopar.trace(ex.model, ex.batch, ex.loss_fn)
     tg, _ = autopar.run_passes(tg, layout)
-    return measured, mm.step_memory(summarize(tg), layout, "adamw")
+    # fused regions run their eager fallback on this CPU, holding its intermediates
+    return measured, mm.step_memory(summarize(tg), layout, "adamw", fallbacks=True)
 
 
-@pytest.mark.parametrize("name, kw", [("gpt2-tiny", {}), ("llama-tiny", {}), ("mlp", {}),
-                                      ("gpt2-tiny", {"layers": 4, "hidden": 128})])
-def test_predicted_peak_matches_live_storage(name, kw):
-    measured, pred = measured_and_predicted(name, **kw)
+@pytest.mark.parametrize("name, kw, layout", [
+    ("gpt2-tiny", {}, autopar.Layout()), ("llama-tiny", {}, autopar.Layout()),
+    ("mlp", {}, autopar.Layout()), ("gpt2-tiny", {"layers": 4, "hidden": 128}, autopar.Layout()),
+    ("gpt2-tiny", {"layers": 4, "hidden": 128}, autopar.Layout(recompute="full")),
+    ("llama-tiny", {}, autopar.Layout(recompute="selective")),
+    ("gpt2-tiny", {}, autopar.Layout(fusion=False))])
+def test_predicted_peak_matches_live_storage(name, kw, layout):
+    measured, pred = measured_and_predicted(name, layout, **kw)
     assert pred.peak_bytes == pytest.approx(measured, rel=0.05), pred.by_category
+
+
+def test_fused_fallbacks_intermediates_are_counted_on_a_cpu():
+    """Without the fallback's intermediates the fused GPT-2 step is under-predicted;
+    the live-storage count sees inside the fused op (LiveBytes runs its fallback)."""
+    measured, pred = measured_and_predicted("gpt2-tiny", autopar.Layout(), layers=4, hidden=128)
+    ex = load_example("gpt2-tiny", layers=4, hidden=128)
+    tg, _ = autopar.run_passes(autopar.trace(ex.model, ex.batch, ex.loss_fn), autopar.Layout())
+    plain = mm.step_memory(summarize(tg), autopar.Layout(), "adamw")
+    assert plain.peak_bytes < 0.93 * measured <= 0.93 * pred.peak_bytes / 0.95
+    assert any(op.scratch for op in summarize(tg).ops)
 
 
 def test_live_bytes_counts_new_storage_once_and_frees_it():

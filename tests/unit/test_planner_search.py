@@ -114,3 +114,65 @@ def test_compile_takes_a_plan_as_its_layout():
     assert plan.layout == autopar.Layout() and not plan.alternatives
     step = autopar.compile(ex.model, None, ex.batch, ex.loss_fn, layout=plan)
     assert torch.isfinite(step(*ex.batch))
+
+
+def _with_memory(c: ClusterSpec, nbytes: int) -> ClusterSpec:
+    data = c.to_dict()
+    return ClusterSpec.from_dict({**data, "device": {**data["device"], "memory_bytes": nbytes}})
+
+
+def test_recomputation_is_searched_where_memory_is_short():
+    ex = gpt2(layers=2, hidden=64, heads=4, vocab=256, batch=8, seq=32)
+    c = ClusterSpec.local(nprocs=1)
+    peak = {policy: autopar.estimate(ex.model, c, autopar.Layout(recompute=policy), ex.batch,
+                                     ex.loss_fn).peak_memory_bytes
+            for policy in ("none", "selective", "full")}
+    assert peak["full"] < peak["selective"] < peak["none"]
+    # room for full recomputation only (at max_memory_fraction=0.9)
+    tight = _with_memory(c, int((peak["full"] + peak["selective"]) / 2 / 0.9))
+    plan = autopar.plan(ex.model, tight, ex.batch, ex.loss_fn)
+    assert plan.layout == autopar.Layout(recompute="full")
+    why = {lay: w for lay, _, w in plan.alternatives}
+    assert why[autopar.Layout()].startswith("does not fit")
+    assert why[autopar.Layout(recompute="selective")].startswith("does not fit")
+    # with room for everything, recomputation is not tried: it only costs time
+    roomy = autopar.plan(ex.model, c, ex.batch, ex.loss_fn)
+    assert roomy.layout.recompute == "none"
+    assert all(lay.recompute == "none" for lay, _, _ in roomy.alternatives)
+    # a fixed field is never varied
+    with pytest.raises(autopar.PlanError, match="fits no layout"):
+        autopar.plan(ex.model, tight, ex.batch, ex.loss_fn, recompute="none")
+
+
+def test_bucket_sizes_are_searched_for_the_best_data_parallel_layout():
+    ex = gpt2(layers=2, hidden=64, heads=4, vocab=256, batch=8, seq=32)
+    plan = autopar.plan(ex.model, ClusterSpec.local(nprocs=2), ex.batch, ex.loss_fn, tp=1, pp=1)
+    costed = {plan.layout} | {lay for lay, _, _ in plan.alternatives}
+    base = min((lay for lay in costed if lay.bucket_mb == 25.0),
+               key=lambda lay: next(p.step_time_s for l2, p, _ in plan.alternatives if l2 == lay)
+               if lay != plan.layout else plan.predicted.step_time_s)
+    assert {base.replace(bucket_mb=mb) for mb in S.BUCKET_MB_CHOICES} <= costed
+    fixed = autopar.plan(ex.model, ClusterSpec.local(nprocs=2), ex.batch, ex.loss_fn, tp=1, pp=1,
+                         bucket_mb=25.0)
+    assert {lay.bucket_mb for lay, _, _ in fixed.alternatives} == {25.0}
+
+
+def test_static_bound_is_below_every_predicted_peak_and_prunes_without_tracing():
+    from autopar.compiler.planner.memory import static_lower_bound
+    from autopar.compiler.planner.plan import prune_static
+
+    ex = gpt2(layers=4, hidden=64, heads=4, vocab=256, batch=8, seq=32)
+    c = ClusterSpec.local(nprocs=4)
+    param_bytes = sum(p.numel() * p.element_size() for p in ex.model.parameters())
+    plan = autopar.plan(ex.model, c, ex.batch, ex.loss_fn)
+    costed = [(plan.layout, plan.predicted)] + [(lay, p) for lay, p, _ in plan.alternatives]
+    assert {lay.zero for lay, _ in costed} == {0, 1, 2, 3} and {lay.pp for lay, _ in costed} > {1}
+    for lay, pred in costed:
+        assert static_lower_bound(param_bytes, lay, "adamw") <= pred.peak_memory_bytes, lay
+    # on a device with room for less than the bound, those layouts are not traced
+    tight = _with_memory(c, int(static_lower_bound(param_bytes, autopar.Layout(dp=4), "adamw")))
+    keep, pruned = prune_static(S.candidate_layouts(tight, 8, 4, {}), ex.model, tight, 0.9,
+                                "adamw")
+    assert pruned and keep and all("not traced" in why for _, why in pruned)
+    assert autopar.Layout(dp=4) in {lay for lay, _ in pruned}
+    assert autopar.Layout(dp=4, zero=3) in keep

@@ -57,10 +57,10 @@ def test_scaled_predictions_match_exact_ones(fields):
     exact = Estimator(model, c, batch, causal_lm_loss).predict(layout)
     approx = Estimator(model, c, batch, causal_lm_loss, trace_blocks=2).predict(layout)
     assert approx.flops_per_step == exact.flops_per_step
-    assert approx.step_time_s == pytest.approx(exact.step_time_s, rel=0.05)
-    if layout.pp == 1:
-        assert approx.peak_memory_bytes == pytest.approx(exact.peak_memory_bytes, rel=0.01)
-    else:  # the scaled pipeline's memory is the unpipelined step's: an upper bound
-        assert approx.peak_memory_bytes >= exact.peak_memory_bytes
+    assert approx.step_time_s == pytest.approx(exact.step_time_s, rel=0.03)
+    # a pipeline's memory: each rank's schedule replayed over the replicated stages
+    # (planner/replicated.py; tests/unit/test_replicated.py has more layouts)
+    rel = 0.01 if layout.pp == 1 else 0.03
+    assert approx.peak_memory_bytes == pytest.approx(exact.peak_memory_bytes, rel=rel)
     with pytest.raises(ValueError, match="trace_blocks must be a positive integer"):
         Estimator(model, c, batch, causal_lm_loss, trace_blocks=0)

@@ -59,9 +59,7 @@ class FusedRegion:
         return outs
 
     def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        backend = _state["backend"]
-        use_triton = backend == "triton" or (backend == "auto" and inputs and inputs[0].is_cuda)
-        return self.launch(inputs) if use_triton else self.fallback(inputs)
+        return self.fallback(inputs) if would_run_fallback(inputs) else self.launch(inputs)
 
     def launch(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         args = tuple(TensorArg.of(t) for t in inputs)
@@ -75,6 +73,13 @@ class FusedRegion:
                 for o in src.outputs]
         fn[(src.grid,)](*inputs, *outs, BLOCK=src.block)
         return outs
+
+
+def would_run_fallback(inputs: list[torch.Tensor]) -> bool:
+    """Whether a fused region on `inputs` runs its eager fallback under the backend in
+    force (not the Triton kernel)."""
+    backend = _state["backend"]
+    return not (backend == "triton" or (backend == "auto" and inputs and inputs[0].is_cuda))
 
 
 def region_key(gm: fx.GraphModule, args: list[TensorArg]) -> str:

@@ -6,6 +6,14 @@ pointwise over the flattened index space of F (BLOCK elements per program); with
 one, it is a row kernel: one program per row of F (all dims but the last), a block
 of BLOCK >= F[-1] columns, so a reduction over the row is one `tl.sum`.
 
+A row wider than MAX_ROW_BLOCK (a vocabulary's log-softmax) gets a *looped* row
+kernel (`_looped`): the same body, cut at its reductions. Each reduction becomes a
+loop over blocks of columns that recomputes the full values it reads from the
+loads and accumulates into a scalar; row values that need only finished
+reductions are computed between the loops; a last loop recomputes what the
+outputs need and stores it. A row is read once per reduction plus once, instead of
+being held in registers.
+
 Each value in a row kernel is *full* (shape F: a vector over the columns), *row*
 (shape F[:-1] or F[:-1] + (1,): a scalar per program, from a reduction), or
 *column* (layer-norm weight/bias gradients: summed over rows with atomics). Inputs
@@ -23,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import operator
+import re
 from dataclasses import dataclass
 
 import torch
@@ -36,9 +45,10 @@ FULL, ROW, COLUMN = "full", "row", "column"
 POINTWISE_BLOCK = 1024
 # NOTE: a row kernel holds a whole row in one block; Triton caps a block at 2^20 elements
 # (tl.TRITON_MAX_TENSOR_NUMEL) and registers run out long before. Wider rows (a 50k
-# vocabulary's softmax) are declined until a looped row kernel exists; 2^14 is an
-# assumption, not measured on a GPU (none on the development machine)
+# vocabulary's softmax) loop over blocks of LOOP_BLOCK columns; both sizes are
+# assumptions, not measured on a GPU (none on the development machine)
 MAX_ROW_BLOCK = 1 << 14
+LOOP_BLOCK = 1 << 12
 INT32_LIMIT = 2 ** 31  # offsets are int32 (program ids and aranges are)
 
 
@@ -298,9 +308,6 @@ def _cast(x: str, src: torch.dtype, dst: torch.dtype) -> str:
 
 
 def _check_limits(em: _Emitter, args: list[TensorArg]) -> None:
-    if em.row_kernel and _next_pow2(em.full[-1]) > MAX_ROW_BLOCK:
-        raise Unsupported(f"rows of {em.full[-1]} elements, wider than one block of "
-                          f"{MAX_ROW_BLOCK} (a looped row kernel is not emitted yet)")
     extents = [_numel(em.full)] + [sum((n - 1) * st for n, st in zip(a.shape, a.stride)) + 1
                                    for a in args if _numel(a.shape)]
     if max(extents) >= INT32_LIMIT:
@@ -311,9 +318,82 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+_NAME = re.compile(r"[A-Za-z_]\w*")
+_INDEX = re.compile(r"rem|x\d+_\d+")  # index lines: functions of the row number alone
+_REDUCTION = re.compile(r"tl\.(sum|max)\(tl\.where\(mask, ")
+_FULL_SEEDS = frozenset({"cols", "mask", "zero"})
+
+
+def _looped(lines: list[str], n: int) -> list[str]:
+    """A row kernel's body (after its prologue) as loops over blocks of BLOCK columns
+    (see the module docstring)."""
+    parsed = []  # (target or None, text, refs)
+    for line in lines:
+        target, sep, expr = line.partition(" = ")
+        if not sep or not _NAME.fullmatch(target):
+            target, expr = None, line
+        parsed.append((target, line, set(_NAME.findall(expr))))
+    index = [line for target, line, _ in parsed if target and _INDEX.fullmatch(target)]
+    body = [p for p in parsed if not (p[0] and _INDEX.fullmatch(p[0]))]
+    full, defined = set(), {t: i for i, (t, _, _) in enumerate(body) if t}
+    reductions = []
+    for i, (target, line, refs) in enumerate(body):
+        if target and _REDUCTION.match(line.partition(" = ")[2]):
+            reductions.append(i)
+        elif refs & (_FULL_SEEDS | full) and target:
+            full.add(target)
+
+    out, done = ["row = tl.program_id(0)", *index], set()
+    loop = [f"for start in range(0, {n}, BLOCK):", "    cols = start + tl.arange(0, BLOCK)",
+            f"    mask = cols < {n}", "    zero = cols * 0"]
+    pending = list(reductions)
+    while pending:  # one loop per wave: the reductions that need no pending one
+        wave = [r for r in pending
+                if not (_needs(body, defined, full, {r}, done) - {r}) & set(pending)]
+        pending = [r for r in pending if r not in wave]
+        need = _needs(body, defined, full, set(wave), done)
+        out += [body[i][1] for i in sorted(need) if i not in wave and body[i][0] not in full]
+        steps = []
+        for r in wave:
+            expr, acc = body[r][1].partition(" = ")[2], f"acc{r}"
+            if expr.startswith("tl.sum"):
+                out.append(f"{acc} = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), axis=0)")
+                steps.append(f"    {acc} = {acc} + {expr}")
+            else:
+                out.append(f"{acc} = tl.max(tl.full([BLOCK], float('-inf'), tl.float32), axis=0)")
+                steps.append(f"    {acc} = tl.maximum({acc}, {expr})")
+        out += loop + [f"    {body[i][1]}" for i in sorted(need)
+                       if i not in wave and body[i][0] in full] + steps
+        out += [f"{body[r][0]} = acc{r}" for r in wave]
+        done |= {i for i in need if body[i][0] not in full}
+    rest = set(range(len(body))) - done
+    stores = {i for i in rest if body[i][0] is None}
+    full_stores = {i for i in stores if body[i][2] & (_FULL_SEEDS | full)}
+    between = [i for i in sorted(rest - full_stores) if body[i][0] not in full]
+    out += [body[i][1] for i in between]
+    done |= set(between)
+    need = _needs(body, defined, full, full_stores, done)
+    if need:
+        out += loop + [f"    {body[i][1]}" for i in sorted(need)]
+    return out
+
+
+def _needs(body, defined: dict[str, int], full: set, roots: set[int], done: set[int]) -> set[int]:
+    """Lines `roots` need, recomputing full values, stopping at row values in `done`."""
+    out, todo = set(), list(roots)
+    while todo:
+        i = todo.pop()
+        if i in out or (i in done and body[i][0] not in full):
+            continue
+        out.add(i)
+        todo += [defined[r] for r in body[i][2] if r in defined and defined[r] < i]
+    return out
+
+
 def generate(gm: fx.GraphModule, args: list[TensorArg], name_hint: str = "fused") -> KernelSource:
     """The Triton source of region `gm` for inputs described by `args`; raises
-    Unsupported (with the reason) for a region the generator cannot emit."""
+    Unsupported (with the reason) for a region the generator cannot emit. A row wider
+    than MAX_ROW_BLOCK loops over blocks of LOOP_BLOCK columns."""
     em = _Emitter(gm, args)
     _check_limits(em, args)
     for node in em.ops:
@@ -323,14 +403,16 @@ def generate(gm: fx.GraphModule, args: list[TensorArg], name_hint: str = "fused"
         em.emit_op(node)
     outputs = tuple(em.store(k, node) for k, node in enumerate(em.outputs))
     params = [f"in{i}" for i in range(len(args))] + [f"out{k}" for k in range(len(outputs))]
-    body = em.prologue() + em.lines
+    looped = em.row_kernel and _next_pow2(em.full[-1]) > MAX_ROW_BLOCK
+    body = _looped(em.lines, em.full[-1]) if looped else em.prologue() + em.lines
     digest = hashlib.sha256("\n".join(body).encode()).hexdigest()[:12]
     name = f"{name_hint}_{digest}"
     text = "\n".join(["import triton", "import triton.language as tl", "", "",
                       "@triton.jit", f"def {name}({', '.join(params)}, BLOCK: tl.constexpr):"]
                      + [f"    {line}" for line in body]) + "\n"
     if em.row_kernel:
-        grid, block = _numel(em.full[:-1]), _next_pow2(em.full[-1])
-        return KernelSource(name, text, "row", grid, block, outputs)
+        block = min(LOOP_BLOCK, _next_pow2(em.full[-1])) if looped else _next_pow2(em.full[-1])
+        return KernelSource(name, text, "looped row" if looped else "row", _numel(em.full[:-1]),
+                            block, outputs)
     block = min(POINTWISE_BLOCK, _next_pow2(_numel(em.full)))
     return KernelSource(name, text, "pointwise", -(-_numel(em.full) // block), block, outputs)

@@ -192,12 +192,27 @@ def _is_view(node: fx.Node) -> bool:
     return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
 
 
+# NOTE: not views by their schema, yet they move no data: `_unsafe_view` returns a view
+# of its (fresh) input, `wait_tensor` the very tensor its collective wrote. Costing
+# their read + write made a tp=4 GPT step 5% slower (docs/published_results.md).
+_MOVES_NOTHING = frozenset({torch.ops.aten._unsafe_view.default,
+                            torch.ops._c10d_functional.wait_tensor.default})
+
+
 def node_bytes(node: fx.Node) -> int:
     """Bytes read and written by a non-view op (views and metadata ops move nothing)."""
-    if not isinstance(node.target, torch._ops.OpOverload) or node.target.is_view:
+    if (not isinstance(node.target, torch._ops.OpOverload) or node.target.is_view
+            or node.target in _MOVES_NOTHING):
         return 0
     read = sum(tensor_bytes(a.meta.get(M.VAL)) for a in node.all_input_nodes)
     return read + tensor_bytes(node.meta.get(M.VAL))
+
+
+def op_name(node: fx.Node) -> str:
+    """The op a call node runs, without namespace and overload: "mm", "_log_softmax"
+    (the key of DeviceSpec.op_time_factors)."""
+    target = node.target
+    return getattr(target, "_opname", None) or getattr(target, "__name__", str(target))
 
 
 def tensor_bytes(val) -> int:

@@ -35,5 +35,8 @@ COMM_KIND = "autopar.comm_kind"  # str: "grad_bucket" | "loss" | ... for collect
 BUCKET = "autopar.bucket"  # int: gradient bucket index for the nodes of one bucket
 CREATED_BY = "autopar.created_by"  # str: the pass that inserted the node
 RECOMPUTED = "autopar.recomputed"  # str: the forward node a backward copy recomputes
+# tuple[(op name, flops, bytes, bytes allocated)]: the ops a fused region's fallback runs
+FUSED_MEMBERS = "autopar.fused_members"
+FUSED_SCRATCH = "autopar.fused_scratch"  # int: most bytes that fallback holds at once
 
 REQUIRED_CALL_KEYS = (VAL, ROLE, MODULE_PATH)

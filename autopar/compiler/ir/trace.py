@@ -208,6 +208,8 @@ def _trace_joint(source: TraceSource) -> tuple[fx.GraphModule, GraphSignature]:
     user_slots = [i for i, s in enumerate(sig.input_specs) if s.kind == InputKind.USER_INPUT]
     n_params, n_buffers = len(trainable), len(buffers)
     n_user = len(user_inputs)
+    if any(_on_meta(t) for t in [*state.values(), *user_inputs]):
+        _meta_devices_to_cpu(ep.graph_module)
 
     def joint_step(*flat):
         params, bufs, inputs = (flat[:n_params], flat[n_params:n_params + n_buffers],
@@ -220,6 +222,10 @@ def _trace_joint(source: TraceSource) -> tuple[fx.GraphModule, GraphSignature]:
         for spec_index, spec in enumerate(sig.input_specs):
             if spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
                 args[spec_index] = state[spec.target]
+                if _on_meta(args[spec_index]):
+                    args[spec_index] = torch.empty_strided(
+                        args[spec_index].shape, args[spec_index].stride(),
+                        dtype=args[spec_index].dtype, device="cpu")
         for slot, value in zip(user_slots, inputs):
             args[slot] = value
         with fx_traceback.preserve_node_meta():
@@ -237,8 +243,8 @@ def _trace_joint(source: TraceSource) -> tuple[fx.GraphModule, GraphSignature]:
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     shards = dict(source.param_shards)
     flat = ([_param_input(state[n], shards.get(n), fake_mode) for n in trainable]
-            + [fake_mode.from_tensor(state[n].detach()) for n in buffers]
-            + [fake_mode.from_tensor(x) for x in user_inputs])
+            + [_fake(state[n].detach(), fake_mode) for n in buffers]
+            + [_fake(x, fake_mode) for x in user_inputs])
     extra = [TensorSpec(LOSS_SCALE_INPUT, (), torch.float32)] if source.loss_scale else []
     if extra:
         flat.append(fake_mode.from_tensor(torch.ones((), dtype=torch.float32)))
@@ -271,16 +277,52 @@ def canonical_state_names(ep: torch.export.ExportedProgram) -> dict[str, str]:
     return {s.target: first_name[id(state[s.target])] for s in specs}
 
 
+def _meta_devices_to_cpu(gm: fx.GraphModule) -> None:
+    """Ops of a graph exported from a meta-device model name the meta device (`x.to(
+    device)`, factories like arange): they name the CPU instead, where its fake values
+    live (`_fake`)."""
+    meta = torch.device("meta")
+
+    def cpu(value):
+        if isinstance(value, torch.device) and value == meta:
+            return torch.device("cpu")
+        if isinstance(value, (list, tuple)):
+            return type(value)(cpu(v) for v in value)
+        return value
+    for module in gm.modules():  # higher-order ops (set_grad_enabled regions) hold graphs too
+        if isinstance(module, fx.GraphModule):
+            for node in module.graph.nodes:
+                node.args = tuple(cpu(a) for a in node.args)
+                node.kwargs = {k: cpu(v) for k, v in node.kwargs.items()}
+            module.recompile()
+
+
+def _on_meta(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type == "meta"
+
+
+def _fake(t: torch.Tensor, fake_mode: FakeTensorMode) -> torch.Tensor:
+    """The fake value of a state tensor or input. A meta tensor (a model built on the
+    meta device for planning) becomes a fake CPU tensor, so the step traces to the graph
+    the same model on the CPU gives: ops choose their kernels by device (attention on
+    meta falls back to its math decomposition, upcasting half inputs to fp32)."""
+    if not _on_meta(t):
+        return fake_mode.from_tensor(t)
+    with fake_mode:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+
+
 def _param_input(t: torch.Tensor, shard: tuple[int, int, int] | None,
                  fake_mode: FakeTensorMode) -> torch.Tensor:
     """The fake value a parameter enters the joint graph as: whole, or one block."""
     if shard is None:
-        return fake_mode.from_tensor(t.detach()).requires_grad_(True)
+        return _fake(t.detach(), fake_mode).requires_grad_(True)
     dim, parts, _ = shard
     shape = list(t.shape)
     shape[dim] //= parts
+    device = "cpu" if _on_meta(t) else t.device
     with fake_mode:
-        return torch.empty(shape, dtype=t.dtype, device=t.device).requires_grad_(True)
+        return torch.empty(shape, dtype=t.dtype, device=device).requires_grad_(True)
 
 
 def _drop_shape_asserts(gm: fx.GraphModule) -> None:

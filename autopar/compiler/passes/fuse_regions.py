@@ -45,7 +45,7 @@ from autopar.compiler.codegen.ops import (ATEN_INPUT_PASSES, POINTWISE, ROW_OPS,
                                           is_row_op, unsupported_reason)
 from autopar.compiler.codegen.triton_gen import TensorArg
 from autopar.compiler.ir import meta as M
-from autopar.compiler.ir.annotate import tensor_bytes
+from autopar.compiler.ir.annotate import op_name, tensor_bytes
 from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
 from autopar.compiler.passes.manager import register_pass
@@ -146,9 +146,28 @@ class _Region:
                                a.meta[M.VAL].dtype) for a in self.inputs]
         self.bytes_before = _bytes_unfused(nodes)
         self.bytes_after = sum(tensor_bytes(n.meta.get(M.VAL)) for n in self.inputs + self.outputs)
+        self.fallback_peak = _fallback_peak(nodes, set(self.outputs))
 
     def describe(self) -> str:
         return f"{_region_name(self.nodes)} at {self.nodes[0].name} ({len(self.nodes)} ops)"
+
+
+def _fallback_peak(nodes: list[fx.Node], outputs: set[fx.Node]) -> int:
+    """Most bytes the eager fallback holds at once while it runs the region: the values
+    it makes (views and getitems make none), each until its last reader in the region,
+    the region's outputs until the end."""
+    inside = set(nodes)
+    last = {n: max((i for i, u in enumerate(nodes) if u in n.users), default=len(nodes))
+            for n in nodes}
+    live, peak = {}, 0
+    for i, n in enumerate(nodes):
+        if n.target not in VIEWS and n.target is not operator.getitem:
+            live[n] = tensor_bytes(n.meta.get(M.VAL))
+        peak = max(peak, sum(live.values()))
+        for v in [v for v in live if v not in outputs and last[v] <= i
+                  and all(u in inside for u in v.users)]:
+            del live[v]
+    return peak
 
 
 def _candidates(tg: TrainGraph, rejected: dict[fx.Node, str]) -> list[list[fx.Node]]:
@@ -173,7 +192,13 @@ def _replace(tg: TrainGraph, region: _Region, key: str, name: str) -> None:
     fused.meta = {**last.meta, M.VAL: [n.meta[M.VAL] for n in region.outputs],
                   M.CREATED_BY: "fusion", M.FLOPS: sum(n.meta.get(M.FLOPS, 0) for n in region.nodes),
                   M.BYTES: region.bytes_after, FUSED_KEY: key,
-                  FUSED_OPS: [n.name for n in region.nodes]}
+                  FUSED_OPS: [n.name for n in region.nodes],
+                  # what the eager fallback runs (a CPU step): costed op by op
+                  M.FUSED_SCRATCH: region.fallback_peak,
+                  M.FUSED_MEMBERS: tuple(
+                      (op_name(n), n.meta.get(M.FLOPS, 0), n.meta.get(M.BYTES, 0),
+                       0 if n.target in VIEWS else tensor_bytes(n.meta.get(M.VAL)))
+                      for n in region.nodes)}
     fused.meta.pop(M.GRAD_OF, None)  # a getitem below carries it, with the value
     for index, old in enumerate(region.outputs):
         with graph.inserting_after(fused):

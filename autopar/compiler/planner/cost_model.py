@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 
 from autopar.cluster import ClusterSpec, LinkSpec
-from autopar.compiler.planner.memory import held_parameter_bytes, step_memory
+from autopar.compiler.planner.memory import MemoryPrediction, held_parameter_bytes, step_memory
 from autopar.compiler.planner.summary import GraphSummary, OpRecord
 from autopar.layout import Layout, Prediction
 
@@ -60,13 +60,33 @@ def op_time(flops: float, nbytes: float, peak_flops: float, memory_bandwidth: fl
     return max(flops / (peak_flops * eff.compute), nbytes / (memory_bandwidth * eff.memory))
 
 
+# a CPU allocation above glibc's largest mmap threshold (32 MiB on 64-bit) is mapped
+# fresh from the OS, so each of its pages faults and is zeroed on first touch
+MMAP_THRESHOLD = 32 * 2**20
+
+
+def kernel_time(target: str, flops: float, nbytes: float, allocates: int, dtype: str | None,
+                cluster: ClusterSpec, eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    """One op: launch + roofline + first touch of a large fresh allocation (a CPU), times
+    the device's fitted factor for the op (`autopar calibrate --model`)."""
+    device = cluster.device
+    seconds = device.launch_overhead_s
+    if flops or nbytes:
+        peak = cluster.peak_flops_for(dtype or "fp32") if flops else 1.0
+        seconds += op_time(flops, nbytes, peak, device.memory_bandwidth, eff)
+    if device.first_touch_bandwidth and allocates > MMAP_THRESHOLD:
+        seconds += allocates / device.first_touch_bandwidth
+    return seconds * device.op_time_factors.get(target, 1.0)
+
+
 def _op_time(op: OpRecord, cluster: ClusterSpec, eff: Efficiency) -> float:
-    launch = cluster.device.launch_overhead_s if op.role != "input" else 0.0
-    if not op.flops and not op.bytes:
-        return launch * op.repeat
-    peak = cluster.peak_flops_for(op.dtype or "fp32") if op.flops else 1.0
-    return op.repeat * (launch + op_time(op.flops, op.bytes, peak,
-                                         cluster.device.memory_bandwidth, eff))
+    if op.role == "input":
+        return 0.0
+    if op.members and cluster.device.kind == "cpu":  # the fallback runs the region's ops
+        return op.repeat * sum(kernel_time(target, flops, nbytes, fresh, op.dtype, cluster, eff)
+                               for target, flops, nbytes, fresh in op.members)
+    return op.repeat * kernel_time(op.target, op.flops, op.bytes, op.allocates, op.dtype,
+                                   cluster, eff)
 
 
 # -- collectives ---------------------------------------------------------------------------
@@ -196,13 +216,21 @@ def optimizer_traffic(param_bytes: int, optimizer: str) -> int:
     return param_bytes * (3 + 2 * OPTIMIZER_STATES[_check_optimizer(optimizer)])
 
 
+def optimizer_time(param_bytes: int, optimizer: str, cluster: ClusterSpec,
+                   eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    """The optimizer step over `param_bytes` of parameters: its traffic at the memory
+    roofline, times the device's fitted factor "optimizer.<kind>"."""
+    seconds = optimizer_traffic(param_bytes, optimizer) / (cluster.device.memory_bandwidth
+                                                           * eff.memory)
+    return seconds * cluster.device.op_time_factors.get(f"optimizer.{optimizer}", 1.0)
+
+
 def step_time(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
               optimizer: str = "adamw", eff: Efficiency = DEFAULT_EFFICIENCY) -> StepTime:
     compute, comm, end = simulate_streams(summary, cluster, layout, eff)
     updated = sum(held_parameter_bytes(summary, layout)[1])  # ZeRO: this rank's blocks
-    optim = optimizer_traffic(updated, optimizer) / (cluster.device.memory_bandwidth * eff.memory)
     return StepTime(compute_s=compute, comm_s=comm, exposed_comm_s=end - compute,
-                    optimizer_s=optim)
+                    optimizer_s=optimizer_time(updated, optimizer, cluster, eff))
 
 
 # -- memory ---------------------------------------------------------------------------------
@@ -218,13 +246,16 @@ def _check_optimizer(optimizer: str) -> str:
 
 def predict(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
             optimizer: str = "adamw", eff: Efficiency = DEFAULT_EFFICIENCY,
-            model_flops: float | None = None, stages=None) -> Prediction:
+            model_flops: float | None = None, stages=None,
+            memory: MemoryPrediction | None = None) -> Prediction:
     """The Prediction of DESIGN.md for one rank's `summary` under `layout`.
 
     model_flops: one rank's model FLOPs (forward + backward, no recomputation) of one
     micro-batch before any pass; default: the summary's own. Scaled by dp and
     micro-batches for the global batch. stages: the StageSummary of a pipelined or
     micro-batched step (planner/pipeline_cost.py), None for one whole-graph step.
+    memory: the peak the caller predicted (a pipeline's ranks replayed); default:
+    step_memory of the summary.
     """
     times = _times(summary, cluster, layout, optimizer, eff, stages)
     flops = ((summary.model_flops if model_flops is None else model_flops)
@@ -233,7 +264,8 @@ def predict(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
     devices = layout.world_size
     per_device = flops / devices / seconds if seconds > 0 else 0.0
     peak = cluster.peak_flops_for(summary.compute_dtype())
-    memory = step_memory(summary, layout, optimizer)
+    if memory is None:
+        memory = step_memory(summary, layout, optimizer, fallbacks=cluster.device.kind == "cpu")
     return Prediction(
         step_time_s=seconds, flops_per_step=flops, tflops_per_device=per_device / 1e12,
         mfu=per_device / peak, peak_memory_bytes=memory.peak_bytes,

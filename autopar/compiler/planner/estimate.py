@@ -7,7 +7,6 @@ device, the inputs may be meta tensors: nothing is allocated), runs the same pas
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +20,10 @@ from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, OPTIMIZER_S
                                                  Efficiency, predict)
 from autopar.compiler.passes.pipeline import is_pipelined
 from autopar.compiler.ir.graph import TrainGraph
+from autopar.compiler.planner.memory import MemoryPrediction
 from autopar.compiler.planner.pipeline_memory import pipeline_memory_per_rank
+from autopar.compiler.planner.replicated import (TEMPLATE_BLOCKS, pipeline_memory_from_summary,
+                                                 replicate, stage_programs, template_of)
 from autopar.compiler.planner.scaled import multiplicities, reduced, scale_summary
 from autopar.compiler.planner.stages import StageSummary, stage_summary
 from autopar.compiler.planner.summary import GraphSummary, summarize
@@ -69,18 +71,31 @@ class Estimator:
         self._traced: dict[tuple, tuple] = {}
         self._rewritten: dict[tuple, tuple] = {}
         self._tables: dict[tuple, dict] = {}
+        self._replicas: dict[tuple, tuple] = {}
 
     def predict(self, layout: Layout) -> Prediction:
         summary, stages, model_flops = self.rewritten(layout)
-        pred = predict(summary, self.cluster, layout, self.optimizer, self.efficiency,
-                       model_flops=model_flops, stages=stages)
-        graph, scaled = self._rewritten[self._key(layout)][2:]
-        if stages is not None and not scaled:  # each pipeline rank's schedule replayed
-            ranks = pipeline_memory_per_rank(graph, layout, self.optimizer)
-            fullest = max(ranks, key=lambda m: m.peak_bytes)
-            pred = dataclasses.replace(pred, peak_memory_bytes=fullest.peak_bytes,
-                                       memory=fullest.by_category)
-        return pred
+        return predict(summary, self.cluster, layout, self.optimizer, self.efficiency,
+                       model_flops=model_flops, stages=stages,
+                       memory=self._pipeline_memory(layout, summary, stages))
+
+    def _pipeline_memory(self, layout, summary, stages) -> MemoryPrediction | None:
+        """The fullest pipeline rank's memory, each rank's schedule replayed (None: the
+        unpipelined step's, as for one stage traced with a few blocks)."""
+        if stages is None:
+            return None
+        key = self._key(layout)
+        graph, template = self._rewritten[key][2:]
+        if template is not None:  # planner/replicated.py: the stages' summaries replayed
+            programs = self._replicas[key, self._stages(layout)][2]
+            ranks = pipeline_memory_from_summary(summary, stages, layout, self.optimizer,
+                                                 programs)
+        elif graph is not None:
+            ranks = pipeline_memory_per_rank(graph, layout, self.optimizer,
+                                             fallbacks=self.cluster.device.kind == "cpu")
+        else:
+            return None
+        return max(ranks, key=lambda m: m.peak_bytes)
 
     def counts(self) -> dict[str, int]:
         """How many traces and rewritten graphs the layouts costed so far needed."""
@@ -96,10 +111,19 @@ class Estimator:
         return self._tables.get(self._key(layout))
 
     def _keep(self, layout: Layout) -> int | None:
-        """Blocks to trace (None: all): a pipeline traces one per stage."""
+        """Blocks to trace (None: all): a pipeline of several stages traces the two of its
+        template (planner/replicated.py). Accumulation without a pipeline is traced
+        whole: its memory is a replay of the one stage's programs, which a scaled
+        summary does not have (the search does not try it; `estimate` of it is exact)."""
         if self.trace_blocks is None:
             return None
-        return layout.pp * layout.virtual_stages if is_pipelined(layout) else self.trace_blocks
+        if self._stages(layout) > 1:
+            return TEMPLATE_BLOCKS
+        return None if is_pipelined(layout) else self.trace_blocks
+
+    @staticmethod
+    def _stages(layout: Layout) -> int:
+        return layout.pp * layout.virtual_stages if is_pipelined(layout) else 1
 
     def _trace(self, layout: Layout):
         local = _local_example(self.example_inputs, layout)
@@ -123,28 +147,49 @@ class Estimator:
         pipelined = is_pipelined(layout)
         # the passes of a pipelined step read its number of stages, not how the schedule
         # runs them nor dp (the runtime reduces its gradients; the micro-batch size is in
-        # the trace's key)
+        # the trace's key); a template (planner/replicated.py) serves every depth
+        stages = self._stages(layout)
+        if self._template(layout):
+            stages = 2
         fields = layout.replace(schedule="1f1b", microbatches=2, virtual_stages=1, dp=1, zero=0,
-                                pp=layout.pp * layout.virtual_stages) if pipelined else layout
+                                pp=stages) if pipelined else layout
         return self._trace(layout)[0], pipelined, fields
+
+    def _template(self, layout: Layout) -> bool:
+        """Whether `layout` is costed from a two-stage template (a scaled trace, several
+        stages)."""
+        return self._trace(layout)[3] is not None and self._stages(layout) > 1
 
     def rewritten(self, layout: Layout) -> tuple[GraphSummary, StageSummary | None, int]:
         """(summary of the rewritten graph, its stages when pipelined, model FLOPs of
         one rank's micro-batch) for `layout`."""
         _, traced, model_flops, scaling = self._trace(layout)
         key = self._key(layout)
+        template = self._template(layout)
         if key not in self._rewritten:
-            options = {}
-            if scaling is not None and key[1]:  # one traced block per stage
+            options, passes_layout = {}, layout
+            if template:  # two stages cut between the two traced blocks
                 path, counts = scaling
-                options["pipeline_cuts"] = [f"{path}.{i}" for i in range(1, len(counts))]
-            rewritten, _ = run_passes(traced, layout, self.cluster, self.passes, options=options)
-            stages = stage_summary(rewritten) if key[1] else None
-            summary = self._scaled(summarize(rewritten), rewritten, scaling)
-            self._rewritten[key] = (summary, stages, rewritten, scaling is not None)
+                options["pipeline_cuts"] = [f"{path}.1"]
+                passes_layout = layout.replace(pp=2, virtual_stages=1, schedule="1f1b")
+            rewritten, _ = run_passes(traced, passes_layout, self.cluster, self.passes,
+                                      options=options)
+            if template:
+                entry = (None, None, None, template_of(rewritten, sum(scaling[1]), self.cluster))
+            else:
+                stages = stage_summary(rewritten) if key[1] else None
+                summary = self._scaled(summarize(rewritten), rewritten, scaling)
+                entry = (summary, stages, None if scaling else rewritten, None)
+            self._rewritten[key] = entry
             if "tp" in rewritten.attrs:
                 self._tables[key] = rewritten.attrs["tp"]
-        summary, stages = self._rewritten[key][:2]
+        summary, stages, _, pattern = self._rewritten[key]
+        if pattern is not None:
+            depth = self._stages(layout)
+            if (key, depth) not in self._replicas:
+                summary, stages = replicate(pattern, depth)
+                self._replicas[key, depth] = (summary, stages, stage_programs(summary, stages))
+            summary, stages = self._replicas[key, depth][:2]
         return summary, stages, model_flops
 
 

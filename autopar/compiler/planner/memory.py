@@ -83,6 +83,22 @@ def profile_optimizer(factory: Callable[[list[torch.nn.Parameter]], torch.optim.
     return OptimizerMemory(held_bytes(big) / nbytes, small, live.peak_bytes / nbytes)
 
 
+def static_lower_bound(param_bytes: int, layout: Layout,
+                       optimizer: str | OptimizerMemory = "adamw") -> float:
+    """Bytes of parameters, gradients and optimizer state the fullest rank holds at least
+    under `layout`, from the model's trainable parameter bytes alone (no trace): each is
+    split at best evenly over tp and pp (the fullest stage holds at least its share),
+    and over dp where ZeRO shards it (parameters only without a pipeline: a pipelined
+    ZeRO-3 step gathers its stages' parameters for the whole schedule). step_memory's
+    peak is never below it: the optimizer phase holds all three."""
+    share = param_bytes / (layout.tp * layout.pp)
+    dp = layout.dp
+    params = share / dp if layout.zero >= 3 and layout.pp == 1 else share
+    grads = share / dp if layout.zero >= 2 else share
+    states = optimizer_memory(optimizer).states * (share / dp if layout.zero >= 1 else share)
+    return params + grads + states
+
+
 @dataclass(frozen=True)
 class GraphLiveness:
     """Liveness of one program: its peak (bytes made by the program), the op where it
@@ -96,8 +112,10 @@ class GraphLiveness:
     outputs_bytes: int  # alive when the program ends (what it returns)
 
 
-def graph_liveness(summary: GraphSummary) -> GraphLiveness:
-    """Walk the ops in order, adding each new storage and dropping it after its last use."""
+def graph_liveness(summary: GraphSummary, fallbacks: bool = False) -> GraphLiveness:
+    """Walk the ops in order, adding each new storage and dropping it after its last use.
+    `fallbacks`: fused regions run their eager fallback (a CPU), which holds its
+    intermediates and outputs (`OpRecord.scratch`) while it runs."""
     ops = summary.ops
     last_use = _last_uses(summary)
     freed_after: dict[int, list[int]] = {}
@@ -112,6 +130,9 @@ def graph_liveness(summary: GraphSummary) -> GraphLiveness:
             live[_category(summary, i)] += op.allocates
         if sum(live.values()) > peak:
             peak, peak_op, at_peak = sum(live.values()), op.name, dict(live)
+        if fallbacks and op.scratch and sum(live.values()) + op.scratch > peak:
+            peak, peak_op = sum(live.values()) + op.scratch, op.name
+            at_peak = {**live, "temporaries": live["temporaries"] + op.scratch}
         for s in freed_after.get(i, ()):
             if ops[s].allocates and s not in summary.output_storages and ops[s].role != "input":
                 live[_category(summary, s)] -= ops[s].allocates
@@ -170,15 +191,17 @@ def held_parameter_bytes(summary: GraphSummary, layout: Layout) -> tuple[int, li
 
 
 def step_memory(summary: GraphSummary, layout: Layout,
-                optimizer: str | OptimizerMemory = "adamw") -> MemoryPrediction:
-    """The predicted peak of one rank's (non-pipelined) step under `layout`."""
+                optimizer: str | OptimizerMemory = "adamw",
+                fallbacks: bool = False) -> MemoryPrediction:
+    """The predicted peak of one rank's (non-pipelined) step under `layout`;
+    `fallbacks` as for graph_liveness (True on a CPU device)."""
     opt = optimizer_memory(optimizer)
     params, updated = held_parameter_bytes(summary, layout)
     inputs = sum(op.allocates for op in summary.ops if op.role == "input")
     static = {"parameters": params, "buffers": summary.buffer_bytes,
               "optimizer_states": int(opt.states * sum(updated) + opt.counter_bytes * len(updated)),
               "inputs": inputs}
-    graph = graph_liveness(summary)
+    graph = graph_liveness(summary, fallbacks)
     in_graph = graph.at_peak
     in_graph_total = graph.peak_bytes
     optim_temps = int(opt.temporaries * max(updated, default=0))

@@ -21,14 +21,15 @@ bubble.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 
 from autopar.cluster import ClusterSpec
 from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, Efficiency, collective_time,
-                                                 group_spans_nodes, optimizer_traffic,
+                                                 group_spans_nodes, optimizer_time,
                                                  simulate_streams)
 from autopar.compiler.planner.stages import StageSummary
-from autopar.compiler.planner.summary import GraphSummary, OpRecord
+from autopar.compiler.planner.summary import GraphSummary
 from autopar.layout import Layout
 from autopar.runtime.schedule import Timeline, build, simulate
 
@@ -61,14 +62,35 @@ class PipelineTime:
         return self.bubble_s / self.total_s if self.total_s > 0 else 0.0
 
 
-def phase_time(summary: GraphSummary, members: frozenset[int], cluster: ClusterSpec,
+def phase_time(summary: GraphSummary, members: Iterable[int], cluster: ClusterSpec,
                layout: Layout, eff: Efficiency = DEFAULT_EFFICIENCY) -> PhaseTime:
-    """One program's time: its ops replayed alone (the others as empty records)."""
-    ops = tuple(op if i in members else OpRecord(op.name, op.role)
-                for i, op in enumerate(summary.ops))
+    """One program's time: its ops replayed alone, in order (a wait for a collective of
+    another program does not wait)."""
+    chosen = sorted(members)
+    where = {i: k for k, i in enumerate(chosen)}
+    ops = tuple(replace(op, waits_on=where.get(op.waits_on, -1))
+                if op.waits_on is not None else op for op in (summary.ops[i] for i in chosen))
     compute, comm, end = simulate_streams(
-        GraphSummary(ops, (), (), 0, summary.output_storages), cluster, layout, eff)
+        GraphSummary(ops, (), (), 0, frozenset()), cluster, layout, eff)
     return PhaseTime(compute, comm, end)
+
+
+def stage_phase_times(summary: GraphSummary, stages: StageSummary, cluster: ClusterSpec,
+                      layout: Layout, eff: Efficiency = DEFAULT_EFFICIENCY
+                      ) -> dict[tuple[int, str], PhaseTime]:
+    """(stage, "F" | "B" | "I" | "W") -> its PhaseTime; stages of one kind replayed once."""
+    groups = stages.programs()
+    kinds = stages.kinds or tuple(range(stages.stages))
+    cache: dict[tuple, PhaseTime] = {}
+    out = {}
+    for s in range(stages.stages):
+        for kind, programs in PHASE_PROGRAMS.items():
+            key = (kinds[s], kind)
+            if key not in cache:
+                members = [i for p in programs for i in groups.get((s, p), ())]
+                cache[key] = phase_time(summary, members, cluster, layout, eff)
+            out[s, kind] = cache[key]
+    return out
 
 
 def p2p_time(nbytes: float, tensors: int, cluster: ClusterSpec, layout: Layout,
@@ -132,15 +154,13 @@ def pipeline_time(summary: GraphSummary, stages: StageSummary, cluster: ClusterS
                   layout: Layout, optimizer: str = "adamw",
                   eff: Efficiency = DEFAULT_EFFICIENCY) -> PipelineTime:
     """The predicted step of `layout`'s schedule over `stages` (see the module docstring)."""
-    phases = {(s, kind): phase_time(summary, stages.members(s, programs), cluster, layout, eff)
-              for s in range(stages.stages) for kind, programs in PHASE_PROGRAMS.items()}
+    phases = stage_phase_times(summary, stages, cluster, layout, eff)
     receives = receive_costs(stages, cluster, layout, eff)
     cost = {key: phase.total_s for key, phase in phases.items()}
     schedule = build(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
     timeline = simulate(schedule, {**cost, **receives})
     sync = grad_sync_time(summary, stages, cluster, layout, eff)
-    optim = [optimizer_traffic(b, optimizer) / (cluster.device.memory_bandwidth * eff.memory)
-             for b in rank_param_bytes(summary, stages, layout)]
+    optim = [optimizer_time(b, optimizer, cluster, eff) for b in rank_param_bytes(summary, stages, layout)]
     ends = [max((end for _, _, end in spans), default=0.0) for spans in timeline.spans]
     rank = max(range(layout.pp), key=lambda r: ends[r] + sync[r] + optim[r])
     spans = timeline.spans[rank]

@@ -18,9 +18,10 @@ from autopar.compiler.ir.trace import LossFn, batch_dims_of
 from autopar.compiler.passes.assign_stages import node_time
 from autopar.compiler.planner.cost_model import DEFAULT_EFFICIENCY, Efficiency
 from autopar.compiler.planner.estimate import Estimator
+from autopar.compiler.planner.memory import static_lower_bound
 from autopar.compiler.planner.pipeline_cost import pipeline_time
 from autopar.compiler.planner.search import (PlanError, candidate_layouts, check_constraints,
-                                             search)
+                                             refinements, search)
 from autopar.layout import Layout, Plan
 
 # how many times the nodes a model that fits nowhere is tried on, to name a cluster
@@ -45,18 +46,45 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs: Sequence[
     estimator = Estimator(model, cluster, example_inputs, loss_fn, optimizer, efficiency,
                           trace_blocks=trace_blocks)
     candidates = _candidates(model, cluster, example_inputs, fixed)
-    step = None if progress is None else _counter(progress, len(candidates))
     start = time.perf_counter()
+    costed, pruned = prune_static(candidates, model, cluster, fraction, optimizer)
+    step = None if progress is None else _counter(progress, len(costed))
     try:
-        result = search(candidates, estimator.predict, cluster, fraction, step)
+        result = search(costed, estimator.predict, cluster, fraction, step, refinements(fixed))
+        result.skipped += pruned
     except PlanError as exc:
+        if pruned:  # the error names the smallest costed peak: cost them all
+            try:
+                search(candidates, estimator.predict, cluster, fraction, None, refinements(fixed))
+            except PlanError as again:
+                exc = again
         hint = _larger_cluster_hint(model, cluster, example_inputs, loss_fn, optimizer,
                                     efficiency, trace_blocks, constraints)
         raise PlanError(f"{exc}{hint}") from None
     result.details = details(estimator, result.layout, cluster, efficiency, optimizer)
-    result.details["search"] = {"candidates": len(candidates), **estimator.counts(),
+    result.details["search"] = {"candidates": len(candidates), "pruned": len(pruned),
+                                **estimator.counts(),
                                 "seconds": time.perf_counter() - start}
     return result
+
+
+def prune_static(candidates: list[Layout], model: torch.nn.Module, cluster: ClusterSpec,
+                 fraction: float, optimizer: str) -> tuple[list[Layout], list[tuple[Layout, str]]]:
+    """(candidates worth tracing, the others with why): a layout whose parameters,
+    gradients and optimizer state alone exceed the memory allowed
+    (memory.static_lower_bound, from parameter counts: no trace) cannot fit."""
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    capacity = cluster.device.memory_bytes * fraction
+    keep, pruned = [], []
+    for layout in candidates:
+        bound = static_lower_bound(param_bytes, layout, optimizer)
+        if bound > capacity:
+            pruned.append((layout, f"does not fit: parameters, gradients and {optimizer} state "
+                                   f"alone take at least {bound / 1e9:.3g} GB per device, over "
+                                   f"the {capacity / 1e9:.3g} GB allowed (not traced)"))
+        else:
+            keep.append(layout)
+    return keep, pruned
 
 
 def _candidates(model, cluster, example_inputs, fixed) -> list[Layout]:
@@ -102,8 +130,9 @@ def _plan_only(model, cluster, example_inputs, loss_fn, optimizer, efficiency, t
     fixed, fraction = check_constraints(constraints)
     estimator = Estimator(model, cluster, example_inputs, loss_fn, optimizer, efficiency,
                           trace_blocks=trace_blocks)
-    return search(_candidates(model, cluster, example_inputs, fixed), estimator.predict,
-                  cluster, fraction)
+    candidates, _ = prune_static(_candidates(model, cluster, example_inputs, fixed), model,
+                                 cluster, fraction, optimizer)
+    return search(candidates, estimator.predict, cluster, fraction, refine=refinements(fixed))
 
 
 # -- what the report shows ------------------------------------------------------------------

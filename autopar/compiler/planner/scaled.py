@@ -14,9 +14,8 @@ summaries are scaled to the whole model:
   times the gradients of each block: their bytes and their collectives' bytes are
   scaled by the ratio of whole-model to traced gradient bytes (fewer, larger
   buckets than the real step: per-message latency is undercounted);
-- a pipeline is traced with k = pp * virtual_stages blocks and cut one traced block
-  per stage (each stage holds L / k real blocks; the exact planner may move a block
-  off the stage that also holds a large head).
+- a pipeline of several stages is costed from a two-block template instead
+  (planner/replicated.py), whatever k is.
 
 Nothing else changes: embeddings, head and loss are traced whole.
 """
@@ -74,10 +73,14 @@ def op_buckets(tg: TrainGraph) -> tuple[bool, ...]:
 
 
 def param_layers(tg: TrainGraph) -> tuple[int | None, ...]:
-    """The block of each parameter: the one block all its readers belong to, else None."""
+    """The block of each parameter: the one block all its forward readers (else all its
+    readers) belong to, else None. NOTE: forward first, because a fused backward region
+    can cross a block boundary and carry its last op's block (fuse_regions._replace): a
+    block's layer-norm weight is then also read by an op outside the blocks."""
     out = []
     for node in tg.placeholders()[:len(tg.signature.params)]:
-        layers = {u.meta.get(M.LAYER) for u in node.users}
+        forward = [u for u in node.users if u.meta.get(M.ROLE) != M.Role.BACKWARD]
+        layers = {u.meta.get(M.LAYER) for u in (forward or node.users)}
         out.append(layers.pop() if len(layers) == 1 else None)
     return tuple(out)
 

@@ -12,6 +12,14 @@ field. Layouts that compile or the cost model refuse are kept aside with the rea
 which shares traces and rewritten graphs between candidates), keeps those whose
 predicted peak memory fits `max_memory_fraction` of the device, and ranks them by
 step time; every other candidate says why it lost (`why_not`).
+
+Then `refinements` add layouts worth costing given what was learnt, each round
+ranked with the rest: a layout over memory that is faster than the fastest fitting
+one (or any, when nothing fits) is tried again with full recomputation, and where
+that fits, with selective recomputation (it keeps more: it cannot fit where full
+does not); recomputing only adds time, so a layout slower than one that already
+fits is not tried. Then the fastest fitting data-parallel layout is tried with
+other gradient bucket sizes. A field the user fixed is never varied.
 """
 
 from __future__ import annotations
@@ -138,19 +146,74 @@ def rank(costed: list[tuple[Layout, Prediction]], capacity: float
             sorted(over, key=lambda c: c[1].peak_memory_bytes))
 
 
+BUCKET_MB_CHOICES = (5.0, 25.0, 100.0)
+
+Refinement = Callable[[list[tuple[Layout, Prediction]], float], list[Layout]]
+
+
+def _worth_recomputing(costed, capacity) -> list[Layout]:
+    """Layouts over memory that recomputation could make the plan: without it, they
+    are faster than the fastest that fits (recomputing only adds time), or nothing fits."""
+    fits = [p.step_time_s for _, p in costed if p.peak_memory_bytes <= capacity]
+    best = min(fits, default=float("inf"))
+    return [lay for lay, p in costed if p.peak_memory_bytes > capacity
+            and lay.recompute == "none" and p.step_time_s < best]
+
+
+def _with_full_recompute(costed, capacity) -> list[Layout]:
+    return [lay.replace(recompute="full") for lay in _worth_recomputing(costed, capacity)]
+
+
+def _with_selective_recompute(costed, capacity) -> list[Layout]:
+    """Selective keeps more than full: worth trying only where full fits."""
+    fitting_full = {lay.replace(recompute="none") for lay, p in costed
+                    if lay.recompute == "full" and p.peak_memory_bytes <= capacity}
+    return [lay.replace(recompute="selective") for lay in _worth_recomputing(costed, capacity)
+            if lay in fitting_full]
+
+
+def refinements(fixed: dict[str, Any]) -> list[Refinement]:
+    """The rounds of layouts `search` costs after the candidates (module docstring)."""
+    rounds: list[Refinement] = []
+    if "recompute" not in fixed:
+        rounds += [_with_full_recompute, _with_selective_recompute]
+    if "bucket_mb" not in fixed:
+        def buckets(costed, capacity):
+            fits = rank(costed, capacity)[0]
+            if not fits or fits[0][0].dp == 1 or fits[0][0].pp > 1 or fits[0][0].microbatches > 1:
+                return []  # the pipeline runtime all-reduces its gradients flat
+            best = fits[0][0]
+            return [best.replace(bucket_mb=mb) for mb in BUCKET_MB_CHOICES if mb != best.bucket_mb]
+        rounds.append(buckets)
+    return rounds
+
+
 def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction],
            cluster: ClusterSpec, max_memory_fraction: float = 0.9,
-           progress: Callable[[Layout], None] | None = None) -> Plan:
-    """Cost every candidate, keep the fastest that fits (see the module docstring)."""
+           progress: Callable[[Layout], None] | None = None,
+           refine: Iterable[Refinement] = ()) -> Plan:
+    """Cost every candidate, then each round of `refine`; keep the fastest that fits
+    (see the module docstring)."""
     capacity = cluster.device.memory_bytes * max_memory_fraction
-    costed, skipped = [], []
-    for layout in candidates:
-        if progress is not None:
-            progress(layout)
-        try:
-            costed.append((layout, predict(layout)))
-        except ValueError as exc:  # a cut or a tp placement the model cannot take
-            skipped.append((layout, str(exc).splitlines()[0]))
+    costed: list[tuple[Layout, Prediction]] = []
+    skipped: list[tuple[Layout, str]] = []
+
+    def cost(layouts: Iterable[Layout], show: bool) -> None:
+        seen = {lay for lay, _ in costed} | {lay for lay, _ in skipped}
+        for layout in layouts:
+            if layout in seen:
+                continue
+            seen.add(layout)
+            if show and progress is not None:
+                progress(layout)
+            try:
+                costed.append((layout, predict(layout)))
+            except ValueError as exc:  # a cut or a tp placement the model cannot take
+                skipped.append((layout, str(exc).splitlines()[0]))
+
+    cost(candidates, True)
+    for more in refine:
+        cost(more(list(costed), capacity), False)
     fits, over = rank(costed, capacity)
     if not fits:
         raise PlanError(no_fit_message(over, skipped, cluster, max_memory_fraction))

@@ -42,6 +42,17 @@ class StageSummary:
     program_of: tuple[str | None, ...]  # "F", "I" or "W" per op (None: a user input)
     messages: tuple[Message, ...]
     param_stages: tuple[frozenset[int], ...]  # per parameter: the stages that read it
+    # per stage: stages with equal entries run identical programs (planner/replicated.py);
+    # None: every stage its own
+    kinds: tuple | None = None
+
+    def programs(self) -> dict[tuple[int, str], list[int]]:
+        """(stage, program) -> indices of its ops, in order."""
+        out: dict[tuple[int, str], list[int]] = {}
+        for i, (s, p) in enumerate(zip(self.stage_of, self.program_of)):
+            if s is not None:
+                out.setdefault((s, p), []).append(i)
+        return out
 
     def members(self, stage: int, programs: str) -> frozenset[int]:
         """Indices of the ops of `stage` whose program is one of `programs` ("F", "IW")."""

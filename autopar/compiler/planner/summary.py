@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from autopar.compiler.ir import meta as M
-from autopar.compiler.ir.annotate import tensor_bytes
+from autopar.compiler.ir.annotate import op_name, tensor_bytes
 from autopar.compiler.ir.graph import TrainGraph
 from autopar.runtime.program import MESH_TAG_PREFIX
 
@@ -66,6 +66,11 @@ class OpRecord:
     group: str | None = None  # mesh dimension of the collective ("dp")
     waits_on: int | None = None  # a wait: index of the collective it waits for
     repeat: int = 1  # times the op runs back to back (planner/scaled.py: a block's copies)
+    target: str = ""  # the op it runs ("mm"; ir.annotate.op_name), "" for user inputs
+    # a fused region: (op, flops, bytes, bytes allocated) of each op its eager fallback
+    # runs (on a CPU)
+    members: tuple[tuple[str, int, int, int], ...] = ()
+    scratch: int = 0  # a fused region: most bytes its eager fallback holds while it runs
 
 
 @dataclass(frozen=True)
@@ -152,7 +157,9 @@ def _record(node: fx.Node, index: dict[fx.Node, int], earlier: list[OpRecord]) -
     kind, group_arg = COLLECTIVES.get(node.target, (None, None))
     flops = node.meta.get(M.FLOPS, 0)
     record = OpRecord(
-        name=node.name, role=node.meta[M.ROLE].value, flops=flops,
+        name=node.name, role=node.meta[M.ROLE].value, flops=flops, target=op_name(node),
+        members=tuple(node.meta.get(M.FUSED_MEMBERS, ())),
+        scratch=node.meta.get(M.FUSED_SCRATCH, 0),
         model_flops=0 if node.meta.get(M.RECOMPUTED) else flops - attention_recompute_flops(node),
         bytes=node.meta.get(M.BYTES, 0), dtype=_dtype_of(node), uses=uses,
         collective=kind, comm_bytes=tensor_bytes(node.meta.get(M.VAL)) if kind else 0,

@@ -1,0 +1,358 @@
+"""Pipelines of any depth from one two-stage trace of a deep model.
+
+With `trace_blocks`, a pipelined layout is not traced with one block per stage:
+every stage of a uniform stack runs the same block, so the model is traced once
+with two of its L blocks and rewritten as a two-stage pipeline cut between them
+(the *template*): stage 0 holds the embeddings and block 0, stage 1 block 1, the
+head and the loss. `replicate(template, S)` builds the summaries of an S-stage
+pipeline from it, as if the whole model had been traced and cut:
+
+- stage 0 is the template's stage 0, stage S-1 its stage 1, and each stage between
+  is the template's block 1 alone (its ops as the template's stage 1 runs them:
+  receiving from the stage before, sending its input gradient back);
+- stage s holds c_s blocks, cut as AssignStages cuts the whole model (the
+  template's head, block and tail times balanced, `Template.blocks_per_stage`): each block op runs c_s times
+  (`OpRecord.repeat`, its model FLOPs likewise), each block parameter is there c_s
+  times (as c_s tensors), and a block op's storage counts c_s times when it is kept
+  for another program of its stage (saved activations, gradients); storage that a
+  program frees itself (a transient) or sends on counts once, as the real stage
+  runs its blocks one after another;
+- a value one block sends the next goes between each pair of neighbouring stages;
+  what the embeddings send the blocks goes from the first stage to every other one,
+  what the head sends back (a tied weight's gradient) from the last to the first;
+  tied parameters read by both template stages are read by the first and the last.
+
+Stages with the same role and block count share one `StageSummary.kinds` entry,
+so the pipeline cost model replays their programs once. What a whole-model trace
+has and the template lacks: blocks that differ from one another, and the balancing
+of AssignStages on exact per-block times (here: every block as the traced one).
+
+`pipeline_memory_from_summary` replays each pipeline rank's schedule over these
+summaries with the rules of `pipeline_memory.py` (which replays lowered programs).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from autopar.cluster import ClusterSpec
+from autopar.compiler.ir import meta as M
+from autopar.compiler.ir.annotate import tensor_bytes
+from autopar.compiler.ir.graph import TrainGraph
+from autopar.compiler.passes.assign_stages import STAGE, balanced_cuts, node_time
+from autopar.compiler.planner.memory import (CATEGORIES, MemoryPrediction, graph_liveness,
+                                             optimizer_memory)
+from autopar.compiler.planner.scaled import op_layers, param_layers
+from autopar.compiler.planner.stages import Message, StageSummary, stage_summary
+from autopar.compiler.planner.summary import GraphSummary, OpRecord, summarize
+from autopar.layout import Layout
+from autopar.runtime.schedule import build
+
+TEMPLATE_BLOCKS = 2  # blocks traced for every pipeline: one on each side of the cut
+
+
+@dataclass(frozen=True)
+class Template:
+    """The two-stage rewritten graph of two traced blocks, as plain data."""
+
+    summary: GraphSummary
+    stages: StageSummary
+    op_layer: tuple[int | None, ...]
+    param_layer: tuple[int | None, ...]
+    blocks: int  # L: the blocks of the whole model
+    # AssignStages' estimates (node_time): before the stack, one block, after the stack
+    head_s: float = 0.0
+    block_s: float = 0.0
+    tail_s: float = 0.0
+    # per value sent between the two stages: (phase, from a block op, to a block op, bytes)
+    sends: tuple[tuple[str, bool, bool, int], ...] = ()
+
+    def blocks_per_stage(self, n_stages: int) -> tuple[int, ...]:
+        """Blocks of each stage, cut as AssignStages cuts the whole model (balanced_cuts:
+        the last stage may hold only the head)."""
+        cuts = balanced_cuts([self.block_s] * self.blocks, n_stages, self.head_s, self.tail_s)
+        bounds = [0, *cuts, self.blocks]
+        return tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def template_of(tg: TrainGraph, blocks: int, cluster: ClusterSpec) -> Template:
+    """The template of a stage-assigned graph traced with two blocks and cut between them."""
+    stages = stage_summary(tg)
+    if stages.stages != 2:
+        raise ValueError(f"a pipeline template has 2 stages, this graph has {stages.stages}")
+    head = block = tail = 0.0
+    for n in tg.call_nodes():  # as AssignStages._cut weighs them
+        layer = n.meta.get(M.LAYER)
+        if layer == 1:
+            block += node_time(n, cluster)
+        elif layer is None and n.meta[M.ROLE] != M.Role.BACKWARD:
+            if n.meta.get(STAGE) == 0:
+                head += node_time(n, cluster)
+            else:
+                tail += node_time(n, cluster)
+    return Template(summarize(tg), stages, op_layers(tg), param_layers(tg), blocks,
+                    head, block, tail, _sends(tg))
+
+
+def _sends(tg: TrainGraph) -> tuple[tuple[str, bool, bool, int], ...]:
+    """The values one template stage sends the other, and whether block ops make and read
+    them (as stages.stage_summary counts them: a value once per receiving stage)."""
+    out = []
+    for n in tg.call_nodes():
+        stage = n.meta.get(STAGE)
+        readers = [u for u in n.users if u.meta.get(STAGE) not in (None, stage)]
+        if stage is None or not readers:
+            continue
+        phase = "B" if n.meta[M.ROLE] == M.Role.BACKWARD else "F"
+        out.append((phase, n.meta.get(M.LAYER) is not None,
+                    any(u.meta.get(M.LAYER) is not None for u in readers),
+                    tensor_bytes(n.meta.get(M.VAL))))
+    return tuple(out)
+
+
+def _messages(t: Template, counts: tuple[int, ...]) -> tuple[Message, ...]:
+    """The template's values sent on in an S-stage pipeline. Forward: a block's to the
+    next stage; one made before the stack to every stage whose blocks read it, else to
+    the last. Backward: one that a block makes or reads to the stage before; the rest
+    (the head's part of a tied weight's gradient) from the last stage to the first."""
+    last = len(counts) - 1
+    with_blocks = [s for s in range(1, last + 1) if counts[s]]
+    sent: dict[tuple[int, int, str], tuple[int, int]] = {}
+    for phase, from_block, to_block, nbytes in t.sends:
+        if phase == "F":
+            pairs = [(b, b + 1) for b in range(last)] if from_block else \
+                [(0, s) for s in (with_blocks if to_block else [last])]
+        else:  # NOTE: by its readers: a fused backward op may lose its block (scaled.param_layers)
+            pairs = [(b + 1, b) for b in range(last)] if from_block or to_block else [(last, 0)]
+        for key in ((src, dst, phase) for src, dst in pairs):
+            total, count = sent.get(key, (0, 0))
+            sent[key] = (total + nbytes, count + 1)
+    return tuple(Message(src, dst, phase, *value) for (src, dst, phase), value in sorted(sent.items()))
+
+
+def _selection(t: Template, stage: int, n_stages: int, blocks: int) -> tuple[int, list[int]]:
+    """(template stage, its op indices) that stage `stage` of `n_stages` runs, holding
+    `blocks` blocks (the last stage may hold none: only the head and the loss)."""
+    if stage == 0:
+        return 0, [i for i, s in enumerate(t.stages.stage_of) if s == 0]
+    ops = [i for i, s in enumerate(t.stages.stage_of) if s == 1]
+    if stage == n_stages - 1:
+        return 1, ops if blocks else [i for i in ops if t.op_layer[i] is None]
+    return 1, [i for i in ops if t.op_layer[i] is not None]
+
+
+def _kept_storages(t: Template) -> frozenset[int]:
+    """Storages read by another program of their own stage, or returned by the step."""
+    stage_of, program_of = t.stages.stage_of, t.stages.program_of
+    kept = set(t.summary.output_storages)
+    for i, op in enumerate(t.summary.ops):
+        for u in op.uses:
+            s = t.summary.ops[u].storage
+            if s is not None and stage_of[s] == stage_of[i] and program_of[s] != program_of[i]:
+                kept.add(s)
+    return frozenset(kept)
+
+
+def replicate(t: Template, n_stages: int) -> tuple[GraphSummary, StageSummary]:
+    """The summaries of an `n_stages`-stage pipeline of the whole model (module docstring)."""
+    counts = t.blocks_per_stage(n_stages)
+    kept = _kept_storages(t)
+    n_inputs = sum(1 for s in t.stages.stage_of if s is None)
+    ops: list[OpRecord] = list(t.summary.ops[:n_inputs])
+    stage_of: list[int | None] = [None] * n_inputs
+    program_of: list[str | None] = [None] * n_inputs
+    outputs: set[int] = set()
+    kinds = []
+    for s in range(n_stages):
+        _, chosen = _selection(t, s, n_stages, counts[s])
+        where = {i: i for i in range(n_inputs)}
+        where.update({i: len(ops) + k for k, i in enumerate(chosen)})
+        for i in chosen:
+            ops.append(_copy(t.summary.ops[i], where, counts[s] if t.op_layer[i] is not None
+                             else None, i in kept, s))
+            stage_of.append(s)
+            program_of.append(t.stages.program_of[i])
+        outputs.update(where[i] for i in t.summary.output_storages if i in where and i >= n_inputs)
+        role = "first" if s == 0 else "last" if s == n_stages - 1 else "middle"
+        kinds.append((role, counts[s]))
+    summary = replace(t.summary, ops=tuple(ops), output_storages=frozenset(outputs),
+                      **_params(t, counts))
+    messages = _messages(t, counts)
+    stages = StageSummary(stages=n_stages, stage_of=tuple(stage_of), program_of=tuple(program_of),
+                          messages=messages, param_stages=_params(t, counts, stages=True),
+                          kinds=tuple(kinds))
+    return summary, stages
+
+
+def _copy(op: OpRecord, where: dict[int, int], count: int | None, kept: bool,
+          stage: int) -> OpRecord:
+    def mapped(i):
+        return where.get(i) if i is not None else None
+
+    out = replace(op, name=f"{op.name}.s{stage}" if stage else op.name,
+                  uses=tuple(where[u] for u in op.uses if u in where),
+                  storage=mapped(op.storage), waits_on=mapped(op.waits_on))
+    if op.storage is not None and op.storage not in where:  # a view of a received value
+        out = replace(out, allocates=0)
+    if count is None:
+        return out
+    return replace(out, repeat=op.repeat * count, model_flops=op.model_flops * count,
+                   allocates=op.allocates * count if kept else op.allocates)
+
+
+def _params(t: Template, counts: tuple[int, ...], stages: bool = False):
+    """Parameters of the whole model: the template's outside the blocks (on the first and
+    last stage), and each stage's c_s blocks as copies of a traced block's."""
+    last = len(counts) - 1
+    summary, entries = t.summary, []  # (template parameter, stages reading the copy)
+    for p, layer in enumerate(t.param_layer):
+        if layer is None:
+            entries.append((p, frozenset(0 if s == 0 else last for s in t.stages.param_stages[p])))
+        else:
+            entries += [(p, frozenset({s})) for s in (range(1, last + 1) if layer else [0])
+                        for _ in range(counts[s])]
+    if stages:
+        return tuple(where for _, where in entries)
+    pick = lambda values: tuple(values[p] for p, _ in entries) if values else ()  # noqa: E731
+    return {"param_numel": pick(summary.param_numel), "param_itemsize": pick(summary.param_itemsize),
+            "param_rows": pick(summary.param_rows), "param_blocks": pick(summary.param_blocks)}
+
+
+# -- memory ---------------------------------------------------------------------------------
+
+def _program(summary: GraphSummary, members: list[int], own: set[tuple[int, str]],
+             readers: dict[int, set[tuple[int, str]]]):
+    """Liveness of one program (its inputs held outside it: `own` are its (stage, program)
+    labels) and the bytes of step outputs (gradients) it makes."""
+    where = {i: k for k, i in enumerate(members)}
+    ops = tuple(replace(op, uses=tuple(where[u] for u in op.uses if u in where),
+                        storage=where.get(op.storage), waits_on=where.get(op.waits_on),
+                        allocates=op.allocates if op.storage in where else 0)
+                for op in (summary.ops[i] for i in members))
+    returned = frozenset(where[s] for s in where
+                         if s in summary.output_storages or readers.get(s, own) - own)
+    liveness = graph_liveness(GraphSummary(ops, (), (), 0, returned))
+    grads = sum(summary.ops[s].allocates for s in summary.output_storages if s in where)
+    return liveness, grads
+
+
+def held_parameters(summary: GraphSummary, layout: Layout, params: list[int]
+                    ) -> tuple[int, list[int], int]:
+    """As `pipeline_memory.held_parameter_bytes`, from the summary: the bytes of the
+    parameters `params` (those a rank's stages read) it holds, of each tensor it
+    updates, and of the whole parameters ZeRO-3 gathers for the step."""
+    held, updated, gathered = 0, [], 0
+    for p in params:
+        nbytes = summary.param_numel[p] * summary.param_itemsize[p]
+        rows = summary.param_rows[p] if summary.param_rows else 0
+        block = math.ceil(rows / layout.dp) * (nbytes // rows) \
+            if layout.zero and rows >= layout.dp else 0
+        held += block if layout.zero == 3 and block else nbytes + block
+        gathered += nbytes if layout.zero == 3 and block else 0
+        updated.append(block or nbytes)
+    return held, updated, gathered
+
+
+def pipeline_memory_from_summary(summary: GraphSummary, stages: StageSummary, layout: Layout,
+                                 optimizer: str = "adamw", programs: dict | None = None
+                                 ) -> list[MemoryPrediction]:
+    """Each pipeline rank's predicted peak: its schedule replayed over the summaries.
+    `programs`: `stage_programs(summary, stages)`, when the caller keeps it."""
+    programs = stage_programs(summary, stages) if programs is None else programs
+    schedule = build(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
+    inputs = sum(op.allocates for op in summary.ops if op.role == "input")
+    params: list[list[int]] = [[] for _ in range(layout.pp)]
+    for p, readers in enumerate(stages.param_stages):
+        for rank in {s % layout.pp for s in readers}:
+            params[rank].append(p)
+    return [_replay_rank(summary, stages, layout, optimizer, programs, schedule.ranks[r],
+                         params[r], inputs) for r in range(layout.pp)]
+
+
+def stage_programs(summary: GraphSummary, stages: StageSummary) -> dict:
+    """(stage, "F" | "B" | "I" | "W") -> (liveness, gradient bytes) of its program (stages
+    of one kind computed once); independent of the layout's dp, schedule and ZeRO."""
+    readers: dict[int, set[tuple[int, str]]] = {}  # storage -> programs that read it
+    for i, op in enumerate(summary.ops):
+        for u in op.uses:
+            readers.setdefault(summary.ops[u].storage, set()).add(
+                (stages.stage_of[i], stages.program_of[i]))
+    groups = stages.programs()
+    kinds = stages.kinds or tuple(range(stages.stages))
+    cache, out = {}, {}
+    for s in range(stages.stages):
+        for kind, programs in (("F", "F"), ("B", "IW"), ("I", "I"), ("W", "W")):
+            key = (kinds[s], kind)
+            if key not in cache:
+                members = sorted(i for p in programs for i in groups.get((s, p), ()))
+                cache[key] = _program(summary, members, {(s, p) for p in programs}, readers)
+            out[s, kind] = cache[key]
+    return out
+
+
+def _replay_rank(summary, stages, layout, optimizer, programs, actions, rank_params, inputs
+                 ) -> MemoryPrediction:
+    """One rank's replay, with the rules of pipeline_memory._Replay."""
+    opt = optimizer_memory(optimizer)
+    params, updated, gathered = held_parameters(summary, layout, rank_params)
+    static = {"parameters": params, "buffers": summary.buffer_bytes,
+              "optimizer_states": int(opt.states * sum(updated) + opt.counter_bytes * len(updated)),
+              "inputs": layout.microbatches * inputs}
+    live = dict.fromkeys(CATEGORIES, 0)
+    live.update(static)
+    live["parameters"] += gathered
+    peak = [0, dict(live), ""]
+
+    def note(label, extra):
+        total = sum(live.values()) + sum(extra.values())
+        if total > peak[0]:
+            peak[:] = [total, {c: live[c] + extra.get(c, 0) for c in CATEGORIES}, label]
+
+    received = _across(stages, layout, "dst")
+    sent_by = _across(stages, layout, "src")
+    env: dict[int, dict[str, int]] = {}
+    sent: dict[int, int] = {}
+    done = set()
+    last = {a.microbatch: i for i, a in enumerate(actions)}
+    for i, a in enumerate(actions):
+        mb_env = env.setdefault(a.microbatch, {})
+        if a.kind in ("F", "B", "I", "W"):
+            liveness, grads = programs[a.stage, a.kind]
+            mine = "activations" if a.kind == "F" else "temporaries"
+            transient = dict(liveness.at_peak)
+            transient[mine] += transient.pop("gradients")
+            note(str(a), transient)
+            if (a.stage, a.kind) not in done:
+                done.add((a.stage, a.kind))
+                live["gradients"] += grads
+            kept = max(liveness.outputs_bytes - grads, 0)
+            mb_env[mine] = mb_env.get(mine, 0) + kept
+            live[mine] += kept
+        elif a.kind in ("RF", "RB"):
+            size = received.get((a.stage, a.kind[1]), 0)
+            mb_env["comm_buffers"] = mb_env.get("comm_buffers", 0) + size
+            live["comm_buffers"] += size
+        elif a.kind in ("SF", "SB"):
+            sent[a.microbatch] = sent.get(a.microbatch, 0) + sent_by.get((a.stage, a.kind[1]), 0)
+        if last[a.microbatch] == i:
+            dropped = env.pop(a.microbatch, {})
+            for category, size in dropped.items():
+                live[category] -= size
+            live["comm_buffers"] += min(sent.get(a.microbatch, 0), sum(dropped.values()))
+    flat = live["gradients"] if layout.dp > 1 else 0
+    live["parameters"] -= gathered
+    note("optimizer.step", {"comm_buffers": flat,
+                            "temporaries": int(opt.temporaries * max(updated, default=0))})
+    return MemoryPrediction(peak[0], peak[1], "pipeline", peak[2], 0, static)
+
+
+def _across(stages: StageSummary, layout: Layout, end: str) -> dict[tuple[int, str], int]:
+    """(stage, phase) -> bytes it receives (end="dst") or sends (end="src") per micro-batch
+    from or to stages on other ranks."""
+    out: dict[tuple[int, str], int] = {}
+    for m in stages.messages:
+        if m.src % layout.pp != m.dst % layout.pp:
+            key = (getattr(m, end), m.phase)
+            out[key] = out.get(key, 0) + m.nbytes
+    return out

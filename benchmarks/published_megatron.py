@@ -1,0 +1,154 @@
+"""The cost model against published throughputs: Narayanan et al., "Efficient
+Large-Scale Language Model Training on GPU Clusters Using Megatron-LM" (SC'21,
+arXiv 2104.04473), Table 1 (docs/published_results.md has the results and caveats).
+
+Each row is a GPT of the paper's shape (transformers' GPT-2 on the meta device:
+nothing is allocated) on DGX A100 80GB nodes (`dgx-a100-80gb`), under the paper's
+tp and pp, fp16 AMP and full recomputation. The prediction is converted to achieved
+TFLOP/s per GPU the paper's way: its FLOP count of an iteration (which includes the
+recomputed forward) over the predicted step time and the GPU count.
+
+    python benchmarks/published_megatron.py                       # the default rows
+    python benchmarks/published_megatron.py --rows 1.7 39.1 --attention eager
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+import autopar
+from autopar.compiler.planner.estimate import Estimator
+from autopar.examples import causal_lm_loss
+
+SEQ = 2048
+VOCAB = 51_200
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of the paper's Table 1 (billions of parameters as the paper names it)."""
+
+    billions: float
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    gpus: int
+    batch: int
+    tflops: float  # achieved teraFLOP/s per GPU, as published
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+
+TABLE_1 = [
+    Row(1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
+    Row(3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    Row(7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
+    Row(18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    Row(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+    Row(76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    Row(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    Row(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    Row(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    Row(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+]
+DEFAULT_ROWS = [1.7, 3.6, 7.5, 18.4, 39.1, 76.1, 145.6]
+
+
+def paper_flops(batch: int, layers: int, hidden: int, seq: int = SEQ, vocab: int = VOCAB) -> float:
+    """FLOPs of one iteration as the paper counts them: forward, backward and the
+    recomputed forward of every layer, plus the logit layer's forward and backward."""
+    return 96 * batch * seq * layers * hidden**2 * (
+        1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+
+
+def layout_of(row: Row, micro_batch: int, schedule: str) -> autopar.Layout:
+    """The paper's layout with `micro_batch` sequences per micro-batch. Without a
+    pipeline the rank's whole share is one micro-batch (no gradient accumulation:
+    `Estimator(trace_blocks=k)` traces an accumulated step whole, minutes at these
+    sizes; docs/published_results.md)."""
+    per_rank = row.batch // row.dp
+    if row.pp == 1:
+        micro_batch = per_rank
+    if per_rank % micro_batch:
+        raise ValueError(f"{row.billions}B: {per_rank} sequences per rank do not split into "
+                         f"micro-batches of {micro_batch}")
+    virtual = 2 if schedule == "interleaved" and row.pp > 1 else 1
+    return autopar.Layout(dp=row.dp, tp=row.tp, pp=row.pp, microbatches=per_rank // micro_batch,
+                          schedule=schedule if row.pp > 1 else "1f1b", virtual_stages=virtual,
+                          amp="fp16", recompute="full")
+
+
+def gpt(row: Row, attention: str):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=row.layers, n_embd=row.hidden, n_head=row.heads,
+                        vocab_size=VOCAB, n_positions=SEQ, use_cache=False,
+                        attn_implementation=attention)
+    with torch.device("meta"):
+        return GPT2LMHeadModel(config), (torch.randint(0, VOCAB, (row.batch, SEQ)),)
+
+
+def predict(row: Row, layout: autopar.Layout, attention: str,
+            trace_blocks: int | None = 2) -> autopar.Prediction:
+    model, batch = gpt(row, attention)
+    cluster = autopar.ClusterSpec.preset("dgx-a100-80gb", nodes=row.gpus // 8)
+    return Estimator(model, cluster, batch, causal_lm_loss,
+                     trace_blocks=trace_blocks).predict(layout)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", nargs="+", type=float, default=DEFAULT_ROWS,
+                   help="rows by billions of parameters (Table 1's first column)")
+    p.add_argument("--attention", default="sdpa", choices=["sdpa", "eager"],
+                   help="transformers' attention implementation of the traced GPT-2")
+    p.add_argument("--micro-batch", type=int, default=1,
+                   help="sequences per micro-batch of a pipelined row")
+    p.add_argument("--trace-blocks", type=int, default=2,
+                   help="blocks traced and scaled (0: the whole model)")
+    p.add_argument("--schedule", default="1f1b", choices=["1f1b", "interleaved"])
+    args = p.parse_args()
+    # the tensor-parallel rules probe strategies on fake tensors; their refusals are noise
+    logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
+    rows = {row.billions: row for row in TABLE_1}
+    print(f"attention={args.attention} micro_batch={args.micro_batch} schedule={args.schedule}")
+    print("| row | layout | paper TFLOP/s/GPU | predicted (paper's FLOPs) | error | autopar "
+          "TFLOP/s/GPU | MFU | bubble | step s | estimate s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    errors = []
+    for billions in args.rows:
+        row = rows[billions]
+        layout = layout_of(row, args.micro_batch, args.schedule)
+        brief = (f"dp={layout.dp} tp={layout.tp} pp={layout.pp} m={layout.microbatches}"
+                 + (f" v={layout.virtual_stages}" if layout.virtual_stages > 1 else ""))
+        start = time.perf_counter()
+        try:
+            pred = predict(row, layout, args.attention, args.trace_blocks or None)
+        except Exception as exc:  # report the failing layout, do not hide it
+            print(f"| {billions}B | {brief} | {row.tflops:.0f} | error: "
+                  f"{type(exc).__name__}: {exc} | | | | | | |", flush=True)
+            continue
+        seconds = time.perf_counter() - start
+        achieved = paper_flops(row.batch, row.layers, row.hidden) / pred.step_time_s / row.gpus / 1e12
+        error = achieved / row.tflops - 1
+        errors.append(error)
+        print(f"| {billions}B | {brief} | {row.tflops:.0f} | {achieved:.1f} | {error:+.1%} | "
+              f"{pred.tflops_per_device:.1f} | {pred.mfu:.1%} | {pred.bubble_fraction:.1%} | "
+              f"{pred.step_time_s:.2f} | {seconds:.0f} |", flush=True)
+    if errors:
+        print(f"median error {statistics.median(errors):+.1%}, median |error| "
+              f"{statistics.median(abs(e) for e in errors):.1%} over {len(errors)} rows")
+
+
+if __name__ == "__main__":
+    main()
