@@ -12,11 +12,20 @@ gone (a storage weak reference expires). It is what the memory model
 
 Storages that existed before the block (parameters, optimizer states, the user's
 batch) are not counted: `held_bytes` measures those.
+
+Collectives: an issued collective's work holds its tensors, and on gloo it lets go of
+them on the process group's worker thread whenever that thread gets to it (before
+the wait or a while after it), so when such a storage expires depends on thread
+scheduling. The count makes it deterministic and states the program's own lifetime,
+as the memory model does: a storage a collective touched lives from its birth to its
+last use by an op, a collective's input to the wait on that collective (the issued
+collective holds it), whenever the worker thread actually freed it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -24,27 +33,54 @@ from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper
 from torch.utils._pytree import tree_leaves
 
 
+@dataclass
+class _Tracked:
+    """A storage created inside the block."""
+
+    size: int
+    collective: bool = False  # touched by a collective: its lifetime is re-stated
+    last_use: int = 0  # index of the last op that read or wrote it
+
+
 class LiveBytes(TorchDispatchMode):
     """Peak bytes of tensor storage created and still referenced inside the block."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._live: dict[StorageWeakRef, int] = {}
-        self._seen_before: set[int] = set()
+        self._live: dict[StorageWeakRef, _Tracked] = {}
+        self._by_cdata: dict[int, StorageWeakRef] = {}
+        # collective output storage -> the input storages its work holds until the wait
+        self._in_flight: dict[int, list[_Tracked]] = {}
+        self._ops: list[str] = []
+        self._timeline: list[int] = []  # bytes alive after each op, as observed
+        self._expired: list[tuple[_Tracked, int]] = []  # collectives' storages, op they expired at
+        self._depth = 0  # a fused fallback re-enters the mode
         self.live_bytes = 0
         self.peak_bytes = 0
         self.peak_op = ""
 
     def __enter__(self):
-        self._seen_before = set()
+        self._depth += 1
         return super().__enter__()
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        self._depth -= 1
+        if not self._depth:
+            self._finish()
+        return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         inputs = {_weak(t).cdata for t in tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor) and not is_traceable_wrapper_subclass(t)}
         out = self._fused_fallback(func, args) or func(*args, **kwargs)
-        self._collect()
+        index = len(self._ops)  # after a fused fallback's own ops
+        for cdata in inputs:
+            ref = self._by_cdata.get(cdata)
+            if ref is not None:
+                self._live[ref].last_use = index
+        self._collect(index)
         for t in tree_leaves(out):
             # a tensor subclass (DTensor) holds no storage of its own: the ops on its
             # local tensors, which pass through this mode too, allocate it
@@ -54,10 +90,12 @@ class LiveBytes(TorchDispatchMode):
                 if ref.cdata in inputs or ref in self._live:
                     continue  # an in-place op or a view: no new storage
                 size = t.untyped_storage().nbytes()
-                self._live[ref] = size
+                self._live[ref] = _Tracked(size, last_use=index)
+                self._by_cdata[ref.cdata] = ref
                 self.live_bytes += size
-        if self.live_bytes > self.peak_bytes:
-            self.peak_bytes, self.peak_op = self.live_bytes, str(func)
+        self._track_collective(func, args, out, index)
+        self._ops.append(str(func))
+        self._timeline.append(self.live_bytes)
         return out
 
     def _fused_fallback(self, func, args):
@@ -71,10 +109,46 @@ class LiveBytes(TorchDispatchMode):
         with self:
             return region(args[0]).fallback(list(args[1]))
 
-    def _collect(self) -> None:
-        dead = [ref for ref in self._live if ref.expired()]
-        for ref in dead:
-            self.live_bytes -= self._live.pop(ref)
+    def _track_collective(self, func, args, out, index: int) -> None:
+        if getattr(func, "namespace", "") != "_c10d_functional":
+            return
+        if func.__name__.startswith("wait_tensor"):
+            for tracked in self._in_flight.pop(_weak(args[0]).cdata, []):
+                tracked.last_use = index  # the issued collective held it until here
+            return
+        touched = [self._live[self._by_cdata[_weak(t).cdata]] for t in tree_leaves((args, out))
+                   if isinstance(t, torch.Tensor) and _weak(t).cdata in self._by_cdata]
+        for tracked in touched:
+            tracked.collective = True
+        inputs = [self._live[self._by_cdata[_weak(t).cdata]] for t in tree_leaves(args)
+                  if isinstance(t, torch.Tensor) and _weak(t).cdata in self._by_cdata]
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._in_flight[_weak(t).cdata] = inputs
+
+    def _collect(self, index: int) -> None:
+        """Drop the storages that expired before op `index` finished."""
+        for ref in [ref for ref in self._live if ref.expired()]:
+            tracked = self._live.pop(ref)
+            del self._by_cdata[ref.cdata]
+            self.live_bytes -= tracked.size
+            if tracked.collective:
+                self._expired.append((tracked, index))
+
+    def _finish(self) -> None:
+        """The peak with each collective's storage alive through its last use (or the
+        wait on it) instead of until the worker thread let go of it."""
+        timeline = list(self._timeline)
+        for tracked, expired in self._expired:
+            # counted alive through op expired-1; the program held it through last_use
+            held_to = tracked.last_use + 1
+            lo, hi, sign = ((held_to, expired, -1) if held_to < expired
+                            else (expired, held_to, 1))
+            for i in range(lo, min(hi, len(timeline))):
+                timeline[i] += sign * tracked.size
+        if timeline:
+            at = max(range(len(timeline)), key=timeline.__getitem__)
+            self.peak_bytes, self.peak_op = timeline[at], self._ops[at]
 
 
 def _weak(t: torch.Tensor) -> StorageWeakRef:
