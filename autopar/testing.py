@@ -7,10 +7,13 @@ The reference trains a copy of the same model on the whole global batch with the
 same optimizer; the comparison covers the loss of every step and every weight.
 Tolerances (fp32), see FINDINGS.md "Numerics of parity checks":
 - loss: 1e-5 relative;
-- weights: 1e-5 of the weight's magnitude, or, with Adam, 5e-3 of how far the
+- weights: 1e-5 of the weight's magnitude, or, with Adam, 1e-2 of how far the
   weight moved (Adam amplifies rounding noise on weights whose true gradient is
-  ~0, such as key biases under softmax). SGD gets no such allowance, so a gradient
-  scale error (sum instead of mean, 1.0001x) fails there;
+  ~0, such as key biases under softmax, and on elements whose gradient is far
+  below the rest of their tensor's: plain gradient accumulation over 4 micro-batches
+  moves one of GPT-2's MLP weights 5.8e-3 of the tensor's movement away from the
+  full-batch step, tests/unit/test_testing.py). SGD gets no such allowance, so a
+  gradient scale error (sum instead of mean, 1.0001x) fails there;
 - an absolute floor of 1e-6 of the largest movement of any weight in the model: a
   weight whose true gradient is zero and that starts at zero (BERT's key biases)
   only ever holds rounding noise (~1e-13), which no relative test can judge.
@@ -25,7 +28,7 @@ import torch
 
 LOSS_RTOL = 1e-5
 WEIGHT_RTOL = 1e-5
-ADAM_MOVE_RTOL = 5e-3
+ADAM_MOVE_RTOL = 1e-2
 GLOBAL_MOVE_FLOOR = 1e-6
 
 
