@@ -77,7 +77,8 @@ def run_trillion(name: str, memory_gb: float | None, dropout: float = 0.1) -> st
     search = plan.details["search"]
     fixed = ", ".join(f"{k}={v}" for k, v in constraints.items()) or "none"
     pred = plan.predicted
-    return (f"| {fixed} | {search['candidates']} | {search['traces']} | {search['rewrites']} | "
+    return (f"| {fixed} | {search['candidates']} | {search['pruned']} / {search['bounded']} | "
+            f"{search['costed']} | {search['traces']} | {search['rewrites']} | "
             f"{seconds:.1f} ({built:.1f}) | {plan.layout} | {pred.step_time_s:.1f} s | {pred.mfu:.1%} | "
             f"{pred.peak_memory_bytes / 1e9:.1f} GB |")
 
@@ -98,9 +99,9 @@ def main() -> None:
     # the tensor-parallel rules probe strategies on fake tensors; their refusals are noise
     logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
     if args.trillion:
-        print("| constraints | candidates | traces | rewrites | seconds (build) | chosen | "
-              "predicted step | MFU | peak memory |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("| constraints | candidates | not costed: memory / bound | costed | traces | "
+              "rewrites | seconds (build) | chosen | predicted step | MFU | peak memory |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for name in args.trillion:
             print(run_trillion(name, args.memory_gb, args.dropout), flush=True)
         return

@@ -19,6 +19,7 @@ rank s % pp) and `zero_bubble` (ZB-H1: backward split into I and W, W deferred).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -174,8 +175,10 @@ def zero_bubble(pp: int, microbatches: int) -> Schedule:
     return Schedule(pp, microbatches, _with_comm(pp, per_rank))
 
 
+@functools.lru_cache(maxsize=256)
 def build(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
-    """The schedule named by Layout.schedule."""
+    """The schedule named by Layout.schedule (immutable: one object per arguments, as
+    the planner asks for the same schedules for many layouts)."""
     if name == "interleaved":
         return interleaved(pp, microbatches, virtual_stages)
     makers: dict[str, Callable[[int, int], Schedule]] = {
@@ -212,44 +215,49 @@ class Timeline:
         return 1.0 - self.busy(rank) / self.makespan
 
 
-def _dependencies(s: Schedule, a: Action) -> list[tuple[int, Action]]:
-    """(rank, action) pairs that must finish before `a` can start, across ranks."""
-    if a.kind == "RF":
-        return [(s.rank_of(a.stage - 1), Action(a.stage - 1, "SF", a.microbatch))]
-    if a.kind == "RB":
-        return [(s.rank_of(a.stage + 1), Action(a.stage + 1, "SB", a.microbatch))]
-    return []
-
-
 def simulate(s: Schedule, cost: dict | None = None) -> Timeline:
     """Run the per-rank lists in order: sends are asynchronous (cost 0), a receive
     waits for its send, compute takes `cost[(stage, kind)]` or else `cost[kind]`.
-    Raises ScheduleError on deadlock."""
+    Raises ScheduleError on deadlock.
+
+    Each rank runs until a receive whose send has not happened yet; the send wakes
+    it. Times do not depend on which rank runs first (an action starts at its rank's
+    clock or its send's end, whichever is later), so this is one pass over the actions."""
     cost = {**DEFAULT_COST, **(cost or {})}
-    done: dict[tuple[int, Action], float] = {}
+    sent: dict[tuple[int, str, int], float] = {}  # (stage, "SF"/"SB", micro-batch) -> time
+    waiting: dict[tuple[int, str, int], int] = {}  # the send a blocked rank waits for
     clock = [0.0] * s.pp
     cursor = [0] * s.pp
     spans: list[list[tuple[Action, float, float]]] = [[] for _ in range(s.pp)]
-    while any(cursor[r] < len(s.ranks[r]) for r in range(s.pp)):
-        progressed = False
-        for r in range(s.pp):
-            while cursor[r] < len(s.ranks[r]):
-                a = s.ranks[r][cursor[r]]
-                deps = _dependencies(s, a)
-                if any(d not in done for d in deps):
+    ready = list(range(s.pp - 1, -1, -1))
+    while ready:
+        r = ready.pop()
+        actions, k, now, mine = s.ranks[r], cursor[r], clock[r], spans[r]
+        while k < len(actions):
+            a = actions[k]
+            kind = a.kind
+            if kind == "RF" or kind == "RB":
+                need = (a.stage - 1, "SF", a.microbatch) if kind == "RF" \
+                    else (a.stage + 1, "SB", a.microbatch)
+                if need not in sent:
+                    waiting[need] = r
                     break
-                start = max([clock[r]] + [done[d] for d in deps])
-                end = start + cost.get((a.stage, a.kind), cost.get(a.kind, 0.0))
-                if a.kind in COMPUTE:
-                    spans[r].append((a, start, end))
-                clock[r] = end
-                done[(r, a)] = end
-                cursor[r] += 1
-                progressed = True
-        if not progressed:
-            stuck = {r: str(s.ranks[r][cursor[r]]) for r in range(s.pp) if cursor[r] < len(s.ranks[r])}
-            raise ScheduleError(f"deadlock: every rank waits on a receive whose send never comes "
-                                f"first; blocked at {stuck}")
+                now = max(now, sent[need])
+            end = now + cost.get((a.stage, kind), cost.get(kind, 0.0))
+            if kind == "SF" or kind == "SB":
+                sent[a.stage, kind, a.microbatch] = end
+                woken = waiting.pop((a.stage, kind, a.microbatch), None)
+                if woken is not None:
+                    ready.append(woken)
+            elif kind in COMPUTE:
+                mine.append((a, now, end))
+            now = end
+            k += 1
+        cursor[r], clock[r] = k, now
+    stuck = {r: str(s.ranks[r][cursor[r]]) for r in range(s.pp) if cursor[r] < len(s.ranks[r])}
+    if stuck:
+        raise ScheduleError(f"deadlock: every rank waits on a receive whose send never comes "
+                            f"first; blocked at {stuck}")
     return Timeline(spans, max(clock))
 
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import autopar
 from autopar.cluster import ClusterSpec
+from autopar.compiler.planner import cost_model as cm
 from autopar.compiler.planner import search as S
 from autopar.examples import gpt2
 from autopar.layout import Prediction
@@ -27,21 +28,29 @@ def fake_prediction(seconds: float, memory: int) -> Prediction:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.sampled_from([(1, 2), (1, 4), (2, 4), (1, 8)]), st.integers(1, 4), st.data())
-def test_the_chosen_layout_is_the_fastest_that_fits(shape, blocks, data):
+@given(st.sampled_from([(1, 2), (1, 4), (2, 4), (1, 8)]), st.integers(1, 4), st.booleans(),
+       st.data())
+def test_the_chosen_layout_is_the_fastest_that_fits(shape, blocks, bounded, data):
+    """With `bounded`, the search gets a lower bound of each step (a random fraction of
+    it): branch and bound must not change the plan."""
     c = cluster(nodes=shape[0], per_node=shape[1])  # 10 GB devices
     candidates = S.candidate_layouts(c, 16, blocks, {})
     assert candidates and all(lay.world_size == c.world_size for lay in candidates)
     assert all(lay.tp <= c.devices_per_node and lay.pp <= blocks for lay in candidates)
     costs = {lay: fake_prediction(data.draw(st.floats(1e-3, 1.0)), data.draw(st.integers(1, 2 * 10**10)))
              for lay in candidates}
+    below = {lay: costs[lay].step_time_s * data.draw(st.floats(0.0, 1.0)) for lay in candidates}
+    bound = below.__getitem__ if bounded else None
     capacity = 0.9 * 10**10
     fitting = [lay for lay in candidates if costs[lay].peak_memory_bytes <= capacity]
     if not fitting:
         with pytest.raises(S.PlanError, match="fits no layout|could be costed"):
-            S.search(candidates, costs.__getitem__, c)
+            S.search(candidates, costs.__getitem__, c, bound=bound)
         return
-    plan = S.search(candidates, costs.__getitem__, c)
+    plan = S.search(candidates, costs.__getitem__, c, bound=bound)
+    for lay, why in plan.skipped:  # not costed: slower than the plan, by its bound
+        assert why.startswith("not costed") and bounded
+        assert costs[lay].step_time_s >= below[lay] > plan.predicted.step_time_s
     # brute force: the first of the fastest fitting candidates
     best = min(fitting, key=lambda lay: (costs[lay].step_time_s, candidates.index(lay)))
     assert plan.layout == best and plan.predicted.peak_memory_bytes <= capacity
@@ -155,6 +164,32 @@ def test_bucket_sizes_are_searched_for_the_best_data_parallel_layout():
     fixed = autopar.plan(ex.model, ClusterSpec.local(nprocs=2), ex.batch, ex.loss_fn, tp=1, pp=1,
                          bucket_mb=25.0)
     assert {lay.bucket_mb for lay, _, _ in fixed.alternatives} == {25.0}
+
+
+def test_compute_bound_is_below_every_prediction_and_prunes_without_changing_the_plan():
+    from autopar.compiler.planner.estimate import Estimator
+    from autopar.compiler.planner.plan import compute_bound
+
+    ex = gpt2(layers=2, hidden=64, heads=4, vocab=256, batch=8, seq=32)
+    data = cluster(per_node=2, flops=1e9, bandwidth=1e13).to_dict()  # compute-bound devices
+    data["device"]["peak_flops"] = {"fp32": 1e9, "bf16": 1.6e10}
+    c = ClusterSpec.from_dict(data)
+    candidates = S.candidate_layouts(c, 8, 2, {})
+    assert {lay.amp for lay in candidates} == {"off", "bf16"}
+    est = Estimator(ex.model, c, ex.batch, ex.loss_fn)
+    bound = compute_bound(est, candidates, cm.DEFAULT_EFFICIENCY)
+    everything = S.search(candidates, est.predict, c)
+    pruned = S.search(candidates, est.predict, c, bound=bound)
+    costed = [(everything.layout, everything.predicted)] + [
+        (lay, p) for lay, p, _ in everything.alternatives]
+    for lay, pred in costed:
+        assert 0 < bound(lay) <= pred.step_time_s, lay
+    assert pruned.layout == everything.layout and pruned.predicted == everything.predicted
+    assert pruned.layout.amp == "bf16"
+    # fp32 is 16x slower at the peak: none of its layouts needed costing
+    not_costed = [lay for lay, why in pruned.skipped if why.startswith("not costed")]
+    assert {lay for lay in candidates if lay.amp == "off"} <= set(not_costed)
+    assert all(lay.amp == "bf16" for lay, _, _ in pruned.alternatives)
 
 
 def test_static_bound_is_below_every_predicted_peak_and_prunes_without_tracing():

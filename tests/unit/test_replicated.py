@@ -9,6 +9,7 @@ import logging
 import pytest
 
 import autopar
+from autopar.compiler.passes.assign_stages import StageError
 from autopar.compiler.planner.estimate import Estimator
 from autopar.compiler.planner.replicated import pipeline_memory_from_summary
 from autopar.examples import causal_lm_loss
@@ -85,3 +86,31 @@ def test_replicated_predictions_match_exact_tracing(fields, scaled, exact):
     assert approx.flops_per_step == whole.flops_per_step
     assert approx.step_time_s == pytest.approx(whole.step_time_s, rel=0.03)
     assert approx.peak_memory_bytes == pytest.approx(whole.peak_memory_bytes, rel=0.03)
+
+
+@pytest.mark.parametrize("fields", [dict(dp=1, pp=8, microbatches=8, schedule="interleaved",
+                                         virtual_stages=2), dict(dp=1, pp=16, microbatches=16)])
+def test_more_stages_than_blocks_is_refused_as_exact_tracing_refuses_it(fields):
+    model, batch = meta_gpt2(layers=4, hidden=256, heads=8, vocab=1000, batch=16, seq=64)
+    cluster = autopar.ClusterSpec.preset("dgx-h100", nodes=2)
+    layout = autopar.Layout(**fields)
+    errors = []
+    for blocks in (2, None):
+        est = Estimator(model, cluster, batch, causal_lm_loss, trace_blocks=blocks)
+        with pytest.raises(StageError) as info:
+            est.predict(layout)
+        errors.append(str(info.value))
+    assert errors[0] == errors[1]
+    assert "but the model has 4 repeated blocks" in errors[0]
+
+
+def test_schedule_replays_kept_for_other_dp_and_zero_equal_fresh_ones(scaled):
+    """pipeline_memory_from_summary(replays=...) keeps a schedule's replay, which does
+    not depend on dp or ZeRO, for the next layout of that schedule."""
+    kept: dict = {}
+    for dp, zero in [(1, 0), (2, 0), (2, 1), (2, 3), (1, 0)]:
+        layout = autopar.Layout(dp=dp, pp=4, microbatches=8, zero=zero)
+        summary, stages, _ = scaled.rewritten(autopar.Layout(dp=1, pp=4, microbatches=8))
+        assert pipeline_memory_from_summary(summary, stages, layout, replays=kept) == \
+            pipeline_memory_from_summary(summary, stages, layout)
+    assert len(kept) == 1

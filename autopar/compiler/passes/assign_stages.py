@@ -28,12 +28,23 @@ from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.planner.cost_model import op_time
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
 from autopar.compiler.passes.manager import register_pass
+from autopar.layout import Layout
 
 STAGE = "autopar.stage"  # int: the pipeline stage that runs this node
 
 
 class StageError(ValueError):
     """The model cannot be cut as asked; the message says what would work."""
+
+
+def check_stage_count(layout: Layout, blocks: int) -> None:
+    """Refuse more stages than the model has repeated blocks to cut between."""
+    stages = layout.pp * layout.virtual_stages
+    if stages > max(blocks, 1):
+        raise StageError(
+            f"{stages} pipeline stages (pp={layout.pp} x virtual_stages={layout.virtual_stages}) "
+            f"but the model has {blocks} repeated blocks to cut between; use "
+            f"pp*virtual_stages <= {max(blocks, 1)}")
 
 
 def balanced_cuts(costs: list[float], parts: int, head: float = 0.0,
@@ -93,11 +104,7 @@ class AssignStages(GraphPass):
         stages = ctx.layout.pp * ctx.layout.virtual_stages
         tg = tg.copy()
         layers = sorted({n.meta[M.LAYER] for n in tg.call_nodes() if n.meta.get(M.LAYER) is not None})
-        if stages > max(len(layers), 1):
-            raise StageError(
-                f"{stages} pipeline stages (pp={ctx.layout.pp} x virtual_stages="
-                f"{ctx.layout.virtual_stages}) but the model has {len(layers)} repeated blocks to "
-                f"cut between; use pp*virtual_stages <= {max(len(layers), 1)}")
+        check_stage_count(ctx.layout, len(layers))
         cluster = ctx.cluster if isinstance(ctx.cluster, ClusterSpec) else ClusterSpec.local(1)
         stage_of_layer, cuts, costs = self._cut(tg, layers, stages, cluster, ctx.options)
         self._assign_forward(tg, stage_of_layer, stages - 1)

@@ -15,6 +15,7 @@ import torch
 from autopar.api import _local_example, run_passes
 from autopar.cluster import ClusterSpec
 from autopar.compiler.ir.trace import LossFn, trace_train_step
+from autopar.compiler.passes.assign_stages import check_stage_count
 from autopar.compiler.passes.base import GraphPass
 from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, OPTIMIZER_STATES,
                                                  Efficiency, predict)
@@ -87,15 +88,20 @@ class Estimator:
         key = self._key(layout)
         graph, template = self._rewritten[key][2:]
         if template is not None:  # planner/replicated.py: the stages' summaries replayed
-            programs = self._replicas[key, self._stages(layout)][2]
+            programs, replays = self._replicas[key, self._stages(layout)][2:]
             ranks = pipeline_memory_from_summary(summary, stages, layout, self.optimizer,
-                                                 programs)
+                                                 programs, replays)
         elif graph is not None:
             ranks = pipeline_memory_per_rank(graph, layout, self.optimizer,
                                              fallbacks=self.cluster.device.kind == "cpu")
         else:
             return None
         return max(ranks, key=lambda m: m.peak_bytes)
+
+    def step_model_flops(self, layout: Layout) -> int:
+        """Model FLOPs of one training step of the global batch (all ranks) under `layout`,
+        from the trace of its micro-batch (scaled to the whole stack with trace_blocks)."""
+        return self._trace(layout)[2] * layout.dp * layout.microbatches
 
     def counts(self) -> dict[str, int]:
         """How many traces and rewritten graphs the layouts costed so far needed."""
@@ -186,9 +192,11 @@ class Estimator:
         summary, stages, _, pattern = self._rewritten[key]
         if pattern is not None:
             depth = self._stages(layout)
+            check_stage_count(layout, pattern.blocks)
             if (key, depth) not in self._replicas:
                 summary, stages = replicate(pattern, depth)
-                self._replicas[key, depth] = (summary, stages, stage_programs(summary, stages))
+                self._replicas[key, depth] = (summary, stages, stage_programs(summary, stages),
+                                              {})
             summary, stages = self._replicas[key, depth][:2]
         return summary, stages, model_flops
 

@@ -22,6 +22,7 @@ from autopar.compiler.planner.memory import static_lower_bound
 from autopar.compiler.planner.pipeline_cost import pipeline_time
 from autopar.compiler.planner.search import (PlanError, candidate_layouts, check_constraints,
                                              refinements, search)
+from autopar.compiler.planner.summary import DTYPE_NAMES
 from autopar.layout import Layout, Plan
 
 # how many times the nodes a model that fits nowhere is tried on, to name a cluster
@@ -49,8 +50,10 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs: Sequence[
     start = time.perf_counter()
     costed, pruned = prune_static(candidates, model, cluster, fraction, optimizer)
     step = None if progress is None else _counter(progress, len(costed))
+    bound = compute_bound(estimator, costed, efficiency) if costed else None
     try:
-        result = search(costed, estimator.predict, cluster, fraction, step, refinements(fixed))
+        result = search(costed, estimator.predict, cluster, fraction, step, refinements(fixed),
+                        bound)
         result.skipped += pruned
     except PlanError as exc:
         if pruned:  # the error names the smallest costed peak: cost them all
@@ -62,10 +65,43 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs: Sequence[
                                     efficiency, trace_blocks, constraints)
         raise PlanError(f"{exc}{hint}") from None
     result.details = details(estimator, result.layout, cluster, efficiency, optimizer)
+    bounded = sum(why.startswith("not costed") for _, why in result.skipped)
     result.details["search"] = {"candidates": len(candidates), "pruned": len(pruned),
+                                "bounded": bounded, "costed": len(result.alternatives) + 1,
                                 **estimator.counts(),
                                 "seconds": time.perf_counter() - start}
     return result
+
+
+# model FLOPs of the global batch are measured on one micro-batch size and used for all:
+# the few ops whose count does not scale with the batch (the loss's mean) get this margin
+BOUND_MARGIN = 0.99
+
+
+def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficiency
+                  ) -> Callable[[Layout], float]:
+    """`bound(layout)`: seconds below any predicted step of `layout`. Each rank computes at
+    least its 1/world share of the step's model FLOPs, and no op runs faster than at the
+    highest peak among the dtypes it can compute in (fp32, the parameters' and buffers',
+    the layout's AMP dtype) times the compute efficiency and the smallest fitted op factor
+    below 1 (cost_model.kernel_time)."""
+    cluster, model = estimator.cluster, estimator.model
+    try:
+        total = estimator.step_model_flops(candidates[0]) * BOUND_MARGIN
+    except ValueError:  # the model does not trace: the search reports it for every layout
+        total = 0.0
+    dtypes = {"fp32"} | {DTYPE_NAMES.get(t.dtype) for t in (*model.parameters(), *model.buffers())
+                         if t.is_floating_point()}
+    factor = min([1.0, *cluster.device.op_time_factors.values()])
+    listed = cluster.device.peak_flops
+
+    def bound(layout: Layout) -> float:
+        peaks = [listed[d] for d in dtypes | {layout.amp} if d in listed]
+        if not peaks or not total:
+            return 0.0
+        return total / cluster.world_size / (max(peaks) * eff.compute) * factor
+
+    return bound
 
 
 def prune_static(candidates: list[Layout], model: torch.nn.Module, cluster: ClusterSpec,
@@ -132,7 +168,9 @@ def _plan_only(model, cluster, example_inputs, loss_fn, optimizer, efficiency, t
                           trace_blocks=trace_blocks)
     candidates, _ = prune_static(_candidates(model, cluster, example_inputs, fixed), model,
                                  cluster, fraction, optimizer)
-    return search(candidates, estimator.predict, cluster, fraction, refine=refinements(fixed))
+    bound = compute_bound(estimator, candidates, efficiency) if candidates else None
+    return search(candidates, estimator.predict, cluster, fraction, refine=refinements(fixed),
+                  bound=bound)
 
 
 # -- what the report shows ------------------------------------------------------------------

@@ -255,19 +255,29 @@ def held_parameters(summary: GraphSummary, layout: Layout, params: list[int]
 
 
 def pipeline_memory_from_summary(summary: GraphSummary, stages: StageSummary, layout: Layout,
-                                 optimizer: str = "adamw", programs: dict | None = None
-                                 ) -> list[MemoryPrediction]:
+                                 optimizer: str = "adamw", programs: dict | None = None,
+                                 replays: dict | None = None) -> list[MemoryPrediction]:
     """Each pipeline rank's predicted peak: its schedule replayed over the summaries.
-    `programs`: `stage_programs(summary, stages)`, when the caller keeps it."""
+    `programs`: `stage_programs(summary, stages)`, when the caller keeps it; `replays`:
+    a dict the caller keeps for these summaries, where the replays of a schedule are
+    kept for the next layout that runs it (they do not depend on dp or ZeRO)."""
     programs = stage_programs(summary, stages) if programs is None else programs
-    schedule = build(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
+    key = (layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
+    if replays is None or key not in replays:
+        schedule = build(*key)
+        activity = [_replay_activity(stages, layout.pp, programs, schedule.ranks[r])
+                    for r in range(layout.pp)]
+        if replays is not None:
+            replays[key] = activity
+    else:
+        activity = replays[key]
     inputs = sum(op.allocates for op in summary.ops if op.role == "input")
     params: list[list[int]] = [[] for _ in range(layout.pp)]
     for p, readers in enumerate(stages.param_stages):
         for rank in {s % layout.pp for s in readers}:
             params[rank].append(p)
-    return [_replay_rank(summary, stages, layout, optimizer, programs, schedule.ranks[r],
-                         params[r], inputs) for r in range(layout.pp)]
+    return [_replay_rank(summary, layout, optimizer, activity[r], params[r], inputs)
+            for r in range(layout.pp)]
 
 
 def stage_programs(summary: GraphSummary, stages: StageSummary) -> dict:
@@ -291,26 +301,31 @@ def stage_programs(summary: GraphSummary, stages: StageSummary) -> dict:
     return out
 
 
-def _replay_rank(summary, stages, layout, optimizer, programs, actions, rank_params, inputs
-                 ) -> MemoryPrediction:
-    """One rank's replay, with the rules of pipeline_memory._Replay."""
-    opt = optimizer_memory(optimizer)
-    params, updated, gathered = held_parameters(summary, layout, rank_params)
-    static = {"parameters": params, "buffers": summary.buffer_bytes,
-              "optimizer_states": int(opt.states * sum(updated) + opt.counter_bytes * len(updated)),
-              "inputs": layout.microbatches * inputs}
+@dataclass(frozen=True)
+class _Activity:
+    """What one rank's schedule adds to its static memory (parameters, buffers, optimizer
+    state, inputs): its highest point (bytes, by category, at which action) and what is
+    left at the end (the gradients)."""
+
+    peak: int
+    at_peak: dict[str, int]
+    label: str
+    end: dict[str, int]
+
+
+def _replay_activity(stages: StageSummary, pp: int, programs: dict, actions) -> _Activity:
+    """One rank's replay, with the rules of pipeline_memory._Replay, without its static
+    memory: a constant under the replay, so the peak is at the same action whatever it is."""
     live = dict.fromkeys(CATEGORIES, 0)
-    live.update(static)
-    live["parameters"] += gathered
-    peak = [0, dict(live), ""]
+    peak = [-1, dict(live), ""]
 
     def note(label, extra):
         total = sum(live.values()) + sum(extra.values())
         if total > peak[0]:
             peak[:] = [total, {c: live[c] + extra.get(c, 0) for c in CATEGORIES}, label]
 
-    received = _across(stages, layout, "dst")
-    sent_by = _across(stages, layout, "src")
+    received = _across(stages, pp, "dst")
+    sent_by = _across(stages, pp, "src")
     env: dict[int, dict[str, int]] = {}
     sent: dict[int, int] = {}
     done = set()
@@ -340,19 +355,38 @@ def _replay_rank(summary, stages, layout, optimizer, programs, actions, rank_par
             for category, size in dropped.items():
                 live[category] -= size
             live["comm_buffers"] += min(sent.get(a.microbatch, 0), sum(dropped.values()))
-    flat = live["gradients"] if layout.dp > 1 else 0
-    live["parameters"] -= gathered
-    note("optimizer.step", {"comm_buffers": flat,
-                            "temporaries": int(opt.temporaries * max(updated, default=0))})
-    return MemoryPrediction(peak[0], peak[1], "pipeline", peak[2], 0, static)
+    return _Activity(max(peak[0], 0), peak[1], peak[2], dict(live))
 
 
-def _across(stages: StageSummary, layout: Layout, end: str) -> dict[tuple[int, str], int]:
+def _replay_rank(summary, layout, optimizer, activity: _Activity, rank_params, inputs
+                 ) -> MemoryPrediction:
+    """One rank's peak: its static memory, with the schedule's activity on top, and the
+    optimizer step at the end."""
+    opt = optimizer_memory(optimizer)
+    params, updated, gathered = held_parameters(summary, layout, rank_params)
+    static = {"parameters": params, "buffers": summary.buffer_bytes,
+              "optimizer_states": int(opt.states * sum(updated) + opt.counter_bytes * len(updated)),
+              "inputs": layout.microbatches * inputs}
+    during = dict(static)
+    during["parameters"] += gathered  # ZeRO-3's whole parameters, held through the step
+    total = sum(during.values())
+    peak = total + activity.peak
+    at_peak = {c: during.get(c, 0) + activity.at_peak.get(c, 0) for c in CATEGORIES}
+    label = activity.label
+    end = {c: static.get(c, 0) + activity.end.get(c, 0) for c in CATEGORIES}
+    end["comm_buffers"] += activity.end["gradients"] if layout.dp > 1 else 0  # flat all-reduce
+    end["temporaries"] += int(opt.temporaries * max(updated, default=0))
+    if sum(end.values()) > peak:
+        peak, at_peak, label = sum(end.values()), end, "optimizer.step"
+    return MemoryPrediction(peak, at_peak, "pipeline", label, 0, static)
+
+
+def _across(stages: StageSummary, pp: int, end: str) -> dict[tuple[int, str], int]:
     """(stage, phase) -> bytes it receives (end="dst") or sends (end="src") per micro-batch
     from or to stages on other ranks."""
     out: dict[tuple[int, str], int] = {}
     for m in stages.messages:
-        if m.src % layout.pp != m.dst % layout.pp:
+        if m.src % pp != m.dst % pp:
             key = (getattr(m, end), m.phase)
             out[key] = out.get(key, 0) + m.nbytes
     return out

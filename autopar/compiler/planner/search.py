@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -191,25 +192,45 @@ def refinements(fixed: dict[str, Any]) -> list[Refinement]:
 def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction],
            cluster: ClusterSpec, max_memory_fraction: float = 0.9,
            progress: Callable[[Layout], None] | None = None,
-           refine: Iterable[Refinement] = ()) -> Plan:
+           refine: Iterable[Refinement] = (),
+           bound: Callable[[Layout], float] | None = None) -> Plan:
     """Cost every candidate, then each round of `refine`; keep the fastest that fits
-    (see the module docstring)."""
+    (see the module docstring). `bound(layout)`: seconds the layout's step cannot beat
+    (planner/plan.py: its model FLOPs at the device's peak); candidates are then costed
+    lowest bound first, and one whose bound exceeds the fastest fitting step costed so
+    far is skipped with that reason (branch and bound: the plan is the same)."""
     capacity = cluster.device.memory_bytes * max_memory_fraction
+    candidates = list(candidates)
+    order = {lay: k for k, lay in enumerate(candidates)}
     costed: list[tuple[Layout, Prediction]] = []
     skipped: list[tuple[Layout, str]] = []
+    best = [math.inf]  # the fastest fitting step so far
 
     def cost(layouts: Iterable[Layout], show: bool) -> None:
         seen = {lay for lay, _ in costed} | {lay for lay, _ in skipped}
-        for layout in layouts:
+        layouts = [lay for lay in layouts if lay not in seen]
+        floor = {lay: bound(lay) for lay in layouts} if bound is not None else {}
+        for layout in sorted(layouts, key=lambda lay: floor.get(lay, 0.0)):
             if layout in seen:
                 continue
             seen.add(layout)
             if show and progress is not None:
                 progress(layout)
+            if floor.get(layout, 0.0) > best[0]:
+                skipped.append((layout, f"not costed: its model FLOPs at the device's peak take "
+                                        f"at least {floor[layout] * 1e3:.4g} ms, slower than the "
+                                        f"fastest fitting layout costed ({best[0] * 1e3:.4g} ms)"))
+                continue
             try:
-                costed.append((layout, predict(layout)))
+                pred = predict(layout)
             except ValueError as exc:  # a cut or a tp placement the model cannot take
                 skipped.append((layout, str(exc).splitlines()[0]))
+                continue
+            costed.append((layout, pred))
+            if pred.peak_memory_bytes <= capacity:
+                best[0] = min(best[0], pred.step_time_s)
+        # ties rank in the candidates' order, whatever order they were costed in
+        costed.sort(key=lambda c: order.get(c[0], len(order)))
 
     cost(candidates, True)
     for more in refine:
@@ -217,10 +238,12 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
     fits, over = rank(costed, capacity)
     if not fits:
         raise PlanError(no_fit_message(over, skipped, cluster, max_memory_fraction))
-    best_layout, best = fits[0]
-    alternatives = [(lay, pred, why_not(pred, best, capacity)) for lay, pred in fits[1:] + over]
-    return Plan(layout=best_layout, predicted=best, alternatives=alternatives, skipped=skipped,
-                cluster=cluster.to_dict(), max_memory_fraction=max_memory_fraction)
+    best_layout, best_pred = fits[0]
+    alternatives = [(lay, pred, why_not(pred, best_pred, capacity))
+                    for lay, pred in fits[1:] + over]
+    return Plan(layout=best_layout, predicted=best_pred, alternatives=alternatives,
+                skipped=skipped, cluster=cluster.to_dict(),
+                max_memory_fraction=max_memory_fraction)
 
 
 def no_fit_message(over: list[tuple[Layout, Prediction]], skipped: list, cluster: ClusterSpec,
