@@ -40,17 +40,24 @@ def test_the_chosen_layout_is_the_fastest_that_fits(shape, blocks, bounded, data
     costs = {lay: fake_prediction(data.draw(st.floats(1e-3, 1.0)), data.draw(st.integers(1, 2 * 10**10)))
              for lay in candidates}
     below = {lay: costs[lay].step_time_s * data.draw(st.floats(0.0, 1.0)) for lay in candidates}
+    held = {lay: costs[lay].peak_memory_bytes * data.draw(st.floats(0.0, 1.0))
+            for lay in candidates}
     bound = below.__getitem__ if bounded else None
+    memory_bound = held.__getitem__ if bounded else None
     capacity = 0.9 * 10**10
     fitting = [lay for lay in candidates if costs[lay].peak_memory_bytes <= capacity]
-    if not fitting:
-        with pytest.raises(S.PlanError, match="fits no layout|could be costed"):
-            S.search(candidates, costs.__getitem__, c, bound=bound)
+    if not fitting:  # the error names the smallest peak, bounds or not
+        with pytest.raises(S.PlanError, match="fits no layout|could be costed") as info:
+            S.search(candidates, costs.__getitem__, c, bound=bound, memory_bound=memory_bound)
+        with pytest.raises(S.PlanError) as unbounded:
+            S.search(candidates, costs.__getitem__, c)
+        assert str(info.value) == str(unbounded.value)
         return
-    plan = S.search(candidates, costs.__getitem__, c, bound=bound)
-    for lay, why in plan.skipped:  # not costed: slower than the plan, by its bound
+    plan = S.search(candidates, costs.__getitem__, c, bound=bound, memory_bound=memory_bound)
+    for lay, why in plan.skipped:  # not costed: slower than the plan, or cannot fit
         assert why.startswith("not costed") and bounded
-        assert costs[lay].step_time_s >= below[lay] > plan.predicted.step_time_s
+        assert (costs[lay].step_time_s >= below[lay] > plan.predicted.step_time_s
+                or costs[lay].peak_memory_bytes >= held[lay] > capacity)
     # brute force: the first of the fastest fitting candidates
     best = min(fitting, key=lambda lay: (costs[lay].step_time_s, candidates.index(lay)))
     assert plan.layout == best and plan.predicted.peak_memory_bytes <= capacity
@@ -211,3 +218,21 @@ def test_static_bound_is_below_every_predicted_peak_and_prunes_without_tracing()
     assert pruned and keep and all("not traced" in why for _, why in pruned)
     assert autopar.Layout(dp=4) in {lay for lay, _ in pruned}
     assert autopar.Layout(dp=4, zero=3) in keep
+
+
+def test_layouts_that_differ_past_the_forward_level_passes_share_their_graph():
+    """The Estimator rewrites the forward-level passes (tensor parallelism, AMP,
+    recomputation) once for every dp, ZeRO stage and bucket size; each prediction is
+    still what `autopar.estimate` of that layout alone gives."""
+    from autopar.compiler.planner.estimate import Estimator
+
+    ex = gpt2(layers=2, hidden=64, heads=4, vocab=256, batch=8, seq=32)
+    c = cluster(per_node=4)
+    layouts = [autopar.Layout(dp=2, tp=2, zero=z, recompute="full") for z in (0, 1, 2, 3)]
+    layouts.append(layouts[2].replace(bucket_mb=5.0))
+    est = Estimator(ex.model, c, ex.batch, ex.loss_fn)
+    shared = [est.predict(lay) for lay in layouts]
+    assert len(est._forward) == 1 and est.counts()["rewrites"] == len(layouts)
+    for lay, pred in zip(layouts, shared):
+        alone = autopar.estimate(ex.model, c, lay, ex.batch, ex.loss_fn)
+        assert pred == alone, lay

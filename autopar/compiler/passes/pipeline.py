@@ -19,6 +19,23 @@ def is_pipelined(layout: Layout) -> bool:
     return layout.pp > 1 or layout.microbatches > 1
 
 
+def forward_level_passes(layout: Layout) -> list[GraphPass]:
+    """The passes of the default pipeline that re-trace the forward, in order. They read
+    only `forward_level_fields` of the layout: layouts equal in those share their graph
+    (the planner rewrites it once for every dp, ZeRO stage and bucket size)."""
+    first: list[GraphPass] = [TensorParallel()] if layout.tp > 1 else []
+    first += [AutoMixedPrecision()] if layout.amp != "off" else []
+    first += [Recompute()] if layout.recompute != "none" else []
+    return first
+
+
+def forward_level_fields(layout: Layout) -> tuple:
+    """What the forward-level passes read of a layout (world_size: tensor parallelism's
+    cost model; the rest names its own pass)."""
+    return (layout.tp, layout.sequence_parallel, layout.world_size, layout.amp,
+            layout.recompute)
+
+
 def default_passes(layout: Layout) -> list[GraphPass]:
     """amp -> tensor_parallel -> recompute -> pipeline_split -> data_parallel/zero ->
     comm scheduling -> fusion; only the passes that have landed appear.
@@ -28,9 +45,7 @@ def default_passes(layout: Layout) -> list[GraphPass]:
     # forward-level passes re-trace the forward, so they come before every joint-graph
     # pass; AMP's hook wraps tensor parallelism's: it casts each op's inputs by its lists
     # before the op runs on local shards (collectives then carry half-precision values)
-    first = [TensorParallel()] if layout.tp > 1 else []
-    first += [AutoMixedPrecision()] if layout.amp != "off" else []
-    first += [Recompute()] if layout.recompute != "none" else []
+    first = forward_level_passes(layout)
     last = [FuseRegions()] if layout.fusion else []
     if is_pipelined(layout):
         return first + [AssignStages()] + last

@@ -16,10 +16,12 @@ from autopar.api import _local_example, run_passes
 from autopar.cluster import ClusterSpec
 from autopar.compiler.ir.trace import LossFn, trace_train_step
 from autopar.compiler.passes.assign_stages import check_stage_count
-from autopar.compiler.passes.base import GraphPass
+from autopar.compiler.passes.base import GraphPass, PassContext
+from autopar.compiler.passes.manager import PassManager
 from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, OPTIMIZER_STATES,
                                                  Efficiency, predict)
-from autopar.compiler.passes.pipeline import is_pipelined
+from autopar.compiler.passes.pipeline import (default_passes, forward_level_fields,
+                                              forward_level_passes, is_pipelined)
 from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.planner.memory import MemoryPrediction
 from autopar.compiler.planner.pipeline_memory import pipeline_memory_per_rank
@@ -73,6 +75,7 @@ class Estimator:
         self._rewritten: dict[tuple, tuple] = {}
         self._tables: dict[tuple, dict] = {}
         self._replicas: dict[tuple, tuple] = {}
+        self._forward: dict[tuple, TrainGraph] = {}  # graphs after the forward-level passes
 
     def predict(self, layout: Layout) -> Prediction:
         summary, stages, model_flops = self.rewritten(layout)
@@ -178,8 +181,7 @@ class Estimator:
                 path, counts = scaling
                 options["pipeline_cuts"] = [f"{path}.1"]
                 passes_layout = layout.replace(pp=2, virtual_stages=1, schedule="1f1b")
-            rewritten, _ = run_passes(traced, passes_layout, self.cluster, self.passes,
-                                      options=options)
+            rewritten = self._run_passes(traced, key[0], passes_layout, options)
             if template:
                 entry = (None, None, None, template_of(rewritten, sum(scaling[1]), self.cluster))
             else:
@@ -199,6 +201,22 @@ class Estimator:
                                               {})
             summary, stages = self._replicas[key, depth][:2]
         return summary, stages, model_flops
+
+
+    def _run_passes(self, traced: TrainGraph, trace_key: tuple, layout: Layout,
+                    options: dict) -> TrainGraph:
+        """run_passes of `layout`; with the default pipeline, the graph after its
+        forward-level passes (tensor parallelism, AMP, recomputation: the costly
+        re-traces) is kept for the layouts that read the same fields of them."""
+        if self.passes is not None:
+            return run_passes(traced, layout, self.cluster, self.passes, options=options)[0]
+        ctx = PassContext(layout=layout, cluster=self.cluster, options=options)
+        key = (trace_key, forward_level_fields(layout), repr(sorted(options.items())))
+        if key not in self._forward:
+            first = forward_level_passes(layout)
+            self._forward[key] = PassManager(first).run(traced, ctx)[0] if first else traced
+        pipeline = default_passes(layout)[len(forward_level_passes(layout)):]
+        return PassManager(pipeline).run(self._forward[key], ctx)[0]
 
 
 def check_layout(layout: Any, cluster: ClusterSpec) -> None:

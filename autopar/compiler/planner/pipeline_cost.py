@@ -21,6 +21,8 @@ bubble.
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
@@ -150,6 +152,13 @@ def _wire(nbytes: int, summary: GraphSummary, layout: Layout) -> float:
     return nbytes * WIRE_BYTES[layout.grad_comm_dtype] / itemsize
 
 
+@functools.lru_cache(maxsize=64)
+def _simulated(schedule: tuple, cost: tuple) -> Timeline:
+    """simulate(build(*schedule), dict(cost)), once for the layouts that differ only in
+    what the schedule does not see (dp, ZeRO: the planner costs them one after another)."""
+    return simulate(build(*schedule), dict(cost))
+
+
 def pipeline_time(summary: GraphSummary, stages: StageSummary, cluster: ClusterSpec,
                   layout: Layout, optimizer: str = "adamw",
                   eff: Efficiency = DEFAULT_EFFICIENCY) -> PipelineTime:
@@ -158,7 +167,8 @@ def pipeline_time(summary: GraphSummary, stages: StageSummary, cluster: ClusterS
     receives = receive_costs(stages, cluster, layout, eff)
     cost = {key: phase.total_s for key, phase in phases.items()}
     schedule = build(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
-    timeline = simulate(schedule, {**cost, **receives})
+    timeline = _simulated((layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages),
+                          tuple(sorted({**cost, **receives}.items())))
     sync = grad_sync_time(summary, stages, cluster, layout, eff)
     optim = [optimizer_time(b, optimizer, cluster, eff) for b in rank_param_bytes(summary, stages, layout)]
     ends = [max((end for _, _, end in spans), default=0.0) for spans in timeline.spans]

@@ -56,9 +56,11 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs: Sequence[
                         bound)
         result.skipped += pruned
     except PlanError as exc:
-        if pruned:  # the error names the smallest costed peak: cost them all
+        if pruned:  # the error names the smallest peak: it may be a pruned layout's
+            floor = _static_bound(model, optimizer)
             try:
-                search(candidates, estimator.predict, cluster, fraction, None, refinements(fixed))
+                search(costed + sorted((lay for lay, _ in pruned), key=floor), estimator.predict,
+                       cluster, fraction, None, refinements(fixed), memory_bound=floor)
             except PlanError as again:
                 exc = again
         hint = _larger_cluster_hint(model, cluster, example_inputs, loss_fn, optimizer,
@@ -109,11 +111,11 @@ def prune_static(candidates: list[Layout], model: torch.nn.Module, cluster: Clus
     """(candidates worth tracing, the others with why): a layout whose parameters,
     gradients and optimizer state alone exceed the memory allowed
     (memory.static_lower_bound, from parameter counts: no trace) cannot fit."""
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    floor = _static_bound(model, optimizer)
     capacity = cluster.device.memory_bytes * fraction
     keep, pruned = [], []
     for layout in candidates:
-        bound = static_lower_bound(param_bytes, layout, optimizer)
+        bound = floor(layout)
         if bound > capacity:
             pruned.append((layout, f"does not fit: parameters, gradients and {optimizer} state "
                                    f"alone take at least {bound / 1e9:.3g} GB per device, over "
@@ -121,6 +123,11 @@ def prune_static(candidates: list[Layout], model: torch.nn.Module, cluster: Clus
         else:
             keep.append(layout)
     return keep, pruned
+
+
+def _static_bound(model: torch.nn.Module, optimizer: str) -> Callable[[Layout], float]:
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return lambda layout: static_lower_bound(param_bytes, layout, optimizer)
 
 
 def _candidates(model, cluster, example_inputs, fixed) -> list[Layout]:

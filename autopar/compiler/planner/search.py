@@ -193,18 +193,24 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
            cluster: ClusterSpec, max_memory_fraction: float = 0.9,
            progress: Callable[[Layout], None] | None = None,
            refine: Iterable[Refinement] = (),
-           bound: Callable[[Layout], float] | None = None) -> Plan:
+           bound: Callable[[Layout], float] | None = None,
+           memory_bound: Callable[[Layout], float] | None = None) -> Plan:
     """Cost every candidate, then each round of `refine`; keep the fastest that fits
     (see the module docstring). `bound(layout)`: seconds the layout's step cannot beat
     (planner/plan.py: its model FLOPs at the device's peak); candidates are then costed
     lowest bound first, and one whose bound exceeds the fastest fitting step costed so
-    far is skipped with that reason (branch and bound: the plan is the same)."""
+    far is skipped with that reason (branch and bound: the plan is the same).
+    `memory_bound(layout)`: bytes its peak cannot be below (memory.static_lower_bound);
+    a layout whose bound is over the memory allowed and above the smallest peak costed
+    so far is skipped: it can neither be the plan nor the smallest peak a PlanError
+    names (give the candidates smallest bound first for this to prune)."""
     capacity = cluster.device.memory_bytes * max_memory_fraction
     candidates = list(candidates)
     order = {lay: k for k, lay in enumerate(candidates)}
     costed: list[tuple[Layout, Prediction]] = []
     skipped: list[tuple[Layout, str]] = []
     best = [math.inf]  # the fastest fitting step so far
+    smallest = [math.inf]  # the smallest peak so far
 
     def cost(layouts: Iterable[Layout], show: bool) -> None:
         seen = {lay for lay, _ in costed} | {lay for lay, _ in skipped}
@@ -221,12 +227,19 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
                                         f"at least {floor[layout] * 1e3:.4g} ms, slower than the "
                                         f"fastest fitting layout costed ({best[0] * 1e3:.4g} ms)"))
                 continue
+            held = memory_bound(layout) if memory_bound is not None else 0.0
+            if held > capacity and held > smallest[0]:
+                skipped.append((layout, f"not costed: at least {_gb(held)} per device, over the "
+                                        f"{_gb(capacity)} allowed and above the smallest "
+                                        f"peak costed ({_gb(smallest[0])})"))
+                continue
             try:
                 pred = predict(layout)
             except ValueError as exc:  # a cut or a tp placement the model cannot take
                 skipped.append((layout, str(exc).splitlines()[0]))
                 continue
             costed.append((layout, pred))
+            smallest[0] = min(smallest[0], pred.peak_memory_bytes)
             if pred.peak_memory_bytes <= capacity:
                 best[0] = min(best[0], pred.step_time_s)
         # ties rank in the candidates' order, whatever order they were costed in
