@@ -72,10 +72,14 @@ def run_trillion(name: str, memory_gb: float | None, dropout: float = 0.1) -> st
         cluster = autopar.ClusterSpec.from_dict(data)
     constraints = TRILLION_CASES[name]
     start = time.perf_counter()
-    plan = autopar.plan(model, cluster, batch, causal_lm_loss, trace_blocks=2, **constraints)
+    fixed = ", ".join(f"{k}={v}" for k, v in constraints.items()) or "none"
+    try:
+        plan = autopar.plan(model, cluster, batch, causal_lm_loss, trace_blocks=2, **constraints)
+    except autopar.PlanError as exc:  # the error is the result: say how long it took
+        return (f"| {fixed} | | | | | | {time.perf_counter() - start:.1f} ({built:.1f}) | "
+                f"PlanError: {exc} | | | |")
     seconds = time.perf_counter() - start
     search = plan.details["search"]
-    fixed = ", ".join(f"{k}={v}" for k, v in constraints.items()) or "none"
     pred = plan.predicted
     return (f"| {fixed} | {search['candidates']} | {search['pruned']} / {search['bounded']} | "
             f"{search['costed']} | {search['traces']} | {search['rewrites']} | "
