@@ -16,8 +16,7 @@ from autopar.api import _local_example, run_passes
 from autopar.cluster import ClusterSpec
 from autopar.compiler.ir.trace import LossFn, trace_train_step
 from autopar.compiler.passes.assign_stages import check_stage_count
-from autopar.compiler.passes.base import GraphPass, PassContext
-from autopar.compiler.passes.manager import PassManager
+from autopar.compiler.passes.base import GraphPass
 from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, OPTIMIZER_STATES,
                                                  Efficiency, predict)
 from autopar.compiler.passes.pipeline import (default_passes, forward_level_fields,
@@ -202,7 +201,6 @@ class Estimator:
             summary, stages = self._replicas[key, depth][:2]
         return summary, stages, model_flops
 
-
     def _run_passes(self, traced: TrainGraph, trace_key: tuple, layout: Layout,
                     options: dict) -> TrainGraph:
         """run_passes of `layout`; with the default pipeline, the graph after its
@@ -210,13 +208,13 @@ class Estimator:
         re-traces) is kept for the layouts that read the same fields of them."""
         if self.passes is not None:
             return run_passes(traced, layout, self.cluster, self.passes, options=options)[0]
-        ctx = PassContext(layout=layout, cluster=self.cluster, options=options)
+        first = forward_level_passes(layout)
         key = (trace_key, forward_level_fields(layout), repr(sorted(options.items())))
         if key not in self._forward:
-            first = forward_level_passes(layout)
-            self._forward[key] = PassManager(first).run(traced, ctx)[0] if first else traced
-        pipeline = default_passes(layout)[len(forward_level_passes(layout)):]
-        return PassManager(pipeline).run(self._forward[key], ctx)[0]
+            self._forward[key] = run_passes(traced, layout, self.cluster, first,
+                                            options=options)[0]
+        rest = default_passes(layout)[len(first):]
+        return run_passes(self._forward[key], layout, self.cluster, rest, options=options)[0]
 
 
 def check_layout(layout: Any, cluster: ClusterSpec) -> None:

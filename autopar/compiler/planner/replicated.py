@@ -262,15 +262,13 @@ def pipeline_memory_from_summary(summary: GraphSummary, stages: StageSummary, la
     a dict the caller keeps for these summaries, where the replays of a schedule are
     kept for the next layout that runs it (they do not depend on dp or ZeRO)."""
     programs = stage_programs(summary, stages) if programs is None else programs
+    replays = {} if replays is None else replays
     key = (layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
-    if replays is None or key not in replays:
+    if key not in replays:
         schedule = build(*key)
-        activity = [_replay_activity(stages, layout.pp, programs, schedule.ranks[r])
-                    for r in range(layout.pp)]
-        if replays is not None:
-            replays[key] = activity
-    else:
-        activity = replays[key]
+        replays[key] = [_replay_activity(stages, layout.pp, programs, schedule.ranks[r])
+                        for r in range(layout.pp)]
+    activity = replays[key]
     inputs = sum(op.allocates for op in summary.ops if op.role == "input")
     params: list[list[int]] = [[] for _ in range(layout.pp)]
     for p, readers in enumerate(stages.param_stages):
