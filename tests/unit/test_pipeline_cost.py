@@ -81,6 +81,42 @@ def test_gradient_sync_and_optimizer_after_the_last_action():
     assert half[1] == pytest.approx(tied + cm.flat_all_reduce(1.25e9, 2, c.intra_node))
 
 
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_zero_in_a_pipeline_updates_blocks_and_gathers_them(zero):
+    """As runtime/pipeline.py: ZeRO-1 all-reduces, ZeRO-2/3 reduce-scatter each parameter
+    with at least dp rows; the optimizer updates ceil(rows / dp) rows of those; the
+    blocks are all-gathered (after the optimizer, or before the schedule for ZeRO-3:
+    the same seconds on the step). A parameter with fewer rows than dp stays whole."""
+    from dataclasses import replace
+
+    c = cluster(intra=(100e9, 1e-6), bandwidth=1e11)
+    # p0 (1 GB, 1,000 rows) on stage 0, p1 (2 GB, 1,000 rows) on 1, tied p2 (0.5 GB, 1 row)
+    params = [(250_000_000, 4), (500_000_000, 4), (125_000_000, 4)]
+    summary, stages = two_stage(params, [{0}, {1}, {0, 1}])
+    summary = replace(summary, param_rows=(1000, 1000, 1))
+    layout = autopar.Layout(pp=2, dp=2, zero=zero)
+    link = c.intra_node
+    tied = cm.flat_all_reduce(0.5e9, 2, link)
+    if zero == 1:
+        sync = [tied + cm.flat_all_reduce(1.5e9, 2, link), tied + cm.flat_all_reduce(2.5e9, 2, link)]
+    else:
+        sync = [tied + cm.ring_all_gather(1e9, 2, link) + cm.flat_all_reduce(0.5e9, 2, link),
+                tied + cm.ring_all_gather(2e9, 2, link) + cm.flat_all_reduce(0.5e9, 2, link)]
+    gather = [cm.ring_all_gather(1e9, 2, link), cm.ring_all_gather(2e9, 2, link)]
+    assert pc.grad_sync_time(summary, stages, c, layout, EXACT) == pytest.approx(sync)
+    assert pc.param_gather_time(summary, stages, c, layout, EXACT) == pytest.approx(gather)
+    updated = [0.5e9 + 0.5e9, 1e9 + 0.5e9]  # half of p0 / p1, all of the tied p2
+    assert pc.updated_bytes(summary, stages, layout) == pytest.approx(updated)
+    t = pc.pipeline_time(summary, stages, c, layout, "adamw", EXACT)
+    optim = [b * (3 + 2 * 2) / 1e11 for b in updated]
+    totals = [e + s + o + g for e, s, o, g in zip([6.0, 4.0], sync, optim, gather)]
+    assert t.total_s == pytest.approx(max(totals))
+    assert t.param_gather_s == pytest.approx(gather)
+    # without ZeRO nothing is gathered and every parameter is updated whole
+    plain = pc.pipeline_time(summary, stages, c, layout.replace(zero=0), "adamw", EXACT)
+    assert plain.param_gather_s == (0.0, 0.0) and plain.total_s != t.total_s
+
+
 def test_zero_bubble_fills_the_bubble_with_weight_gradients():
     # each backward op split: I on the critical path (1 s), W deferred (1 s)
     ops = tuple(OpRecord(n, r, flops=int(1e12), dtype="fp32") for n, r in

@@ -66,7 +66,8 @@ MMAP_THRESHOLD = 32 * 2**20
 
 
 def kernel_time(target: str, flops: float, nbytes: float, allocates: int, dtype: str | None,
-                cluster: ClusterSpec, eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+                cluster: ClusterSpec, eff: Efficiency = DEFAULT_EFFICIENCY,
+                first_touch: bool = True) -> float:
     """One op: launch + roofline + first touch of a large fresh allocation (a CPU), times
     the device's fitted factor for the op (`autopar calibrate --model`)."""
     device = cluster.device
@@ -74,19 +75,35 @@ def kernel_time(target: str, flops: float, nbytes: float, allocates: int, dtype:
     if flops or nbytes:
         peak = cluster.peak_flops_for(dtype or "fp32") if flops else 1.0
         seconds += op_time(flops, nbytes, peak, device.memory_bandwidth, eff)
-    if device.first_touch_bandwidth and allocates > MMAP_THRESHOLD:
+    if first_touch and device.first_touch_bandwidth and allocates > MMAP_THRESHOLD:
         seconds += allocates / device.first_touch_bandwidth
     return seconds * device.op_time_factors.get(target, 1.0)
 
 
-def _op_time(op: OpRecord, cluster: ClusterSpec, eff: Efficiency) -> float:
+def _op_time(op: OpRecord, cluster: ClusterSpec, eff: Efficiency,
+             first_touch: bool = True) -> float:
     if op.role == "input":
         return 0.0
     if op.members and cluster.device.kind == "cpu":  # the fallback runs the region's ops
-        return op.repeat * sum(kernel_time(target, flops, nbytes, fresh, op.dtype, cluster, eff)
+        return op.repeat * sum(kernel_time(target, flops, nbytes, fresh, op.dtype, cluster, eff,
+                                           first_touch)
                                for target, flops, nbytes, fresh in op.members)
     return op.repeat * kernel_time(op.target, op.flops, op.bytes, op.allocates, op.dtype,
-                                   cluster, eff)
+                                   cluster, eff, first_touch)
+
+
+MODEL_ROLES = ("forward", "loss", "backward")
+
+
+def model_compute_floor(summary: GraphSummary, cluster: ClusterSpec,
+                        eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    """Seconds of the model's own ops (forward, loss, backward: not the packing around
+    collectives, not the optimizer) on the compute stream, without the first touch
+    of fresh allocations. Each term is a launch plus a roofline whose bytes grow at
+    most as the batch does, so per sample it can only shrink as the batch grows: the
+    same ops on a smaller batch, k times over, take at least as long (plan.compute_bound)."""
+    return sum(_op_time(op, cluster, eff, first_touch=False) for op in summary.ops
+               if op.role in MODEL_ROLES and not op.collective and op.waits_on is None)
 
 
 # -- collectives ---------------------------------------------------------------------------

@@ -75,12 +75,18 @@ class Estimator:
         self._tables: dict[tuple, dict] = {}
         self._replicas: dict[tuple, tuple] = {}
         self._forward: dict[tuple, TrainGraph] = {}  # graphs after the forward-level passes
+        self._predictions: dict[Layout, Prediction] = {}
 
     def predict(self, layout: Layout) -> Prediction:
-        summary, stages, model_flops = self.rewritten(layout)
-        return predict(summary, self.cluster, layout, self.optimizer, self.efficiency,
-                       model_flops=model_flops, stages=stages,
-                       memory=self._pipeline_memory(layout, summary, stages))
+        """The Prediction of `layout`, kept: a search that asks again (the no-fit
+        fallback, the report) gets the same object."""
+        if layout not in self._predictions:
+            summary, stages, model_flops = self.rewritten(layout)
+            self._predictions[layout] = predict(
+                summary, self.cluster, layout, self.optimizer, self.efficiency,
+                model_flops=model_flops, stages=stages,
+                memory=self._pipeline_memory(layout, summary, stages))
+        return self._predictions[layout]
 
     def _pipeline_memory(self, layout, summary, stages) -> MemoryPrediction | None:
         """The fullest pipeline rank's memory, each rank's schedule replayed (None: the
@@ -113,6 +119,14 @@ class Estimator:
         """The traced graph of one rank's micro-batch under `layout`."""
         return self._trace(layout)[1]
 
+    def rewritten_summary(self, layout: Layout) -> GraphSummary | None:
+        """The summary of the unpipelined `layout`'s rewritten graph if an earlier call
+        rewrote it, else None: nothing is traced or rewritten here."""
+        if is_pipelined(layout) or self._trace_key(layout) not in self._traced:
+            return None
+        entry = self._rewritten.get(self._key(layout))
+        return None if entry is None else entry[0]
+
     def tp_placements(self, layout: Layout) -> dict | None:
         """The tensor-parallel placement table of `layout`'s rewritten graph (tp > 1)."""
         self.rewritten(layout)
@@ -133,12 +147,16 @@ class Estimator:
     def _stages(layout: Layout) -> int:
         return layout.pp * layout.virtual_stages if is_pipelined(layout) else 1
 
-    def _trace(self, layout: Layout):
+    def _trace_key(self, layout: Layout) -> tuple:
         local = _local_example(self.example_inputs, layout)
-        keep = self._keep(layout)
-        key = (tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else repr(x) for x in local),
-               keep)
+        return (tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else repr(x) for x in local),
+                self._keep(layout))
+
+    def _trace(self, layout: Layout):
+        key = self._trace_key(layout)
+        keep = key[1]
         if key not in self._traced:
+            local = _local_example(self.example_inputs, layout)
             with reduced(self.model, keep) as stack:
                 traced = trace_train_step(self.model, local, self.loss_fn)
             scaling = (stack[0], multiplicities(stack[1], keep)) \
@@ -209,7 +227,10 @@ class Estimator:
         if self.passes is not None:
             return run_passes(traced, layout, self.cluster, self.passes, options=options)[0]
         first = forward_level_passes(layout)
-        key = (trace_key, forward_level_fields(layout), repr(sorted(options.items())))
+        # the cuts are AssignStages' option: a pipeline's template shares the graph of
+        # the unpipelined layout with the same trace
+        key = (trace_key, forward_level_fields(layout),
+               repr(sorted((k, v) for k, v in options.items() if k != "pipeline_cuts")))
         if key not in self._forward:
             self._forward[key] = run_passes(traced, layout, self.cluster, first,
                                             options=options)[0]

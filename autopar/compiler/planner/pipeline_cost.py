@@ -12,8 +12,11 @@ stages by AssignStages. What it adds up is what the pipeline runtime does
    a receive (RF, RB) takes alpha + bytes / bandwidth per value on the link between
    neighbouring pipeline ranks (ranks tp*dp apart) and holds up its rank;
 3. after its last action a rank sums gradients: tied weights over the pipeline ranks
-   that share them, then all its gradients in one flat all-reduce over dp (not
-   overlapped), then runs the optimizer on its parameters.
+   that share them, then over dp (not overlapped) one flat all-reduce of the
+   gradients it updates whole and, under ZeRO-2/3, a reduce-scatter of each one it
+   updates a dim-0 block of; then it runs the optimizer on what it updates (ZeRO:
+   its blocks) and all-gathers the updated blocks (ZeRO-1/2; ZeRO-3 gathers its
+   parameters before the schedule instead).
 
 The step time is the slowest rank's; its idle time that is not a receive is the
 bubble.
@@ -22,16 +25,17 @@ bubble.
 from __future__ import annotations
 
 import functools
+import math
 
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from autopar.cluster import ClusterSpec
 from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, Efficiency, collective_time,
                                                  group_spans_nodes, optimizer_time,
                                                  simulate_streams)
 from autopar.compiler.planner.stages import StageSummary
-from autopar.compiler.planner.summary import GraphSummary
+from autopar.compiler.planner.summary import GraphSummary, changed
 from autopar.layout import Layout
 from autopar.runtime.schedule import Timeline, build, simulate
 
@@ -58,6 +62,9 @@ class PipelineTime:
     timeline: Timeline  # the simulated schedule, seconds (the report draws it)
     grad_sync_s: tuple[float, ...]  # per pipeline rank, after its last action
     optimizer_per_rank_s: tuple[float, ...]  # per pipeline rank, after its gradient sync
+    # per pipeline rank, ZeRO's parameter all-gather: after the optimizer (ZeRO-1/2), before
+    # the schedule (ZeRO-3; the timeline above starts at 0 without it)
+    param_gather_s: tuple[float, ...] = ()
 
     @property
     def bubble_fraction(self) -> float:
@@ -70,7 +77,7 @@ def phase_time(summary: GraphSummary, members: Iterable[int], cluster: ClusterSp
     another program does not wait)."""
     chosen = sorted(members)
     where = {i: k for k, i in enumerate(chosen)}
-    ops = tuple(replace(op, waits_on=where.get(op.waits_on, -1))
+    ops = tuple(changed(op, waits_on=where.get(op.waits_on, -1))
                 if op.waits_on is not None else op for op in (summary.ops[i] for i in chosen))
     compute, comm, end = simulate_streams(
         GraphSummary(ops, (), (), 0, frozenset()), cluster, layout, eff)
@@ -118,31 +125,71 @@ def receive_costs(stages: StageSummary, cluster: ClusterSpec, layout: Layout,
     return out
 
 
-def rank_param_bytes(summary: GraphSummary, stages: StageSummary, layout: Layout) -> list[int]:
-    """Bytes of the parameters each pipeline rank holds (read by one of its stages)."""
-    held = [0] * layout.pp
+def rank_params(stages: StageSummary, layout: Layout) -> list[list[int]]:
+    """The parameters each pipeline rank holds (read by one of its stages)."""
+    held: list[list[int]] = [[] for _ in range(layout.pp)]
     for i, readers in enumerate(stages.param_stages):
-        for rank in {s % layout.pp for s in readers}:
-            held[rank] += summary.param_numel[i] * summary.param_itemsize[i]
+        for rank in sorted({s % layout.pp for s in readers}):
+            held[rank].append(i)
     return held
+
+
+def zero_block_bytes(summary: GraphSummary, i: int, layout: Layout) -> int:
+    """Bytes of a rank's dim-0 block of parameter i under ZeRO (runtime/shards.zero_block:
+    ceil(rows / dp) rows), 0 where it is updated whole (no ZeRO, or fewer rows than dp)."""
+    rows = summary.param_rows[i] if summary.param_rows else 0
+    if not layout.zero or layout.dp == 1 or rows < layout.dp:
+        return 0
+    return math.ceil(rows / layout.dp) * (summary.param_numel[i] * summary.param_itemsize[i] // rows)
 
 
 def grad_sync_time(summary: GraphSummary, stages: StageSummary, cluster: ClusterSpec,
                    layout: Layout, eff: Efficiency = DEFAULT_EFFICIENCY) -> list[float]:
-    """Per pipeline rank: tied-weight all-reduces over the ranks sharing them, then one
-    all-reduce over dp of all its gradients (in Layout.grad_comm_dtype when set)."""
+    """Per pipeline rank, as runtime/pipeline.py sums gradients: tied-weight all-reduces
+    over the ranks sharing them, then over dp (in Layout.grad_comm_dtype when set) one
+    flat all-reduce of the gradients it updates whole, and under ZeRO-2/3 a
+    reduce-scatter of each one it updates a block of."""
     out = [0.0] * layout.pp
     pp_spans = group_spans_nodes(layout.pp, layout.tp * layout.dp, cluster)
+    dp_spans = group_spans_nodes(layout.dp, layout.tp, cluster)
     for i, readers in enumerate(stages.param_stages):
         ranks = {s % layout.pp for s in readers}
         seconds = collective_time("all_reduce", summary.param_numel[i] * summary.param_itemsize[i],
                                   len(ranks), cluster, pp_spans, eff)
         for rank in ranks:
             out[rank] += seconds
-    for rank, nbytes in enumerate(rank_param_bytes(summary, stages, layout)):
-        out[rank] += collective_time("all_reduce", _wire(nbytes, summary, layout), layout.dp,
-                                     cluster, group_spans_nodes(layout.dp, layout.tp, cluster), eff)
+    for rank, params in enumerate(rank_params(stages, layout)):
+        whole = 0
+        for i in params:
+            block = zero_block_bytes(summary, i, layout) if layout.zero >= 2 else 0
+            if block:
+                out[rank] += collective_time("reduce_scatter",
+                                             _wire(block * layout.dp, summary, layout),
+                                             layout.dp, cluster, dp_spans, eff)
+            else:
+                whole += summary.param_numel[i] * summary.param_itemsize[i]
+        out[rank] += collective_time("all_reduce", _wire(whole, summary, layout), layout.dp,
+                                     cluster, dp_spans, eff)
     return out
+
+
+def param_gather_time(summary: GraphSummary, stages: StageSummary, cluster: ClusterSpec,
+                      layout: Layout, eff: Efficiency = DEFAULT_EFFICIENCY) -> list[float]:
+    """Per pipeline rank: ZeRO's all-gather of each parameter it updates a block of (after
+    the optimizer under ZeRO-1/2, before the schedule under ZeRO-3), one per parameter
+    as the runtime issues them."""
+    dp_spans = group_spans_nodes(layout.dp, layout.tp, cluster)
+    return [sum(collective_time("all_gather", block * layout.dp, layout.dp, cluster, dp_spans,
+                                eff)
+                for block in (zero_block_bytes(summary, i, layout) for i in params) if block)
+            for params in rank_params(stages, layout)]
+
+
+def updated_bytes(summary: GraphSummary, stages: StageSummary, layout: Layout) -> list[int]:
+    """Per pipeline rank: the bytes its optimizer step updates (ZeRO: its blocks)."""
+    return [sum(zero_block_bytes(summary, i, layout)
+                or summary.param_numel[i] * summary.param_itemsize[i] for i in params)
+            for params in rank_params(stages, layout)]
 
 
 def _wire(nbytes: int, summary: GraphSummary, layout: Layout) -> float:
@@ -170,9 +217,10 @@ def pipeline_time(summary: GraphSummary, stages: StageSummary, cluster: ClusterS
     timeline = _simulated((layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages),
                           tuple(sorted({**cost, **receives}.items())))
     sync = grad_sync_time(summary, stages, cluster, layout, eff)
-    optim = [optimizer_time(b, optimizer, cluster, eff) for b in rank_param_bytes(summary, stages, layout)]
+    gather = param_gather_time(summary, stages, cluster, layout, eff)
+    optim = [optimizer_time(b, optimizer, cluster, eff) for b in updated_bytes(summary, stages, layout)]
     ends = [max((end for _, _, end in spans), default=0.0) for spans in timeline.spans]
-    rank = max(range(layout.pp), key=lambda r: ends[r] + sync[r] + optim[r])
+    rank = max(range(layout.pp), key=lambda r: ends[r] + sync[r] + optim[r] + gather[r])
     spans = timeline.spans[rank]
     compute = sum(phases[(a.stage, a.kind)].compute_s for a, _, _ in spans)
     inside_comm = sum(phases[(a.stage, a.kind)].comm_s for a, _, _ in spans)
@@ -180,8 +228,8 @@ def pipeline_time(summary: GraphSummary, stages: StageSummary, cluster: ClusterS
     received = sum(receives.get((a.stage, a.kind), 0.0) for a in schedule.ranks[rank])
     bubble = max(0.0, ends[rank] - compute - inside_exposed - received)
     return PipelineTime(
-        total_s=ends[rank] + sync[rank] + optim[rank], compute_s=compute,
-        comm_s=inside_comm + received + sync[rank],
-        exposed_comm_s=inside_exposed + received + sync[rank], bubble_s=bubble,
+        total_s=ends[rank] + sync[rank] + optim[rank] + gather[rank], compute_s=compute,
+        comm_s=inside_comm + received + sync[rank] + gather[rank],
+        exposed_comm_s=inside_exposed + received + sync[rank] + gather[rank], bubble_s=bubble,
         optimizer_s=optim[rank], critical_rank=rank, timeline=timeline, grad_sync_s=tuple(sync),
-        optimizer_per_rank_s=tuple(optim))
+        optimizer_per_rank_s=tuple(optim), param_gather_s=tuple(gather))

@@ -16,14 +16,15 @@ from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.annotate import repeated_block_container
 from autopar.compiler.ir.trace import LossFn, batch_dims_of
 from autopar.compiler.passes.assign_stages import node_time
-from autopar.compiler.planner.cost_model import DEFAULT_EFFICIENCY, Efficiency
+from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, Efficiency,
+                                                 model_compute_floor)
 from autopar.compiler.planner.estimate import Estimator
 from autopar.compiler.planner.memory import static_lower_bound
 from autopar.compiler.planner.pipeline_cost import pipeline_time
 from autopar.compiler.planner.search import (PlanError, candidate_layouts, check_constraints,
                                              refinements, search)
 from autopar.compiler.planner.summary import DTYPE_NAMES
-from autopar.layout import Layout, Plan
+from autopar.layout import Layout, LayoutError, Plan
 
 # how many times the nodes a model that fits nowhere is tried on, to name a cluster
 LARGER_CLUSTERS = (2, 4, 8)
@@ -64,7 +65,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs: Sequence[
             except PlanError as again:
                 exc = again
         hint = _larger_cluster_hint(model, cluster, example_inputs, loss_fn, optimizer,
-                                    efficiency, trace_blocks, constraints)
+                                    efficiency, trace_blocks, constraints, exc.smallest)
         raise PlanError(f"{exc}{hint}") from None
     result.details = details(estimator, result.layout, cluster, efficiency, optimizer)
     bounded = sum(why.startswith("not costed") for _, why in result.skipped)
@@ -82,11 +83,26 @@ BOUND_MARGIN = 0.99
 
 def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficiency
                   ) -> Callable[[Layout], float]:
-    """`bound(layout)`: seconds below any predicted step of `layout`. Each rank computes at
-    least its 1/world share of the step's model FLOPs, and no op runs faster than at the
-    highest peak among the dtypes it can compute in (fp32, the parameters' and buffers',
-    the layout's AMP dtype) times the compute efficiency and the smallest fitted op factor
-    below 1 (cost_model.kernel_time)."""
+    """`bound(layout)`: seconds below any predicted step of `layout`, the larger of two.
+
+    From FLOPs, before anything is costed: each rank computes at least its 1/world share
+    of the step's model FLOPs, and no op runs faster than at the highest peak among the
+    dtypes it can compute in (fp32, the parameters' and buffers', the layout's AMP
+    dtype) times the compute efficiency and the smallest fitted op factor below 1
+    (cost_model.kernel_time).
+
+    From a costed reference, once the search has rewritten it: the unpipelined layout
+    R of the same devices with `layout`'s tp, AMP and recomputation (dp * pp ranks of
+    data parallelism, no ZeRO). Its model ops' roofline time c (cost_model.
+    model_compute_floor) is a rank's share of a 1/(dp*pp) batch. `layout` runs the same
+    ops on smaller or equal pieces (micro-batches, m >= pp), so its pp ranks together
+    compute at least pp * c, and the slowest at least c. Under 1F1B and GPipe the fill
+    and drain add to that: rank k cannot start before the forwards of the ranks before
+    it, and after its last backward those ranks still run theirs, so the makespan is at
+    least max_k (sum_{i<k} t_i + m t_k) over per-micro-batch stage times t summing to
+    S >= pp * c / m, whose least value over all t is S / (1 - (1 - 1/m)^pp)
+    (`bubble_factor`; equalising every term gives it, checked against an LP in the
+    tests). Zero-bubble and interleaved schedules get c alone."""
     cluster, model = estimator.cluster, estimator.model
     try:
         total = estimator.step_model_flops(candidates[0]) * BOUND_MARGIN
@@ -96,14 +112,51 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
                          if t.is_floating_point()}
     factor = min([1.0, *cluster.device.op_time_factors.values()])
     listed = cluster.device.peak_flops
+    floors: dict[Layout, float] = {}
+
+    def reference(layout: Layout) -> float:
+        unpipelined = reference_layout(layout)
+        if unpipelined is None:
+            return 0.0
+        if unpipelined not in floors:
+            summary = estimator.rewritten_summary(unpipelined)
+            if summary is None:  # not costed yet: no floor from it (asked again later)
+                return 0.0
+            floors[unpipelined] = model_compute_floor(summary, cluster, eff) * BOUND_MARGIN
+        return floors[unpipelined] * bubble_factor(layout)
 
     def bound(layout: Layout) -> float:
         peaks = [listed[d] for d in dtypes | {layout.amp} if d in listed]
-        if not peaks or not total:
-            return 0.0
-        return total / cluster.world_size / (max(peaks) * eff.compute) * factor
+        flops = total / cluster.world_size / (max(peaks) * eff.compute) * factor \
+            if peaks and total else 0.0
+        return max(flops, reference(layout))
 
     return bound
+
+
+def reference_layout(layout: Layout) -> Layout | None:
+    """compute_bound's reference for `layout`: the unpipelined layout of its devices with
+    its forward-level fields, or None where a pipeline's micro-batches are fewer than
+    its stages (its pieces are larger than the reference's: no bound from it)."""
+    if layout.pp > 1 and layout.microbatches < layout.pp:
+        return None
+    defaults = Layout()
+    try:
+        return layout.replace(dp=layout.dp * layout.pp, pp=1, microbatches=1, schedule="1f1b",
+                              virtual_stages=1, zero=0, bucket_mb=defaults.bucket_mb,
+                              overlap_comm=defaults.overlap_comm,
+                              grad_comm_dtype=defaults.grad_comm_dtype)
+    except LayoutError:
+        return None
+
+
+def bubble_factor(layout: Layout) -> float:
+    """compute_bound's factor over the slowest rank's share for the fill and drain of
+    1F1B and GPipe: pp / (m (1 - (1 - 1/m)^pp)); 1 for other schedules."""
+    pp, m = layout.pp, layout.microbatches
+    if pp == 1 or layout.schedule not in ("1f1b", "gpipe"):
+        return 1.0
+    return pp / (m * (1 - (1 - 1 / m) ** pp))
 
 
 def prune_static(candidates: list[Layout], model: torch.nn.Module, cluster: ClusterSpec,
@@ -154,30 +207,57 @@ def batch_size(example_inputs: tuple) -> int | None:
 
 
 def _larger_cluster_hint(model, cluster, example_inputs, loss_fn, optimizer, efficiency,
-                         trace_blocks, constraints) -> str:
-    """' The smallest cluster that fits: nodes=N' from planning again on more nodes."""
+                         trace_blocks, constraints, smallest=()) -> str:
+    """' The smallest cluster that fits: nodes=N' from a layout that fits on more nodes.
+    `smallest`: the layouts with the smallest peaks here; the same with dp that many
+    times larger are tried first there (each rank's share of the batch and of ZeRO's
+    state shrinks)."""
     for factor in LARGER_CLUSTERS:
         bigger = ClusterSpec.from_dict({**cluster.to_dict(), "nodes": cluster.nodes * factor})
-        try:
-            found = _plan_only(model, bigger, example_inputs, loss_fn, optimizer, efficiency,
-                               trace_blocks, constraints)
-        except PlanError:
-            continue
-        return (f". The smallest cluster of these nodes that fits: nodes={bigger.nodes} "
-                f"({bigger.world_size} devices, {found.layout})")
+        first = [lay.replace(dp=lay.dp * factor) for lay in smallest]
+        found = _first_fit(model, bigger, example_inputs, loss_fn, optimizer, efficiency,
+                           trace_blocks, constraints, first)
+        if found is not None:
+            return (f". The smallest cluster of these nodes that fits: nodes={bigger.nodes} "
+                    f"({bigger.world_size} devices, e.g. {found})")
     return f". It fits none of nodes={[cluster.nodes * f for f in LARGER_CLUSTERS]} either"
 
 
-def _plan_only(model, cluster, example_inputs, loss_fn, optimizer, efficiency, trace_blocks,
-               constraints):
+def _first_fit(model, cluster, example_inputs, loss_fn, optimizer, efficiency, trace_blocks,
+               constraints, first: Sequence[Layout] = ()) -> Layout | None:
+    """A layout of `cluster` that fits memory, or None when none does. Not the fastest:
+    the candidates in `first` (as given, when they are candidates), then the others
+    smallest static memory bound first, each with full recomputation (the least
+    activation memory) and then without it, unless the constraints fix it; the first
+    that fits is the answer."""
     fixed, fraction = check_constraints(constraints)
+    try:
+        candidates = _candidates(model, cluster, example_inputs, fixed)
+    except PlanError:
+        return None
+    candidates, _ = prune_static(candidates, model, cluster, fraction, optimizer)
     estimator = Estimator(model, cluster, example_inputs, loss_fn, optimizer, efficiency,
                           trace_blocks=trace_blocks)
-    candidates, _ = prune_static(_candidates(model, cluster, example_inputs, fixed), model,
-                                 cluster, fraction, optimizer)
-    bound = compute_bound(estimator, candidates, efficiency) if candidates else None
-    return search(candidates, estimator.predict, cluster, fraction, refine=refinements(fixed),
-                  bound=bound)
+    capacity = cluster.device.memory_bytes * fraction
+    variants = [None] if "recompute" in fixed else ["full", "none"]
+    base = {lay.replace(recompute="none"): lay for lay in candidates}
+    chosen = [base[lay] for lay in dict.fromkeys(lay.replace(recompute="none") for lay in first)
+              if lay in base]
+    ordered = chosen + sorted((lay for lay in candidates if lay not in chosen),
+                              key=_static_bound(model, optimizer))
+    tried_before = set()
+    for layout in ordered:
+        for recompute in variants:
+            tried = layout if recompute is None else layout.replace(recompute=recompute)
+            if tried in tried_before:
+                continue
+            tried_before.add(tried)
+            try:
+                if estimator.predict(tried).peak_memory_bytes <= capacity:
+                    return tried
+            except ValueError:  # a cut or a placement the model cannot take
+                continue
+    return None
 
 
 # -- what the report shows ------------------------------------------------------------------
@@ -203,11 +283,15 @@ def timeline(estimator: Estimator, layout: Layout, cluster: ClusterSpec, eff: Ef
     times = pipeline_time(summary, stages, cluster, layout, optimizer, eff)
     events = []
     for rank, spans in enumerate(times.timeline.spans):
-        events += [{"rank": rank, "name": str(a), "kind": a.kind, "start": s, "end": e}
-                   for a, s, e in spans]
-        end = max((e for _, _, e in spans), default=0.0)
+        gather = [("param gather", times.param_gather_s[rank])] if layout.zero else []
+        shift = times.param_gather_s[rank] if layout.zero == 3 else 0.0
+        events += _sequence(rank, 0.0, gather) if layout.zero == 3 else []
+        events += [{"rank": rank, "name": str(a), "kind": a.kind, "start": s + shift,
+                    "end": e + shift} for a, s, e in spans]
+        end = max((e for _, _, e in spans), default=0.0) + shift
         events += _sequence(rank, end, [("grad sync", times.grad_sync_s[rank]),
-                                        ("optimizer", times.optimizer_per_rank_s[rank])])
+                                        ("optimizer", times.optimizer_per_rank_s[rank]),
+                                        *(gather if layout.zero in (1, 2) else [])])
     return events
 
 

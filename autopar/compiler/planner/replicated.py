@@ -33,7 +33,6 @@ summaries with the rules of `pipeline_memory.py` (which replays lowered programs
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from autopar.cluster import ClusterSpec
@@ -43,9 +42,10 @@ from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.passes.assign_stages import STAGE, balanced_cuts, node_time
 from autopar.compiler.planner.memory import (CATEGORIES, MemoryPrediction, graph_liveness,
                                              optimizer_memory)
+from autopar.compiler.planner.pipeline_cost import zero_block_bytes
 from autopar.compiler.planner.scaled import op_layers, param_layers
 from autopar.compiler.planner.stages import Message, StageSummary, stage_summary
-from autopar.compiler.planner.summary import GraphSummary, OpRecord, summarize
+from autopar.compiler.planner.summary import GraphSummary, OpRecord, changed, summarize
 from autopar.layout import Layout
 from autopar.runtime.schedule import build
 
@@ -190,15 +190,15 @@ def _copy(op: OpRecord, where: dict[int, int], count: int | None, kept: bool,
     def mapped(i):
         return where.get(i) if i is not None else None
 
-    out = replace(op, name=f"{op.name}.s{stage}" if stage else op.name,
-                  uses=tuple(where[u] for u in op.uses if u in where),
-                  storage=mapped(op.storage), waits_on=mapped(op.waits_on))
+    fields = {"name": f"{op.name}.s{stage}" if stage else op.name,
+              "uses": tuple(where[u] for u in op.uses if u in where),
+              "storage": mapped(op.storage), "waits_on": mapped(op.waits_on)}
+    if count is not None:
+        fields.update(repeat=op.repeat * count, model_flops=op.model_flops * count,
+                      allocates=op.allocates * count if kept else op.allocates)
     if op.storage is not None and op.storage not in where:  # a view of a received value
-        out = replace(out, allocates=0)
-    if count is None:
-        return out
-    return replace(out, repeat=op.repeat * count, model_flops=op.model_flops * count,
-                   allocates=op.allocates * count if kept else op.allocates)
+        fields["allocates"] = 0
+    return changed(op, **fields)
 
 
 def _params(t: Template, counts: tuple[int, ...], stages: bool = False):
@@ -226,7 +226,7 @@ def _program(summary: GraphSummary, members: list[int], own: set[tuple[int, str]
     """Liveness of one program (its inputs held outside it: `own` are its (stage, program)
     labels) and the bytes of step outputs (gradients) it makes."""
     where = {i: k for k, i in enumerate(members)}
-    ops = tuple(replace(op, uses=tuple(where[u] for u in op.uses if u in where),
+    ops = tuple(changed(op, uses=tuple(where[u] for u in op.uses if u in where),
                         storage=where.get(op.storage), waits_on=where.get(op.waits_on),
                         allocates=op.allocates if op.storage in where else 0)
                 for op in (summary.ops[i] for i in members))
@@ -245,9 +245,7 @@ def held_parameters(summary: GraphSummary, layout: Layout, params: list[int]
     held, updated, gathered = 0, [], 0
     for p in params:
         nbytes = summary.param_numel[p] * summary.param_itemsize[p]
-        rows = summary.param_rows[p] if summary.param_rows else 0
-        block = math.ceil(rows / layout.dp) * (nbytes // rows) \
-            if layout.zero and rows >= layout.dp else 0
+        block = zero_block_bytes(summary, p, layout)
         held += block if layout.zero == 3 and block else nbytes + block
         gathered += nbytes if layout.zero == 3 and block else 0
         updated.append(block or nbytes)
@@ -315,45 +313,53 @@ def _replay_activity(stages: StageSummary, pp: int, programs: dict, actions) -> 
     """One rank's replay, with the rules of pipeline_memory._Replay, without its static
     memory: a constant under the replay, so the peak is at the same action whatever it is."""
     live = dict.fromkeys(CATEGORIES, 0)
-    peak = [-1, dict(live), ""]
-
-    def note(label, extra):
-        total = sum(live.values()) + sum(extra.values())
-        if total > peak[0]:
-            peak[:] = [total, {c: live[c] + extra.get(c, 0) for c in CATEGORIES}, label]
-
+    held = 0  # sum(live.values()), kept as it changes
+    peak, at_peak, label = -1, dict(live), ""
     received = _across(stages, pp, "dst")
     sent_by = _across(stages, pp, "src")
     env: dict[int, dict[str, int]] = {}
     sent: dict[int, int] = {}
     done = set()
+    prepared: dict[tuple[int, str], tuple] = {}  # what one program adds, worked out once
     last = {a.microbatch: i for i, a in enumerate(actions)}
     for i, a in enumerate(actions):
         mb_env = env.setdefault(a.microbatch, {})
         if a.kind in ("F", "B", "I", "W"):
-            liveness, grads = programs[a.stage, a.kind]
-            mine = "activations" if a.kind == "F" else "temporaries"
-            transient = dict(liveness.at_peak)
-            transient[mine] += transient.pop("gradients")
-            note(str(a), transient)
-            if (a.stage, a.kind) not in done:
-                done.add((a.stage, a.kind))
+            key = (a.stage, a.kind)
+            if key not in prepared:
+                liveness, grads = programs[key]
+                mine = "activations" if a.kind == "F" else "temporaries"
+                transient = dict(liveness.at_peak)
+                transient[mine] += transient.pop("gradients")
+                prepared[key] = (transient, sum(transient.values()), mine, grads,
+                                 max(liveness.outputs_bytes - grads, 0))
+            transient, during, mine, grads, kept = prepared[key]
+            if held + during > peak:
+                peak, label = held + during, str(a)
+                at_peak = {c: live[c] + transient.get(c, 0) for c in CATEGORIES}
+            if key not in done:
+                done.add(key)
                 live["gradients"] += grads
-            kept = max(liveness.outputs_bytes - grads, 0)
+                held += grads
             mb_env[mine] = mb_env.get(mine, 0) + kept
             live[mine] += kept
+            held += kept
         elif a.kind in ("RF", "RB"):
             size = received.get((a.stage, a.kind[1]), 0)
             mb_env["comm_buffers"] = mb_env.get("comm_buffers", 0) + size
             live["comm_buffers"] += size
+            held += size
         elif a.kind in ("SF", "SB"):
             sent[a.microbatch] = sent.get(a.microbatch, 0) + sent_by.get((a.stage, a.kind[1]), 0)
         if last[a.microbatch] == i:
             dropped = env.pop(a.microbatch, {})
             for category, size in dropped.items():
                 live[category] -= size
-            live["comm_buffers"] += min(sent.get(a.microbatch, 0), sum(dropped.values()))
-    return _Activity(max(peak[0], 0), peak[1], peak[2], dict(live))
+            freed = sum(dropped.values())
+            kept_sent = min(sent.get(a.microbatch, 0), freed)
+            live["comm_buffers"] += kept_sent
+            held += kept_sent - freed
+    return _Activity(max(peak, 0), at_peak, label, dict(live))
 
 
 def _replay_rank(summary, layout, optimizer, activity: _Activity, rank_params, inputs

@@ -7,7 +7,8 @@ from html import escape
 
 COLORS = {"compute": "#4e79a7", "exposed_comm": "#f28e2b", "bubble": "#bab0ac",
           "optimizer": "#59a14f", "F": "#4e79a7", "B": "#e15759", "I": "#e15759",
-          "W": "#ff9da7", "grad sync": "#f28e2b", "optimizer step": "#59a14f",
+          "W": "#ff9da7", "grad sync": "#f28e2b", "param gather": "#f28e2b",
+          "optimizer step": "#59a14f",
           "exposed comm": "#f28e2b", "parameters": "#4e79a7", "gradients": "#e15759",
           "optimizer_states": "#59a14f", "activations": "#edc948", "buffers": "#b07aa1",
           "comm_buffers": "#f28e2b"}

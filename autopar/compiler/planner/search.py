@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from autopar.cluster import ClusterSpec
@@ -41,7 +41,13 @@ LAYOUT_FIELDS = tuple(f.name for f in dataclasses.fields(Layout))
 
 
 class PlanError(ValueError):
-    """No layout can run the model on the cluster: the message says what would."""
+    """No layout can run the model on the cluster: the message says what would.
+    `smallest`: the layouts costed with the smallest predicted peaks, smallest first
+    (empty when none could be costed)."""
+
+    def __init__(self, message: str, smallest: Sequence[Layout] = ()) -> None:
+        super().__init__(message)
+        self.smallest = list(smallest)
 
 
 def _gb(nbytes: float) -> str:
@@ -197,9 +203,10 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
            memory_bound: Callable[[Layout], float] | None = None) -> Plan:
     """Cost every candidate, then each round of `refine`; keep the fastest that fits
     (see the module docstring). `bound(layout)`: seconds the layout's step cannot beat
-    (planner/plan.py: its model FLOPs at the device's peak); candidates are then costed
-    lowest bound first, and one whose bound exceeds the fastest fitting step costed so
-    far is skipped with that reason (branch and bound: the plan is the same).
+    (planner/plan.py); candidates are costed lowest bound first, and one whose bound,
+    asked again just before it is costed (it may tighten as layouts are costed),
+    exceeds the fastest fitting step costed so far is skipped with that reason (branch
+    and bound: the plan is the same).
     `memory_bound(layout)`: bytes its peak cannot be below (memory.static_lower_bound);
     a layout whose bound is over the memory allowed and above the smallest peak costed
     so far is skipped: it can neither be the plan nor the smallest peak a PlanError
@@ -222,10 +229,12 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
             seen.add(layout)
             if show and progress is not None:
                 progress(layout)
-            if floor.get(layout, 0.0) > best[0]:
-                skipped.append((layout, f"not costed: its model FLOPs at the device's peak take "
-                                        f"at least {floor[layout] * 1e3:.4g} ms, slower than the "
-                                        f"fastest fitting layout costed ({best[0] * 1e3:.4g} ms)"))
+            least = bound(layout) if bound is not None and best[0] < math.inf else 0.0
+            if least > best[0]:
+                skipped.append((layout, f"not costed: its compute takes at least "
+                                        f"{least * 1e3:.4g} ms (plan.compute_bound), slower "
+                                        f"than the fastest fitting layout costed "
+                                        f"({best[0] * 1e3:.4g} ms)"))
                 continue
             held = memory_bound(layout) if memory_bound is not None else 0.0
             if held > capacity and held > smallest[0]:
@@ -250,7 +259,8 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
         cost(more(list(costed), capacity), False)
     fits, over = rank(costed, capacity)
     if not fits:
-        raise PlanError(no_fit_message(over, skipped, cluster, max_memory_fraction))
+        raise PlanError(no_fit_message(over, skipped, cluster, max_memory_fraction),
+                        smallest=[lay for lay, _ in over])
     best_layout, best_pred = fits[0]
     alternatives = [(lay, pred, why_not(pred, best_pred, capacity))
                     for lay, pred in fits[1:] + over]

@@ -73,6 +73,16 @@ class OpRecord:
     scratch: int = 0  # a fused region: most bytes its eager fallback holds while it runs
 
 
+def changed(op: OpRecord, **fields) -> OpRecord:
+    """`dataclasses.replace(op, **fields)` without re-running the frozen __init__ (a
+    setattr per field): the planner copies hundreds of thousands of records while it
+    replicates templates and replays pipeline programs."""
+    out = object.__new__(OpRecord)
+    out.__dict__.update(op.__dict__)
+    out.__dict__.update(fields)
+    return out
+
+
 @dataclass(frozen=True)
 class GraphSummary:
     """One rank's step: ops in order, parameter sizes, and which storages the step
