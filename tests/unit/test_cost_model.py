@@ -308,3 +308,26 @@ def test_estimate_prices_bf16_gradient_buckets_at_half_the_bytes():
         sent.append(sum(op.comm_bytes for op in summarize(tg).ops  # gradient buckets
                         if op.collective == "all_reduce" and op.comm_bytes > 1024))
     assert sent[1] * 2 == sent[0], sent
+
+
+def test_model_compute_floor_counts_the_model_ops_without_first_touch():
+    """plan.compute_bound's reference: forward, loss and backward ops at the roofline
+    (1 s each here), not the packing around collectives, the collectives or the
+    optimizer, and not the first touch of a fresh allocation; the second figure is
+    what lies inside repeated blocks."""
+    data = cluster(flops=1e12).to_dict()
+    data["device"].update(first_touch_bandwidth=1e9)
+    c = ClusterSpec.from_dict(data)
+    fresh = 64 * 2**20  # above glibc's mmap threshold: would cost 67 ms to fault in
+    ops = (OpRecord("x", "input", allocates=fresh),
+           OpRecord("f", "forward", flops=10**12, allocates=fresh, layer=0),
+           OpRecord("loss", "loss", flops=10**12),
+           OpRecord("b", "backward", flops=2 * 10**12, layer=0),
+           OpRecord("pack", "comm", flops=10**12),
+           OpRecord("ar", "backward", collective="all_reduce", comm_bytes=10**9, group="dp"),
+           OpRecord("w", "backward", waits_on=5),
+           OpRecord("step", "optimizer", flops=10**12))
+    summary = GraphSummary(ops, (), (), 0, frozenset())
+    assert cm.model_compute_floor(summary, c, EXACT) == pytest.approx((4.0, 3.0))
+    # the step time does count the first touch
+    assert cm.simulate_streams(summary, c, autopar.Layout(dp=2), EXACT)[0] > 6.0

@@ -294,10 +294,12 @@ def test_the_reference_bound_is_below_every_prediction_on_the_local_cpu_cluster(
     from autopar.compiler.planner.plan import compute_bound, reference_layout
     from autopar.examples import llama
 
+    from autopar.compiler.planner.cost_model import model_compute_floor
+
     maker = gpt2 if name == "gpt2" else llama
-    ex = maker(layers=2, hidden=64, heads=4, vocab=256, batch=8, seq=32)
+    ex = maker(layers=3, hidden=64, heads=4, vocab=256, batch=8, seq=32)
     c = ClusterSpec.local(nprocs=4)
-    candidates = S.candidate_layouts(c, 8, 2, {})
+    candidates = S.candidate_layouts(c, 8, 3, {})
     est = Estimator(ex.model, c, ex.batch, ex.loss_fn)
     bound = compute_bound(est, candidates, cm.DEFAULT_EFFICIENCY)
     everything = S.search(candidates, est.predict, c)
@@ -307,6 +309,20 @@ def test_the_reference_bound_is_below_every_prediction_on_the_local_cpu_cluster(
     for lay, pred in costed:
         assert reference_layout(lay) in {other for other, _ in costed}, lay
         assert bound(lay) <= pred.step_time_s, (lay, bound(lay), pred.step_time_s)
+    # two stages of three blocks: one rank holds two, 4/3 of the blocks' mean share
+    # (with only the reference costed: no sibling bound yet)
+    zb = next(lay for lay, _ in costed if lay.schedule == "zero-bubble")
+    alone = Estimator(ex.model, c, ex.batch, ex.loss_fn)
+    alone.predict(reference_layout(zb))
+    whole, blocks = model_compute_floor(alone.rewritten_summary(reference_layout(zb)), c)
+    assert 0 < blocks < whole < blocks * 4 / 3
+    assert compute_bound(alone, candidates, cm.DEFAULT_EFFICIENCY)(zb) == pytest.approx(
+        blocks * 4 / 3 * 0.99)
+    # its ZeRO siblings, once it is costed: its compute plus bubble
+    sibling = zb.replace(zero=1)
+    pred = alone.predict(zb)
+    assert compute_bound(alone, candidates, cm.DEFAULT_EFFICIENCY)(sibling) >= (
+        pred.breakdown["compute"] + pred.breakdown["bubble"]) * 0.99
     pruned = S.search(candidates, est.predict, c, bound=compute_bound(
         Estimator(ex.model, c, ex.batch, ex.loss_fn), candidates, cm.DEFAULT_EFFICIENCY))
     assert pruned.layout == everything.layout and pruned.predicted == everything.predicted

@@ -96,14 +96,20 @@ MODEL_ROLES = ("forward", "loss", "backward")
 
 
 def model_compute_floor(summary: GraphSummary, cluster: ClusterSpec,
-                        eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
-    """Seconds of the model's own ops (forward, loss, backward: not the packing around
-    collectives, not the optimizer) on the compute stream, without the first touch
-    of fresh allocations. Each term is a launch plus a roofline whose bytes grow at
-    most as the batch does, so per sample it can only shrink as the batch grows: the
-    same ops on a smaller batch, k times over, take at least as long (plan.compute_bound)."""
-    return sum(_op_time(op, cluster, eff, first_touch=False) for op in summary.ops
-               if op.role in MODEL_ROLES and not op.collective and op.waits_on is None)
+                        eff: Efficiency = DEFAULT_EFFICIENCY) -> tuple[float, float]:
+    """(seconds of the model's own ops, of those inside the repeated blocks) on the
+    compute stream: forward, loss, backward (not the packing around collectives, not
+    the optimizer), without the first touch of fresh allocations. Each term is a
+    launch plus a roofline whose bytes grow at most as the batch does, so per sample
+    it can only shrink as the batch grows: the same ops on a smaller batch, k times
+    over, take at least as long (plan.compute_bound)."""
+    total = blocks = 0.0
+    for op in summary.ops:
+        if op.role in MODEL_ROLES and not op.collective and op.waits_on is None:
+            seconds = _op_time(op, cluster, eff, first_touch=False)
+            total += seconds
+            blocks += seconds if op.layer is not None else 0.0
+    return total, blocks
 
 
 # -- collectives ---------------------------------------------------------------------------

@@ -119,6 +119,10 @@ class Estimator:
         """The traced graph of one rank's micro-batch under `layout`."""
         return self._trace(layout)[1]
 
+    def costed(self, layout: Layout) -> Prediction | None:
+        """The Prediction of `layout` if it was costed already, else None."""
+        return self._predictions.get(layout)
+
     def rewritten_summary(self, layout: Layout) -> GraphSummary | None:
         """The summary of the unpipelined `layout`'s rewritten graph if an earlier call
         rewrote it, else None: nothing is traced or rewritten here."""

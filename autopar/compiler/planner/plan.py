@@ -5,6 +5,7 @@ its tensor-parallel placements, the cost of each layer.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -102,7 +103,14 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
     least max_k (sum_{i<k} t_i + m t_k) over per-micro-batch stage times t summing to
     S >= pp * c / m, whose least value over all t is S / (1 - (1 - 1/m)^pp)
     (`bubble_factor`; equalising every term gives it, checked against an LP in the
-    tests). Zero-bubble and interleaved schedules get c alone."""
+    tests). Every schedule also gets the granularity of the stages: they hold whole
+    repeated blocks, so some rank holds ceil(L / pp) of the L blocks, at least
+    ceil(L / pp) * pp / L of the blocks' share of pp * c.
+
+    From a costed sibling: a pipeline that differs only in its ZeRO stage runs the same
+    schedule with the same stage times (ZeRO acts after the last action), so its step
+    is at least the sibling's critical rank's compute plus bubble (both inside that
+    rank's end of schedule)."""
     cluster, model = estimator.cluster, estimator.model
     try:
         total = estimator.step_model_flops(candidates[0]) * BOUND_MARGIN
@@ -112,7 +120,9 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
                          if t.is_floating_point()}
     factor = min([1.0, *cluster.device.op_time_factors.values()])
     listed = cluster.device.peak_flops
-    floors: dict[Layout, float] = {}
+    floors: dict[Layout, tuple[float, float]] = {}
+    stack = repeated_block_container(model)
+    blocks = stack[1] if stack else 0
 
     def reference(layout: Layout) -> float:
         unpipelined = reference_layout(layout)
@@ -122,14 +132,24 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
             summary = estimator.rewritten_summary(unpipelined)
             if summary is None:  # not costed yet: no floor from it (asked again later)
                 return 0.0
-            floors[unpipelined] = model_compute_floor(summary, cluster, eff) * BOUND_MARGIN
-        return floors[unpipelined] * bubble_factor(layout)
+            floors[unpipelined] = model_compute_floor(summary, cluster, eff)
+        whole, in_blocks = floors[unpipelined]
+        fullest = math.ceil(blocks / layout.pp) * layout.pp / blocks if blocks else 1.0
+        return max(whole * bubble_factor(layout), in_blocks * fullest) * BOUND_MARGIN
+
+    def sibling(layout: Layout) -> float:
+        if layout.pp == 1 and layout.microbatches == 1:
+            return 0.0
+        costed = (estimator.costed(layout.replace(zero=z)) for z in range(4) if z != layout.zero
+                  and (z == 0 or layout.dp > 1))
+        return max((p.breakdown["compute"] + p.breakdown["bubble"] for p in costed
+                    if p is not None), default=0.0) * BOUND_MARGIN
 
     def bound(layout: Layout) -> float:
         peaks = [listed[d] for d in dtypes | {layout.amp} if d in listed]
         flops = total / cluster.world_size / (max(peaks) * eff.compute) * factor \
             if peaks and total else 0.0
-        return max(flops, reference(layout))
+        return max(flops, reference(layout), sibling(layout))
 
     return bound
 

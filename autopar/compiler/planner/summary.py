@@ -71,6 +71,7 @@ class OpRecord:
     # runs (on a CPU)
     members: tuple[tuple[str, int, int, int], ...] = ()
     scratch: int = 0  # a fused region: most bytes its eager fallback holds while it runs
+    layer: int | None = None  # the repeated block it belongs to (M.LAYER), None outside
 
 
 def changed(op: OpRecord, **fields) -> OpRecord:
@@ -173,7 +174,7 @@ def _record(node: fx.Node, index: dict[fx.Node, int], earlier: list[OpRecord]) -
         model_flops=0 if node.meta.get(M.RECOMPUTED) else flops - attention_recompute_flops(node),
         bytes=node.meta.get(M.BYTES, 0), dtype=_dtype_of(node), uses=uses,
         collective=kind, comm_bytes=tensor_bytes(node.meta.get(M.VAL)) if kind else 0,
-        group=_mesh_dim(node.args[group_arg]) if kind else None)
+        group=_mesh_dim(node.args[group_arg]) if kind else None, layer=node.meta.get(M.LAYER))
     if node.target is operator.getitem and _allocates(earlier, index.get(first)):
         # an output of a multi-output op lives on its own (its siblings may die sooner)
         return replace(record, storage=len(earlier), allocates=tensor_bytes(node.meta.get(M.VAL)))
