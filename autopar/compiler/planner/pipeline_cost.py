@@ -140,7 +140,8 @@ def zero_block_bytes(summary: GraphSummary, i: int, layout: Layout) -> int:
     rows = summary.param_rows[i] if summary.param_rows else 0
     if not layout.zero or layout.dp == 1 or rows < layout.dp:
         return 0
-    return math.ceil(rows / layout.dp) * (summary.param_numel[i] * summary.param_itemsize[i] // rows)
+    nbytes = summary.param_numel[i] * summary.param_itemsize[i]
+    return math.ceil(rows / layout.dp) * (nbytes // rows)
 
 
 def grad_sync_time(summary: GraphSummary, stages: StageSummary, cluster: ClusterSpec,
@@ -218,7 +219,8 @@ def pipeline_time(summary: GraphSummary, stages: StageSummary, cluster: ClusterS
                           tuple(sorted({**cost, **receives}.items())))
     sync = grad_sync_time(summary, stages, cluster, layout, eff)
     gather = param_gather_time(summary, stages, cluster, layout, eff)
-    optim = [optimizer_time(b, optimizer, cluster, eff) for b in updated_bytes(summary, stages, layout)]
+    optim = [optimizer_time(b, optimizer, cluster, eff)
+             for b in updated_bytes(summary, stages, layout)]
     ends = [max((end for _, _, end in spans), default=0.0) for spans in timeline.spans]
     rank = max(range(layout.pp), key=lambda r: ends[r] + sync[r] + optim[r] + gather[r])
     spans = timeline.spans[rank]

@@ -84,7 +84,7 @@ BOUND_MARGIN = 0.99
 
 def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficiency
                   ) -> Callable[[Layout], float]:
-    """`bound(layout)`: seconds below any predicted step of `layout`, the larger of two.
+    """`bound(layout)`: seconds below any predicted step of `layout`, the largest of three.
 
     From FLOPs, before anything is costed: each rank computes at least its 1/world share
     of the step's model FLOPs, and no op runs faster than at the highest peak among the
@@ -108,7 +108,8 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
     ceil(L / pp) * pp / L of the blocks' share of pp * c.
 
     From a costed sibling: a pipeline that differs only in its ZeRO stage runs the same
-    schedule with the same stage times (ZeRO acts after the last action), so its step
+    schedule with the same stage times (ZeRO acts after the last action, or before the
+    first), so its step
     is at least the sibling's critical rank's compute plus bubble (both inside that
     rank's end of schedule)."""
     cluster, model = estimator.cluster, estimator.model

@@ -231,7 +231,7 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
                 progress(layout)
             least = bound(layout) if bound is not None and best[0] < math.inf else 0.0
             if least > best[0]:
-                skipped.append((layout, f"not costed: its compute takes at least "
+                skipped.append((layout, f"not costed: it cannot take less than "
                                         f"{least * 1e3:.4g} ms (plan.compute_bound), slower "
                                         f"than the fastest fitting layout costed "
                                         f"({best[0] * 1e3:.4g} ms)"))
