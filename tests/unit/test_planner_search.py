@@ -356,3 +356,25 @@ def test_a_model_that_fits_only_on_more_nodes_names_them_and_a_layout_that_fits(
     bigger = ClusterSpec.from_dict({**small.to_dict(), "nodes": 2})
     assert autopar.estimate(ex.model, bigger, named, ex.batch,
                             ex.loss_fn).peak_memory_bytes <= 0.9 * memory
+
+
+def test_equal_bounds_cost_unpipelined_layouts_then_the_shortest_fill_first():
+    """search.costing_order: the pipelines' bounds come from the unpipelined layouts,
+    and a fast schedule costed early prunes the slow ones; without a bound the
+    candidates are costed as given (a memory bound prunes them smallest first)."""
+    c = cluster(nodes=1, per_node=4)
+    candidates = S.candidate_layouts(c, 16, 4, {})
+    seen = []
+
+    def predict(layout):
+        seen.append(layout)
+        return fake_prediction(1.0, 1)
+
+    S.search(candidates, predict, c, bound=lambda lay: 0.0)
+    pipelined = [lay.pp > 1 or lay.microbatches > 1 for lay in seen]
+    assert pipelined == sorted(pipelined) and any(pipelined)
+    schedules = [lay.schedule for lay in seen if lay.pp > 1]
+    assert schedules.index("zero-bubble") < schedules.index("1f1b") < schedules.index("gpipe")
+    seen.clear()
+    S.search(candidates, predict, c)
+    assert seen == candidates

@@ -195,6 +195,19 @@ def refinements(fixed: dict[str, Any]) -> list[Refinement]:
     return rounds
 
 
+# schedules with the least fill and drain first: a fast pipeline costed early lets the
+# bounds leave out more of the slower ones
+_SCHEDULE_ORDER = {"zero-bubble": 0, "interleaved": 1, "1f1b": 2, "gpipe": 3}
+
+
+def costing_order(layout: Layout) -> tuple[bool, int]:
+    """Among layouts of equal bound, the order they are costed in: unpipelined ones first
+    (the pipelines' bounds come from them: plan.compute_bound), then by schedule. Only
+    the order of costing: ranking ties still go to the earlier candidate."""
+    pipelined = layout.pp > 1 or layout.microbatches > 1
+    return pipelined, _SCHEDULE_ORDER.get(layout.schedule, len(_SCHEDULE_ORDER))
+
+
 def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction],
            cluster: ClusterSpec, max_memory_fraction: float = 0.9,
            progress: Callable[[Layout], None] | None = None,
@@ -203,10 +216,10 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
            memory_bound: Callable[[Layout], float] | None = None) -> Plan:
     """Cost every candidate, then each round of `refine`; keep the fastest that fits
     (see the module docstring). `bound(layout)`: seconds the layout's step cannot beat
-    (planner/plan.py); candidates are costed lowest bound first, and one whose bound,
-    asked again just before it is costed (it may tighten as layouts are costed),
-    exceeds the fastest fitting step costed so far is skipped with that reason (branch
-    and bound: the plan is the same).
+    (planner/plan.py); candidates are costed lowest bound first (then `costing_order`),
+    and one whose bound, asked again just before it is costed (it may tighten as
+    layouts are costed), exceeds the fastest fitting step costed so far is skipped with
+    that reason (branch and bound: the plan is the same).
     `memory_bound(layout)`: bytes its peak cannot be below (memory.static_lower_bound);
     a layout whose bound is over the memory allowed and above the smallest peak costed
     so far is skipped: it can neither be the plan nor the smallest peak a PlanError
@@ -223,7 +236,9 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
         seen = {lay for lay, _ in costed} | {lay for lay, _ in skipped}
         layouts = [lay for lay in layouts if lay not in seen]
         floor = {lay: bound(lay) for lay in layouts} if bound is not None else {}
-        for layout in sorted(layouts, key=lambda lay: floor.get(lay, 0.0)):
+        first = (lambda lay: (floor[lay], *costing_order(lay))) if bound is not None \
+            else (lambda lay: 0)  # as given: a memory bound prunes them smallest first
+        for layout in sorted(layouts, key=first):
             if layout in seen:
                 continue
             seen.add(layout)
