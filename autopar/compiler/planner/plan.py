@@ -261,18 +261,16 @@ def _first_fit(model, cluster, example_inputs, loss_fn, optimizer, efficiency, t
                           trace_blocks=trace_blocks)
     capacity = cluster.device.memory_bytes * fraction
     variants = [None] if "recompute" in fixed else ["full", "none"]
+    # `first` may carry another recomputation than the candidates: match them without it
     base = {lay.replace(recompute="none"): lay for lay in candidates}
-    chosen = [base[lay] for lay in dict.fromkeys(lay.replace(recompute="none") for lay in first)
-              if lay in base]
-    ordered = chosen + sorted((lay for lay in candidates if lay not in chosen),
+    chosen = list(dict.fromkeys(base[key] for key in (lay.replace(recompute="none")
+                                                      for lay in first) if key in base))
+    picked = set(chosen)
+    ordered = chosen + sorted((lay for lay in candidates if lay not in picked),
                               key=_static_bound(model, optimizer))
-    tried_before = set()
     for layout in ordered:
         for recompute in variants:
             tried = layout if recompute is None else layout.replace(recompute=recompute)
-            if tried in tried_before:
-                continue
-            tried_before.add(tried)
             try:
                 if estimator.predict(tried).peak_memory_bytes <= capacity:
                     return tried
