@@ -45,6 +45,37 @@ def test_balanced_cuts_equal_brute_force(costs, parts, head, tail):
     assert max(loads) == brute_force(costs, parts, head, tail)
 
 
+def scan_cuts(costs, parts, head, tail):
+    """balanced_cuts by the plain O(parts n^2) scan: every start of the last part, the
+    first least max kept (the binary search must pick the same cuts, ties included)."""
+    ends = list(costs) + [tail] * (tail > 0)
+    parts, n = min(parts, len(ends)), len(ends)
+    best = {(0, 0): (0.0, 0)}
+    for k in range(1, parts + 1):
+        for j in range(k, n - (parts - k) + 1):
+            options = [(max(best[k - 1, i][0], sum(ends[i:j]) + (head if k == 1 else 0.0)), i)
+                       for i in range(k - 1, j) if (k - 1, i) in best]
+            if options:
+                least = min(value for value, _ in options)
+                best[k, j] = (least, next(i for value, i in options if value == least))
+    cuts, j = [], n
+    for k in range(parts, 1, -1):
+        j = best[k, j][1]
+        cuts.append(j)
+    return sorted(cuts)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=12), st.integers(1, 6),
+       st.integers(0, 4), st.integers(0, 4))
+def test_balanced_cuts_break_ties_as_a_scan(costs, parts, head, tail):
+    """Zero-cost blocks and equal loads give many optimal cuts: the binary search takes
+    the scan's (the earliest start of each part, from the last)."""
+    costs = [float(c) for c in costs]
+    assert balanced_cuts(costs, parts, float(head), float(tail)) == \
+        scan_cuts(costs, parts, float(head), float(tail))
+
+
 def test_a_large_output_head_gets_a_stage_of_its_own():
     tg, result = assigned(gpt2(layers=2, vocab=16384), pp=2, microbatches=2)
     assert result.stats["first_block_of_stage"] == [None]
