@@ -246,3 +246,54 @@ def test_cli_kernels_writes_every_kernel(tmp_path):
     for row in index:
         text = (tmp_path / f"{row['kernel']}.py").read_text()
         assert "@triton.jit" in text and f"def {row['kernel']}(" in text
+
+
+@pytest.mark.parametrize("factory", [gpt2, llama], ids=["gpt2", "llama"])
+def test_memo_replays_what_a_fresh_run_fuses(factory):
+    """The planner runs the pass on the same forward and backward under many layouts; a
+    layout whose ops were fused before replays those regions. The result must be what a
+    fresh run gives: the same graph, stats and declines, for layouts whose comm passes
+    differ from the one that filled the memo (buckets, ZeRO, tp, a pipeline's stages)."""
+    from autopar.compiler.passes import fuse_regions
+
+    ex = factory()
+    tg = autopar.trace(ex.model, ex.batch, ex.loss_fn)
+    cluster = autopar.ClusterSpec.preset("dgx-h100", nodes=1)
+    pairs = [(autopar.Layout(dp=8, zero=1), autopar.Layout(dp=8, bucket_mb=5)),
+             (autopar.Layout(dp=4, tp=2, zero=2), autopar.Layout(dp=4, tp=2)),
+             (autopar.Layout(dp=4, pp=2, microbatches=2, zero=1),
+              autopar.Layout(dp=4, pp=2, microbatches=2))]
+    for layout, sibling in pairs:
+        fuse_regions.clear_memo()
+        fresh, fresh_results = run_passes(tg, layout, cluster)
+        fuse_regions.clear_memo()
+        run_passes(tg, sibling, cluster)
+        assert len(fuse_regions._RECIPES) == 1
+        again, results = run_passes(tg, layout, cluster)
+        assert len(fuse_regions._RECIPES) == 1, f"{layout}: not replayed"
+        assert graph_text(again) == graph_text(fresh), layout
+        first, second = fresh_results[-1], results[-1]
+        assert first.name == second.name == "fusion"
+        assert (first.stats, first.declined) == (second.stats, second.declined)
+        assert first.stats["kernels"] > 10
+    fuse_regions.clear_memo()
+
+
+def test_memo_is_not_used_when_a_path_leaves_the_programs_and_returns():
+    """If a value outside the forward and backward programs is computed from them and
+    read back by them, the partition could depend on it: no fingerprint, a fresh run."""
+    from autopar.compiler.passes import fuse_regions
+
+    ex = gpt2()
+    tg = run_passes(autopar.trace(ex.model, ex.batch, ex.loss_fn), autopar.Layout(fusion=False),
+                    autopar.ClusterSpec.local())[0].copy()
+    assert fuse_regions._fingerprint(tg) is not None
+    backward = [n for n in tg.call_nodes() if n.meta.get(M.ROLE) == M.Role.BACKWARD]
+    source, reader = backward[0], backward[-1]
+    with tg.graph.inserting_after(source):  # an optimizer-side value made from the backward
+        outside = tg.graph.call_function(aten.clone.default, (source,))
+    outside.meta = {**source.meta, M.ROLE: M.Role.OPTIMIZER}
+    with tg.graph.inserting_before(reader):  # and a backward op reading it
+        back = tg.graph.call_function(aten.add.Tensor, (outside, outside))
+    back.meta = {**reader.meta}
+    assert fuse_regions._fingerprint(tg) is None

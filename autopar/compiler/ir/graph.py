@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from autopar.compiler.ir import meta as M
 
@@ -126,7 +127,9 @@ class TrainGraph:
             new.meta = dict(old.meta)
         out_node = graph.output_node()
         out_node.meta = dict(self.output_node().meta)
-        gm = fx.GraphModule(self.gm, graph)
+        # NOTE: lazy: its Python code is generated when it first runs or is read, not
+        # after every pass (the planner rewrites graphs it only costs, never runs)
+        gm = _LazyGraphModule(self.gm, graph)
         return dataclasses.replace(self, gm=gm, attrs=copy.deepcopy(self.attrs))
 
     def call_nodes(self) -> list[fx.Node]:

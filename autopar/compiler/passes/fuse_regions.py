@@ -19,6 +19,12 @@ kernel's eager fallback and the source of its Triton kernel.
   unfused (each op reading its inputs and writing its output, as the cost model
   counts them); a lone op gains nothing and stays an aten op.
 
+- Memo: the planner runs the pass on one forward and backward under many layouts that
+  differ only in what the comm passes add. A run's decisions (the regions of each
+  round, in order) are kept in this process under a hash of what they read
+  (`_fingerprint`), and a later graph with the same hash replays them: the same graph
+  as a fresh run (tests/unit/test_fusion.py), without the partitioner or code generation.
+
 Requires: "traced". Provides: "fused". Runs last in the pipeline (after the comm passes).
 
 Before:                                         After:
@@ -30,9 +36,12 @@ Before:                                         After:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import hashlib
 import heapq
 import operator
-from collections import Counter
+from collections import Counter, OrderedDict
 
 import torch
 import torch.fx as fx
@@ -141,12 +150,16 @@ class _Region:
     def __init__(self, nodes: list[fx.Node]):
         self.nodes = nodes
         self.inputs, self.outputs = _region_io(nodes)
-        self.gm = _subgraph(nodes, self.inputs, self.outputs)
         self.args = [TensorArg(tuple(a.meta[M.VAL].shape), tuple(a.meta[M.VAL].stride()),
                                a.meta[M.VAL].dtype) for a in self.inputs]
         self.bytes_before = _bytes_unfused(nodes)
         self.bytes_after = sum(tensor_bytes(n.meta.get(M.VAL)) for n in self.inputs + self.outputs)
         self.fallback_peak = _fallback_peak(nodes, set(self.outputs))
+
+    @functools.cached_property
+    def gm(self) -> fx.GraphModule:
+        """The region's ops as a GraphModule (the kernel's fallback and codegen source)."""
+        return _subgraph(self.nodes, self.inputs, self.outputs)
 
     def describe(self) -> str:
         return f"{_region_name(self.nodes)} at {self.nodes[0].name} ({len(self.nodes)} ops)"
@@ -184,7 +197,8 @@ def _candidates(tg: TrainGraph, rejected: dict[fx.Node, str]) -> list[list[fx.No
     return sorted(out, key=lambda nodes: order[nodes[0]])
 
 
-def _replace(tg: TrainGraph, region: _Region, key: str, name: str) -> None:
+def _replace(tg: TrainGraph, region: _Region, key: str, name: str) -> list[fx.Node]:
+    """Put the fused node where the region's last op stood; its outputs' getitems, in order."""
     graph, last = tg.graph, region.nodes[-1]
     with graph.inserting_after(last):
         fused = graph.create_node("call_function", FUSED_OP, (key, list(region.inputs)),
@@ -200,13 +214,16 @@ def _replace(tg: TrainGraph, region: _Region, key: str, name: str) -> None:
                        0 if n.target in VIEWS else tensor_bytes(n.meta.get(M.VAL)))
                       for n in region.nodes)}
     fused.meta.pop(M.GRAD_OF, None)  # a getitem below carries it, with the value
+    items = []
     for index, old in enumerate(region.outputs):
         with graph.inserting_after(fused):
             item = graph.call_function(operator.getitem, (fused, index))
         item.meta = {**old.meta, M.CREATED_BY: "fusion", M.BYTES: 0, M.FLOPS: 0}
         old.replace_all_uses_with(item)
+        items.append(item)
     for old in reversed(region.nodes):
         graph.erase_node(old)
+    return items
 
 
 def stable_toposort(graph: fx.Graph, first: dict[fx.Node, float]) -> None:
@@ -239,41 +256,146 @@ class FuseRegions(GraphPass):
         if not ctx.layout.fusion:
             return tg, PassResult(self.name, changed=False, declined=[("fusion", "Layout.fusion=False")])
         out = tg.copy()
-        rejected: dict[fx.Node, str] = {}
-        declined: dict[tuple[str, str], fx.Node] = {}
         stats = Counter()
-        # NOTE: rounds until nothing more fuses: what a round peels off a region (another
-        # iteration shape) is proposed again, as its own region, in the next round
-        while _fuse_round(out, rejected, declined, stats):
-            pass
+        made: dict = {}  # the getitems the pass made <-> (round, region, output)
+        key = _fingerprint(out)
+        recipe = _RECIPES.get(key) if key is not None else None
+        if recipe is not None:  # the same ops fused before: the same regions, replayed
+            _RECIPES.move_to_end(key)
+            for index, regions in enumerate(recipe.rounds):
+                _replay_round(out, regions, stats, made, index)
+            reasons = list(recipe.declined)
+        else:
+            rejected: dict[fx.Node, str] = {}
+            declined: dict[tuple[str, str], fx.Node] = {}
+            rounds = []
+            # NOTE: rounds until nothing more fuses: what a round peels off a region
+            # (another iteration shape) is proposed again, as its own region, next round
+            while regions := _fuse_round(out, rejected, declined, stats, made, len(rounds)):
+                rounds.append(regions)
+            alive = set(out.graph.nodes)
+            reasons = [what for what, node in declined.items() if node in alive]
+            reasons += [(f"{count} op(s)", why) for why, count in Counter(rejected.values()).items()]
+            if key is not None:
+                _RECIPES[key] = _Recipe(tuple(rounds), tuple(reasons))
+                while len(_RECIPES) > _RECIPES_KEPT:
+                    _RECIPES.popitem(last=False)
         out.gm.recompile()
-        alive = set(out.graph.nodes)
-        reasons = [what for what, node in declined.items() if node in alive]
-        reasons += [(f"{count} op(s)", why) for why, count in Counter(rejected.values()).items()]
         return out, PassResult(self.name, changed=stats["kernels"] > 0, stats=dict(stats),
                                declined=reasons)
 
 
-def _fuse_round(out: TrainGraph, rejected, declined, stats) -> int:
-    """Fuse every profitable region the partitioner proposes now; the number fused."""
-    order = {n: i for i, n in enumerate(out.graph.nodes)}
-    first: dict[fx.Node, float] = {}
-    fused_now = 0
-    for nodes in _candidates(out, rejected):
-        found = _emit(nodes, order, declined)
-        if found is None:
+# -- the memo: the planner fuses the same forward and backward under many layouts -----------
+
+# a region's op: the name of one of the pass's input ops, or (round, region, output) for
+# a getitem the pass made in an earlier round (names of new nodes depend on the graph)
+OpId = str | tuple[int, int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Recipe:
+    """What one run of the pass decided: per round, the regions fused in order (their
+    ops, kernel key and name), and what it declined."""
+
+    rounds: tuple[tuple[tuple[tuple[OpId, ...], str, str], ...], ...]
+    declined: tuple[tuple[str, str], ...]
+
+
+_RECIPES: OrderedDict[str, _Recipe] = OrderedDict()
+_RECIPES_KEPT = 32  # the planner's forward-level graphs x stage cuts, and room to spare
+
+
+def clear_memo() -> None:
+    """Forget the fusion decisions kept in this process (the next run decides afresh)."""
+    _RECIPES.clear()
+
+
+def _fingerprint(tg: TrainGraph) -> str | None:
+    """A hash of everything the pass's decisions read: the ops of the forward and backward
+    programs in graph order (name, op, program, arguments, value shape, stride and
+    dtype, whether a value is read outside its program) and the values they read.
+    Layouts that differ only in what the comm passes add (gradient buckets, ZeRO) fuse
+    alike. None when a path leaves the programs and comes back into them: then the
+    partition could depend on the rest of the graph, and the pass decides afresh."""
+    inside: set[fx.Node] = set()
+    left: set[fx.Node] = set()  # values outside the programs computed from inside
+    lines = []
+    for n in tg.graph.nodes:
+        program = program_of(n) if n.op == "call_function" else None
+        if program is None:
+            if any(a in inside or a in left for a in n.all_input_nodes):
+                left.add(n)
             continue
-        region, fused = found
-        start = min(order[n] for n in region.nodes)
-        _replace(out, region, fused.key, fused.name)
-        fused_now += 1
+        if any(a in left for a in n.all_input_nodes):
+            return None
+        inside.add(n)
+        reads = [f"{a.name}:{_signature(a)}" for a in n.all_input_nodes]
+        lines.append(f"{n.name}|{n.target}|{program}|{n.args}|{n.kwargs}|{reads}|"
+                     f"{_signature(n)}|{any(program_of(u) != program for u in n.users)}")
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def _signature(node: fx.Node) -> str:
+    val = node.meta.get(M.VAL)
+    vals = val if isinstance(val, (tuple, list)) else [val]
+    return ";".join(f"{tuple(v.shape)}/{v.stride()}/{v.dtype}" if isinstance(v, torch.Tensor)
+                    else type(v).__name__ for v in vals)
+
+
+class _Round:
+    """One round's rewrites: each region replaced where its first op stood (`first`
+    keeps the fused node there when the round ends in a stable topological sort).
+    `made` maps the getitems made so far to their OpId and back."""
+
+    def __init__(self, out: TrainGraph, made: dict, index: int):
+        self.out, self.made, self.index = out, made, index
+        self.order = {n: i for i, n in enumerate(out.graph.nodes)}
+        self.first: dict[fx.Node, float] = {}
+        self.regions = 0
+
+    def apply(self, region: _Region, key: str, name: str, stats: Counter) -> None:
+        start = min(self.order[n] for n in region.nodes)
+        items = _replace(self.out, region, key, name)
+        for k, item in enumerate(items):
+            op_id = (self.index, self.regions, k)
+            self.made[item], self.made[op_id] = op_id, item
+        self.regions += 1
         stats["kernels"] += 1
         stats["ops_fused"] += sum(n.target is not operator.getitem for n in region.nodes)
         stats["bytes_saved"] += region.bytes_before - region.bytes_after
-        first.update({n: start + 0.5 for n in out.graph.nodes if n not in order})
-        order.update({n: start + 0.5 for n in out.graph.nodes if n not in order})
-    stable_toposort(out.graph, first)
+        new = {n: start + 0.5 for n in self.out.graph.nodes if n not in self.order}
+        self.first.update(new)
+        self.order.update(new)
+
+    def finish(self) -> None:
+        stable_toposort(self.out.graph, self.first)
+
+
+def _fuse_round(out: TrainGraph, rejected, declined, stats, made: dict, index: int
+                ) -> list[tuple[tuple[OpId, ...], str, str]]:
+    """Fuse every profitable region the partitioner proposes now; the regions fused (their
+    ops, kernel key and name), in order."""
+    rewrite = _Round(out, made, index)
+    fused_now = []
+    for nodes in _candidates(out, rejected):
+        found = _emit(nodes, rewrite.order, declined)
+        if found is None:
+            continue
+        region, fused = found
+        fused_now.append((tuple(made.get(n, n.name) for n in region.nodes), fused.key, fused.name))
+        rewrite.apply(region, fused.key, fused.name, stats)
+    rewrite.finish()
     return fused_now
+
+
+def _replay_round(out: TrainGraph, regions, stats, made: dict, index: int) -> None:
+    """Round `index` of an earlier run (`_fuse_round`'s regions) on a graph with the same ops."""
+    by_name = {n.name: n for n in out.graph.nodes}
+    rewrite = _Round(out, made, index)
+    for ops, key, name in regions:
+        nodes = [made[op] if isinstance(op, tuple) else by_name[op] for op in ops]
+        rewrite.apply(_Region(nodes), key, name, stats)
+    rewrite.finish()
 
 
 def _emit(nodes: list[fx.Node], order, declined):
