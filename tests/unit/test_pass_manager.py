@@ -96,3 +96,50 @@ def test_context_is_frozen():
     ctx = PassContext(options={"a": 1})
     with pytest.raises(TypeError):
         ctx.options["a"] = 2
+
+
+def _two_layer_mlp():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    return trace_train_step(model, (torch.randn(4, 8),), lambda out, x: out.square().mean())
+
+
+def test_tensor_parallel_leaves_its_retrace_to_amp(monkeypatch):
+    """TP then AMP: AMP re-traces from the source (TP's hook included), so TP's own trace
+    is skipped; the graph, attrs and history equal the passes run one by one."""
+    from autopar.cluster import ClusterSpec
+    from autopar.compiler.ir import trace as trace_module
+    from autopar.compiler.ir.printing import graph_text
+    from autopar.compiler.passes.amp import AutoMixedPrecision
+    from autopar.compiler.passes.tensor_parallel import TensorParallel
+
+    tg, layout = _two_layer_mlp(), Layout(tp=2, amp="bf16")
+    ctx = PassContext(layout, ClusterSpec.local(2))
+    one, _ = PassManager([TensorParallel()]).run(tg, ctx)
+    apart, _ = PassManager([AutoMixedPrecision()]).run(one, ctx)
+    traces = []
+    real = trace_module._trace_from
+    monkeypatch.setattr(trace_module, "_trace_from", lambda source: traces.append(1) or real(source))
+    together, results = PassManager([TensorParallel(), AutoMixedPrecision()]).run(tg, ctx)
+    assert len(traces) == 1, "TP's trace was not left to AMP"
+    assert not together.retrace_pending
+    assert graph_text(together) == graph_text(apart)
+    assert together.attrs["tp"] == apart.attrs["tp"] and together.attrs["amp"] == apart.attrs["amp"]
+    assert together.history == apart.history == ("tensor_parallel", "amp")
+    assert [r.name for r in results] == ["tensor_parallel", "amp"]
+
+
+def test_a_deferred_retrace_is_done_when_no_pass_does_it():
+    """If the pass after a deferring one does not re-trace after all (AMP off), the
+    manager traces the graph before the next pass and at the end: nothing stale leaves."""
+    from autopar.cluster import ClusterSpec
+    from autopar.compiler.ir.printing import graph_text
+    from autopar.compiler.passes.amp import AutoMixedPrecision
+    from autopar.compiler.passes.tensor_parallel import TensorParallel
+
+    tg, ctx = _two_layer_mlp(), PassContext(Layout(tp=2), ClusterSpec.local(2))
+    alone, _ = PassManager([TensorParallel()]).run(tg, ctx)
+    out, _ = PassManager([TensorParallel(), AutoMixedPrecision("off")]).run(tg, ctx)
+    assert not out.retrace_pending
+    assert graph_text(out) == graph_text(alone)
+    shapes = {tuple(p.meta["val"].shape) for p in out.placeholders()}
+    assert shapes & {(8, 8), (16, 4)}, f"the first weight (16 x 8) is not split: {shapes}"

@@ -95,6 +95,10 @@ class TrainGraph:
     # how to trace the joint graph again (autopar.compiler.ir.trace.TraceSource), for
     # passes that change the forward pass and let autograd derive the backward
     source: Any = None
+    # True: `source` has a forward hook `gm` was not traced with yet; the next pass
+    # re-traces from the source anyway (trace.retrace(..., deferred=True); the
+    # PassManager traces it, `trace.materialize`, before any other pass)
+    retrace_pending: bool = False
 
     @property
     def graph(self) -> fx.Graph:

@@ -121,10 +121,16 @@ def trace_train_step(model: torch.nn.Module, example_inputs: Sequence[Any],
 
 
 def retrace(tg: TrainGraph, hook: ForwardHook, *, loss_scale: bool | None = None,
-            param_shards: dict[str, tuple[int, int, int]] | None = None) -> TrainGraph:
+            param_shards: dict[str, tuple[int, int, int]] | None = None,
+            deferred: bool = False) -> TrainGraph:
     """The joint graph traced again from tg's source with one more forward hook
     (and, if `loss_scale` is given, with loss scaling switched on or off; with
     `param_shards`, taking those parameters as blocks, see TraceSource).
+
+    `deferred`: only the source changes, the trace is left to the next pass, which
+    re-traces from the source anyway (PassContext.defer_retrace says when): the
+    result has `retrace_pending` set and its `gm` is still tg's. Only for a pass whose
+    result does not depend on running its hook.
 
     Only valid on a graph no joint-graph pass has rewritten (property "retraceable"):
     their rewrites would be lost.
@@ -137,7 +143,17 @@ def retrace(tg: TrainGraph, hook: ForwardHook, *, loss_scale: bool | None = None
         source = dataclasses.replace(source, loss_scale=loss_scale)
     if param_shards is not None:
         source = dataclasses.replace(source, param_shards=tuple(sorted(param_shards.items())))
+    if deferred:
+        return dataclasses.replace(tg, source=source, attrs=dict(tg.attrs), retrace_pending=True)
     return dataclasses.replace(_trace_from(source), history=tg.history, attrs=dict(tg.attrs))
+
+
+def materialize(tg: TrainGraph) -> TrainGraph:
+    """tg with a deferred re-trace done (itself when none is pending)."""
+    if not tg.retrace_pending:
+        return tg
+    return dataclasses.replace(_trace_from(tg.source), provides=tg.provides, history=tg.history,
+                               attrs=dict(tg.attrs))
 
 
 def _trace_from(source: TraceSource) -> TrainGraph:

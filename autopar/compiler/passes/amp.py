@@ -135,6 +135,7 @@ class AutoMixedPrecision(GraphPass):
     requires = frozenset({"traced", "retraceable"})
     provides = frozenset({"amp"})
     invalidates = frozenset()  # a forward-level rewrite: the graph stays retraceable
+    retraces_from_source = True  # reads tg.source only: an earlier pass's trace can wait
 
     def __init__(self, amp: str | None = None, amp_lists: dict | None = None):
         self.amp = amp  # None: Layout.amp

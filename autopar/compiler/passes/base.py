@@ -34,6 +34,10 @@ class PassContext:
     layout: Layout = Layout()
     cluster: Any = None  # autopar.cluster.ClusterSpec, or None when not planning
     options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    # set by the PassManager when the next pass re-traces from the source
+    # (GraphPass.retraces_from_source): a pass may then leave its own re-trace to it
+    # (trace.retrace(..., deferred=True)) if nothing it returns depends on that trace
+    defer_retrace: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "options", MappingProxyType(dict(self.options)))
@@ -65,6 +69,9 @@ class GraphPass:
     # properties the pass takes away; a rewrite of the joint graph means it can no
     # longer be re-traced from the forward pass without losing that rewrite
     invalidates: ClassVar[frozenset[str]] = frozenset({"retraceable"})
+    # True for a pass that reads only tg.source and re-traces (a forward-level pass
+    # like AMP): a re-trace an earlier pass deferred is done by it, not before it
+    retraces_from_source: ClassVar[bool] = False
 
     def run(self, tg: TrainGraph, ctx: PassContext) -> tuple[TrainGraph, PassResult]:
         raise NotImplementedError

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.ir.printing import graph_text
+from autopar.compiler.ir.trace import materialize
 from autopar.compiler.ir.verify import verify
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
 
@@ -75,7 +76,11 @@ class PassManager:
         results = []
         for index, p in enumerate(self.passes, start=1):
             start = time.perf_counter()
-            new, result = p.run(tg, ctx)
+            if not p.retraces_from_source:  # a re-trace left for a pass that does them
+                tg = materialize(tg)
+            follows = self.passes[index] if index < len(self.passes) else None
+            defer = follows is not None and follows.retraces_from_source
+            new, result = p.run(tg, dataclasses.replace(ctx, defer_retrace=defer))
             result.seconds = time.perf_counter() - start
             new = dataclasses.replace(new, provides=(tg.provides - p.invalidates) | p.provides,
                                       history=tg.history + (p.name,))
@@ -86,9 +91,12 @@ class PassManager:
                 self._dump(index, p.name, new)
             results.append(result)
             tg = new
-        return tg, results
+        return materialize(tg), results
 
     def _dump(self, index: int, name: str, tg: TrainGraph) -> None:
         self.dump_dir.mkdir(parents=True, exist_ok=True)
         path = self.dump_dir / f"{index:03d}_{name}.py"
-        path.write_text(f"# after pass {name!r}; history: {list(tg.history)}\n" + graph_text(tg))
+        pending = ("# its re-trace is left to the next pass: the IR below is the one before it\n"
+                   if tg.retrace_pending else "")
+        path.write_text(f"# after pass {name!r}; history: {list(tg.history)}\n{pending}"
+                        + graph_text(tg))

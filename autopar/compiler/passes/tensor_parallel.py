@@ -211,7 +211,9 @@ class TensorParallel(GraphPass):
         shards = {target: (plan.placement[name], tp, rank)
                   for name, target in exported.items()
                   if isinstance(plan.placement[name], int)}
-        out = retrace(tg, hook, param_shards=shards)
+        # NOTE: the result is the plan's, not the trace's: when AMP follows, its re-trace
+        # runs this hook too, and this one is left to it
+        out = retrace(tg, hook, param_shards=shards, deferred=ctx.defer_retrace)
         table = placement_table(tg.source.exported.graph, plan, exported)
         out.attrs["tp"] = {"tp": tp, "rank": rank, "cost_s": plan.cost_s,
                            "replicated_cost_s": plan.replicated_cost_s, **table}
