@@ -30,6 +30,12 @@ def block_rows(rows: int, parts: int) -> int:
     return -(-rows // parts)
 
 
+def block_nbytes(rows: int, nbytes: int, parts: int) -> int:
+    """Bytes of each ZeRO dim-0 block of a tensor of `nbytes` bytes and `rows` rows cut
+    into `parts` (block_rows rows each): what a rank holds and updates of it."""
+    return block_rows(rows, parts) * (nbytes // rows)
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     name: str

@@ -24,7 +24,6 @@ as the step runs (`autopar.runtime.live_bytes`; tests/unit/test_memory_model.py)
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -32,6 +31,7 @@ import torch
 
 from autopar.compiler.planner.summary import GraphSummary
 from autopar.layout import Layout
+from autopar.runtime.program import block_nbytes
 
 STATIC = ("parameters", "buffers", "optimizer_states", "inputs")
 CATEGORIES = STATIC + ("gradients", "activations", "temporaries", "comm_buffers")
@@ -182,7 +182,7 @@ def held_parameter_bytes(summary: GraphSummary, layout: Layout) -> tuple[int, li
         rows = summary.param_rows[i] if summary.param_rows else 0
         in_graph_block = bool(summary.param_blocks) and summary.param_blocks[i] > 1
         if layout.zero and not in_graph_block and rows >= layout.dp:
-            block = math.ceil(rows / layout.dp) * (numel // rows) * itemsize
+            block = block_nbytes(rows, nbytes, layout.dp)
             held += block
             updated.append(block)
         else:

@@ -25,7 +25,6 @@ bubble.
 from __future__ import annotations
 
 import functools
-import math
 
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, Efficiency,
 from autopar.compiler.planner.stages import StageSummary
 from autopar.compiler.planner.summary import GraphSummary, changed
 from autopar.layout import Layout
+from autopar.runtime.program import block_nbytes
 from autopar.runtime.schedule import Timeline, build, simulate
 
 PHASE_PROGRAMS = {"F": "F", "B": "IW", "I": "I", "W": "W"}
@@ -140,8 +140,7 @@ def zero_block_bytes(summary: GraphSummary, i: int, layout: Layout) -> int:
     rows = summary.param_rows[i] if summary.param_rows else 0
     if not layout.zero or layout.dp == 1 or rows < layout.dp:
         return 0
-    nbytes = summary.param_numel[i] * summary.param_itemsize[i]
-    return math.ceil(rows / layout.dp) * (nbytes // rows)
+    return block_nbytes(rows, summary.param_numel[i] * summary.param_itemsize[i], layout.dp)
 
 
 def grad_sync_time(summary: GraphSummary, stages: StageSummary, cluster: ClusterSpec,

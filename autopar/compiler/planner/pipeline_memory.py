@@ -24,6 +24,7 @@ from autopar.compiler.planner.memory import (CATEGORIES, MemoryPrediction, Optim
                                              graph_liveness, optimizer_memory)
 from autopar.compiler.planner.summary import summarize_program
 from autopar.runtime.pipeline import PipelineProgram
+from autopar.runtime.program import block_nbytes
 
 
 def _bytes(program: PipelineProgram, key: str) -> int:
@@ -124,7 +125,7 @@ def held_parameter_bytes(program: PipelineProgram, pp_rank: int) -> tuple[int, l
             continue
         nbytes = math.prod(entry.shape) * entry.dtype.itemsize
         rows = entry.shape[0] if entry.shape else 0
-        block = math.ceil(rows / dp) * (nbytes // rows) if zero and rows >= dp else 0
+        block = block_nbytes(rows, nbytes, dp) if zero and rows >= dp else 0
         held += block if zero == 3 and block else nbytes + block
         gathered += nbytes if zero == 3 and block else 0
         updated.append(block or nbytes)
