@@ -257,13 +257,13 @@ class FuseRegions(GraphPass):
             return tg, PassResult(self.name, changed=False, declined=[("fusion", "Layout.fusion=False")])
         out = tg.copy()
         stats = Counter()
-        made: dict = {}  # the getitems the pass made <-> (round, region, output)
+        made: set[fx.Node] = set()  # the nodes the pass made
         key = _fingerprint(out)
         recipe = _RECIPES.get(key) if key is not None else None
         if recipe is not None:  # the same ops fused before: the same regions, replayed
             _RECIPES.move_to_end(key)
-            for index, regions in enumerate(recipe.rounds):
-                _replay_round(out, regions, stats, made, index)
+            for regions in recipe.rounds:
+                _replay_round(out, regions, stats, made)
             reasons = list(recipe.declined)
         else:
             rejected: dict[fx.Node, str] = {}
@@ -271,12 +271,16 @@ class FuseRegions(GraphPass):
             rounds = []
             # NOTE: rounds until nothing more fuses: what a round peels off a region
             # (another iteration shape) is proposed again, as its own region, next round
-            while regions := _fuse_round(out, rejected, declined, stats, made, len(rounds)):
+            while regions := _fuse_round(out, rejected, declined, stats, made):
                 rounds.append(regions)
             alive = set(out.graph.nodes)
             reasons = [what for what, node in declined.items() if node in alive]
             reasons += [(f"{count} op(s)", why) for why, count in Counter(rejected.values()).items()]
-            if key is not None:
+            # a region holding a node the pass made is named by what the graph called
+            # it, which another graph may call something else: such a run is not kept
+            # (none is: the ops the pass makes are not fusable)
+            if key is not None and None not in (ops for regions in rounds
+                                                for ops, _, _ in regions):
                 _RECIPES[key] = _Recipe(tuple(rounds), tuple(reasons))
                 while len(_RECIPES) > _RECIPES_KEPT:
                     _RECIPES.popitem(last=False)
@@ -287,17 +291,12 @@ class FuseRegions(GraphPass):
 
 # -- the memo: the planner fuses the same forward and backward under many layouts -----------
 
-# a region's op: the name of one of the pass's input ops, or (round, region, output) for
-# a getitem the pass made in an earlier round (names of new nodes depend on the graph)
-OpId = str | tuple[int, int, int]
-
-
 @dataclasses.dataclass(frozen=True)
 class _Recipe:
     """What one run of the pass decided: per round, the regions fused in order (their
-    ops, kernel key and name), and what it declined."""
+    ops' names, kernel key and name), and what it declined."""
 
-    rounds: tuple[tuple[tuple[tuple[OpId, ...], str, str], ...], ...]
+    rounds: tuple[tuple[tuple[tuple[str, ...], str, str], ...], ...]
     declined: tuple[tuple[str, str], ...]
 
 
@@ -345,21 +344,18 @@ def _signature(node: fx.Node) -> str:
 class _Round:
     """One round's rewrites: each region replaced where its first op stood (`first`
     keeps the fused node there when the round ends in a stable topological sort).
-    `made` maps the getitems made so far to their OpId and back."""
+    `made` collects the nodes the rewrites make."""
 
-    def __init__(self, out: TrainGraph, made: dict, index: int):
-        self.out, self.made, self.index = out, made, index
+    def __init__(self, out: TrainGraph, made: set[fx.Node]):
+        self.out, self.made = out, made
         self.order = {n: i for i, n in enumerate(out.graph.nodes)}
         self.first: dict[fx.Node, float] = {}
-        self.regions = 0
 
     def apply(self, region: _Region, key: str, name: str, stats: Counter) -> None:
         start = min(self.order[n] for n in region.nodes)
         items = _replace(self.out, region, key, name)
-        for k, item in enumerate(items):
-            op_id = (self.index, self.regions, k)
-            self.made[item], self.made[op_id] = op_id, item
-        self.regions += 1
+        self.made.update(items)
+        self.made.update(n.args[0] for n in items)
         stats["kernels"] += 1
         stats["ops_fused"] += sum(n.target is not operator.getitem for n in region.nodes)
         stats["bytes_saved"] += region.bytes_before - region.bytes_after
@@ -371,30 +367,31 @@ class _Round:
         stable_toposort(self.out.graph, self.first)
 
 
-def _fuse_round(out: TrainGraph, rejected, declined, stats, made: dict, index: int
-                ) -> list[tuple[tuple[OpId, ...], str, str]]:
+def _fuse_round(out: TrainGraph, rejected, declined, stats, made: set[fx.Node]
+                ) -> list[tuple[tuple[str, ...] | None, str, str]]:
     """Fuse every profitable region the partitioner proposes now; the regions fused (their
-    ops, kernel key and name), in order."""
-    rewrite = _Round(out, made, index)
+    ops' names, None if one is a node the pass made; kernel key and name), in order."""
+    rewrite = _Round(out, made)
     fused_now = []
     for nodes in _candidates(out, rejected):
         found = _emit(nodes, rewrite.order, declined)
         if found is None:
             continue
         region, fused = found
-        fused_now.append((tuple(made.get(n, n.name) for n in region.nodes), fused.key, fused.name))
+        names = None if any(n in made for n in region.nodes) else \
+            tuple(n.name for n in region.nodes)
+        fused_now.append((names, fused.key, fused.name))
         rewrite.apply(region, fused.key, fused.name, stats)
     rewrite.finish()
     return fused_now
 
 
-def _replay_round(out: TrainGraph, regions, stats, made: dict, index: int) -> None:
-    """Round `index` of an earlier run (`_fuse_round`'s regions) on a graph with the same ops."""
+def _replay_round(out: TrainGraph, regions, stats, made: set[fx.Node]) -> None:
+    """A round of an earlier run (`_fuse_round`'s regions) on a graph with the same ops."""
     by_name = {n.name: n for n in out.graph.nodes}
-    rewrite = _Round(out, made, index)
+    rewrite = _Round(out, made)
     for ops, key, name in regions:
-        nodes = [made[op] if isinstance(op, tuple) else by_name[op] for op in ops]
-        rewrite.apply(_Region(nodes), key, name, stats)
+        rewrite.apply(_Region([by_name[op] for op in ops]), key, name, stats)
     rewrite.finish()
 
 
