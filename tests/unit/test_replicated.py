@@ -114,3 +114,19 @@ def test_schedule_replays_kept_for_other_dp_and_zero_equal_fresh_ones(scaled):
         assert pipeline_memory_from_summary(summary, stages, layout, replays=kept) == \
             pipeline_memory_from_summary(summary, stages, layout)
     assert len(kept) == 1
+
+
+def test_changed_copies_a_record_as_replace_would_and_refuses_unknown_fields():
+    """summary.changed skips OpRecord's __init__ for speed: it must give what
+    dataclasses.replace gives, refuse a misspelt field, and OpRecord must stay without
+    a __post_init__ (a check there would not run on the copies)."""
+    import dataclasses
+
+    from autopar.compiler.planner.summary import OpRecord, changed
+
+    op = OpRecord("mm", "forward", flops=10, bytes=4, uses=(1, 2), storage=3)
+    assert changed(op, flops=20, uses=(5,)) == dataclasses.replace(op, flops=20, uses=(5,))
+    assert changed(op) == op and changed(op) is not op
+    with pytest.raises(TypeError, match="no field"):
+        changed(op, flop=1)
+    assert not hasattr(OpRecord, "__post_init__")

@@ -16,6 +16,8 @@ step returns); the op owns the outputs nobody takes.
 
 from __future__ import annotations
 
+import dataclasses
+
 import operator
 from dataclasses import dataclass, replace
 
@@ -50,7 +52,9 @@ DTYPE_NAMES = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf
 class OpRecord:
     """One op of the step. `storage` is the index of the record owning the memory its
     output lives in (itself for an op that allocates, None for a view of a parameter
-    or buffer); `uses` are the indices of the records it reads."""
+    or buffer); `uses` are the indices of the records it reads. Plain data, no
+    __post_init__: `changed` copies records without running __init__ (a check added
+    here would have to go there too; tests/unit/test_replicated.py holds both to it)."""
 
     name: str
     role: str  # autopar.compiler.ir.meta.Role value, or "input" for a user input
@@ -74,10 +78,16 @@ class OpRecord:
     layer: int | None = None  # the repeated block it belongs to (M.LAYER), None outside
 
 
+_OP_FIELDS = frozenset(f.name for f in dataclasses.fields(OpRecord))
+
+
 def changed(op: OpRecord, **fields) -> OpRecord:
     """`dataclasses.replace(op, **fields)` without re-running the frozen __init__ (a
     setattr per field): the planner copies hundreds of thousands of records while it
     replicates templates and replays pipeline programs."""
+    unknown = fields.keys() - _OP_FIELDS
+    if unknown:
+        raise TypeError(f"OpRecord has no field(s) {sorted(unknown)}")
     out = object.__new__(OpRecord)
     out.__dict__.update(op.__dict__)
     out.__dict__.update(fields)
