@@ -20,6 +20,8 @@ Before:                                  After (pp=2, 2 blocks):
 
 from __future__ import annotations
 
+import bisect
+
 import torch.fx as fx
 
 from autopar.cluster import ClusterSpec
@@ -80,27 +82,18 @@ def _balanced(costs: list[float], parts: int, head: float, tail: float) -> list[
         for j in range(k, n - (parts - k) + 1):
             def part(i: int, j: int = j) -> float:
                 return prefix[j] - prefix[i] + extra
-            lo, hi = k - 1, j  # the first i in [k-1, j) where before[i] >= part(i)
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if before[mid] >= part(mid):
-                    hi = mid
-                else:
-                    lo = mid + 1
-            cross = lo
+            # the first i in [k-1, j) where the parts before cost at least this one
+            cross = bisect.bisect_left(range(k - 1, j), True,
+                                       key=lambda i: before[i] >= part(i)) + k - 1
             value, at = inf, 0
             if cross < j:
                 value, at = max(before[cross], part(cross)), cross
             if cross > k - 1 and part(cross - 1) <= value:
-                value = part(cross - 1)  # below the crossing the part's cost is the max:
-                lo, hi = k - 1, cross - 1  # the first i where it is already this low
-                while lo < hi:
-                    mid = (lo + hi) // 2
-                    if part(mid) <= value:
-                        hi = mid
-                    else:
-                        lo = mid + 1
-                at = lo
+                # below the crossing this part's cost is the max: the first i where it is
+                # already this low
+                value = part(cross - 1)
+                at = bisect.bisect_left(range(k - 1, cross - 1), True,
+                                        key=lambda i: part(i) <= value) + k - 1
             if value < inf:
                 best[k][j], choice[k][j] = value, at
     cuts, j = [], n

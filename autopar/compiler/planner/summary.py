@@ -16,10 +16,8 @@ step returns); the op owns the outputs nobody takes.
 
 from __future__ import annotations
 
-import dataclasses
-
 import operator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.fx as fx
@@ -78,19 +76,19 @@ class OpRecord:
     layer: int | None = None  # the repeated block it belongs to (M.LAYER), None outside
 
 
-_OP_FIELDS = frozenset(f.name for f in dataclasses.fields(OpRecord))
+_OP_FIELDS = frozenset(f.name for f in fields(OpRecord))
 
 
-def changed(op: OpRecord, **fields) -> OpRecord:
+def changed(op: OpRecord, **values) -> OpRecord:
     """`dataclasses.replace(op, **fields)` without re-running the frozen __init__ (a
     setattr per field): the planner copies hundreds of thousands of records while it
     replicates templates and replays pipeline programs."""
-    unknown = fields.keys() - _OP_FIELDS
+    unknown = values.keys() - _OP_FIELDS
     if unknown:
         raise TypeError(f"OpRecord has no field(s) {sorted(unknown)}")
     out = object.__new__(OpRecord)
     out.__dict__.update(op.__dict__)
-    out.__dict__.update(fields)
+    out.__dict__.update(values)
     return out
 
 
