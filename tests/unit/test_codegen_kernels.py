@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from autopar.compiler.codegen.ops import Unsupported
@@ -157,6 +157,77 @@ def test_views_and_column_sums(a, b, n, seed):
         flat = aten.view(g, [a * b, n])
         return [flat, aten.sum.dim_IntList(flat, [0], True), aten.sum.dim_IntList(g, [0, 1])]
     assert_error_model(*run_both(fn, x, dy))
+
+
+@SETTINGS
+@given(a=dims, b=dims, h=st.integers(1, 9), dtype=dtypes, transpose=st.booleans(),
+       seed=st.integers(0, 99))
+def test_rotary_slices_cat_and_slice_backward(a, b, h, dtype, transpose, seed):
+    """Llama's rotary embedding as traced (slices, neg, cat) and its backward (the slices'
+    gradients placed in zeros by slice_backward), each one kernel: remaps are index
+    arithmetic on what they read, over a non-contiguous input too."""
+    x = _rand((a, b, 2 * h), dtype, seed, transpose)
+    cos, sin = _rand((b, 2 * h), dtype, seed + 1), _rand((b, 2 * h), dtype, seed + 2)
+
+    def forward(x, cos, sin):
+        rotated = torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+        return [x * cos + rotated * sin]
+
+    def backward(g, cos, sin):
+        gs = g * sin
+        return [g * cos + aten.slice_backward(-gs[..., :h], list(g.shape), 2, h, 2 ** 63 - 1, 1)
+                + aten.slice_backward(gs[..., h:], list(g.shape), 2, 0, h, 1)]
+    for fn in (forward, backward):
+        got, eager, ref = run_both(fn, x, cos, sin)
+        assert_error_model(got, eager, ref)
+        assert len(region_of(fn, x, cos, sin)._kernels) == 1
+
+
+@SETTINGS
+@given(a=st.integers(1, 4), n=st.integers(1, 13), dim=st.integers(0, 1), start=st.integers(-3, 4),
+       step=st.integers(1, 3), seed=st.integers(0, 99))
+def test_remaps_with_offsets_steps_and_reshapes(a, n, dim, start, step, seed):
+    """A strided slice (negative starts as eager clamps them) and its gradient, and a cat
+    of three parts along either dim: a slice, an input and a reshape of a computed value."""
+    x = _rand((a, n), torch.float32, seed)
+    size = (a, n)[dim]
+    begin = max(start + size if start < 0 else start, 0)
+    part = x[:, start::step] if dim else x[start::step]
+    assume(part.numel() and part.shape != x.shape)  # a whole-tensor slice traces as alias
+
+    def sliced(x):
+        return (x[:, start::step] if dim else x[start::step]) * 2.0
+
+    def placed(x):
+        return [aten.slice_backward(sliced(x), [a, n], dim, begin, 2 ** 63 - 1, step) + x]
+
+    def joined(x):
+        flat = aten.view(x.exp(), [n, a] if dim == 0 else [a, n])
+        return [torch.cat([sliced(x), x, aten.view(flat, [a, n])], dim) - 1.0]
+    assert_error_model(*run_both(placed, x))
+    assert_error_model(*run_both(joined, x))
+
+
+def test_constants_round_to_their_dtype():
+    """scalar_tensor (a masked fill's value) is a literal, rounded as eager makes it: fp16's
+    most negative value stays finite, a wider one becomes -inf."""
+    keep = (torch.arange(21).view(3, 1, 7) % 3 == 0).expand(3, 4, 7)  # broadcast: stride 0
+    x = _rand((3, 4, 7), torch.float16, 0)
+
+    def fn(keep, x):
+        low = aten.scalar_tensor(-65504.0, dtype=torch.float16)
+        lower = aten.scalar_tensor(-1e30, dtype=torch.float16)
+        return [torch.where(keep, low, lower) + x, torch.where(keep, x, low)]
+    got, eager, _ = run_both(fn, keep, x)
+    assert torch.isinf(eager[0]).any() and torch.isfinite(eager[1]).all()
+    assert all(torch.equal(g, e) for g, e in zip(got, eager))  # one fp16 rounding each
+
+
+def test_a_reduction_read_at_other_indices_says_why():
+    x = torch.randn(4, 6)
+    region = region_of(lambda x: [torch.cat([aten._softmax(x, -1, False), x], 0) * 2.0], x)
+    with pytest.raises(Unsupported, match="read at other indices"):
+        generate(region.gm, [TensorArg.of(x)])
 
 
 def test_cache_compiles_once_per_input_layout():

@@ -119,6 +119,23 @@ def test_gpt2_norms_and_gelu_are_one_kernel_forward_and_backward():
     assert left == []
 
 
+def test_llama_rotary_embedding_is_one_kernel_forward_and_backward():
+    """The rotary embedding (slices, neg, cat, the multiplies by cos and sin) and its
+    backward (the slices' gradients placed in zeros by slice_backward, added) fuse: no
+    float neg or cat is left, and the one slice_backward left is the loss's shift, after
+    the log-softmax backward (a row value, which a remap cannot read elsewhere)."""
+    ex = llama(layers=2, batch=2, seq=8)
+    tg, out, result = _fuse(ex.model, ex.batch, ex.loss_fn)
+    rotary = {aten.neg.default, aten.cat.default, aten.slice_backward.default}
+    assert sum(n.target in rotary for n in tg.call_nodes()) >= 2 * (2 * 2 + 2 * 2)
+    left = [n for n in out.call_nodes() if n.target in rotary and n.meta[M.VAL].is_floating_point()]
+    assert [n.target for n in left] == [aten.slice_backward.default]
+    assert left[0].args[0].args[0].target == aten._log_softmax_backward_data.default  # a view of
+    fused_ops = [op for node in _fused(out) for op in _ops(node)]
+    assert fused_ops.count("cat") >= 4 and fused_ops.count("slice_backward") >= 8
+    assert not any("other indices" in why for _, why in result.declined), result.declined
+
+
 def test_unsupported_ops_are_declined_visibly():
     class Odd(torch.nn.Module):
         def __init__(self):

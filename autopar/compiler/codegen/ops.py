@@ -9,6 +9,9 @@ Two families:
   row kernel, one program per row with a block over the reduced dim; `Row` gives them
   the helpers to reduce a value over the row (masked) and to name temporaries.
 
+Besides them: reshapes (VIEWS), remaps (REMAPS: slice, cat, slice_backward, which read
+their input at other indices) and constants (scalar_tensor).
+
 Every value inside a kernel is computed in fp32 (bool for comparisons); an explicit
 cast (`_to_copy`) rounds through its dtype, as eager does, and stores cast to the
 output's dtype. `unsupported_reason(node)` says why an op cannot be emitted (None if
@@ -218,6 +221,13 @@ ATEN_INPUT_PASSES = {aten.native_layer_norm_backward.default: 2}
 # a view is a new name for its input (a region no longer ends at every reshape)
 VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.unsqueeze.default,
                    aten.squeeze.dim, aten.squeeze.dims})
+# ops that read their input at other indices: a slice, a concatenation, a slice's gradient
+# (the slice placed in zeros). Inside a kernel each is index arithmetic on what it reads,
+# never a copy (triton_gen's `_Emitter.at`): Llama's rotary embedding (slices, neg, cat)
+# and its backward (slice_backward) fuse with the multiplies around them
+REMAPS = frozenset({aten.slice.Tensor, aten.cat.default, aten.slice_backward.default})
+# a 0-d constant: a literal in the kernel (a masked fill's value)
+CONSTANT = aten.scalar_tensor.default
 REDUCTIONS = frozenset({aten.sum.dim_IntList, aten.mean.dim, aten.amax.default})
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -249,7 +259,18 @@ def _reduced_dim_reason(node: fx.Node) -> str | None:
 
 def has_lowering(node: fx.Node) -> bool:
     return (node.target in POINTWISE or node.target in ROW_OPS or node.target == CAST
-            or node.target in VIEWS)
+            or node.target in VIEWS or node.target in REMAPS or node.target == CONSTANT)
+
+
+def moves_no_data(node: fx.Node) -> bool:
+    """Views (reshapes, slices) and getitems: as aten ops they read and write nothing."""
+    return node.target is operator.getitem or (
+        isinstance(node.target, torch._ops.OpOverload) and node.target.is_view)
+
+
+def constant(node: fx.Node) -> str:
+    """A scalar_tensor's value as an fp32 literal, rounded to its dtype as eager makes it."""
+    return lit(torch.scalar_tensor(node.args[0], dtype=node.meta["val"].dtype).item())
 
 
 def is_column_sum(node: fx.Node) -> bool:
@@ -291,6 +312,10 @@ def unsupported_reason(node: fx.Node) -> str | None:
     if node.target == aten.native_layer_norm_backward.default and \
             any(isinstance(v, torch.Tensor) and v.dtype != torch.float32 for v in outs[1:]):
         return "layer norm backward with half-precision weights (summed with fp32 atomics)"
+    if node.target == CONSTANT and outs[0].dtype == torch.bool:
+        return "a bool constant (emitted: float constants)"
+    if node.target in REMAPS and any(t.numel() == 0 for t in tensors):
+        return f"{node.target} of an empty tensor"
     if node.target in VIEWS and not all(t.is_contiguous() for t in tensors):
         return "a view of a non-contiguous tensor (a kernel reads views as reshapes)"
     if is_column_sum(node):

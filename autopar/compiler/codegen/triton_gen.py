@@ -19,7 +19,12 @@ Each value in a row kernel is *full* (shape F: a vector over the columns), *row*
 *column* (layer-norm weight/bias gradients: summed over rows with atomics). Inputs
 are loaded through their strides, broadcast the way the consuming op broadcasts
 them (stride 0 along size-1 or missing dims), so non-contiguous and broadcast
-inputs need no copies. Outputs are written contiguous.
+inputs need no copies. Outputs are written with the strides the original op gave them.
+
+Remaps (slice, cat, slice_backward) read their input at other indices: what only they
+read is computed at those indices (`_Emitter.at`: loads through strides, pointwise ops
+recomputed, a cat's parts selected with `tl.where`, a slice_backward's zeros), never
+copied. A row op's value is known at its own row only and cannot be read that way.
 
     region: mul = mul(x, 0.5); tanh = tanh(mul); add = add(tanh, y)
     kernel: lin = pid * BLOCK + arange; i1 = lin % 64; i0 = lin // 64 % 8
@@ -37,9 +42,12 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopar.compiler.codegen.ops import (CAST, POINTWISE, ROW_OPS, TL_DTYPES, VIEWS, Row,
-                                          Unsupported, is_column_sum, is_row_op, lit,
-                                          round_bf16, unsupported_reason)
+from autopar.compiler.codegen.ops import (CAST, CONSTANT, POINTWISE, REMAPS, ROW_OPS,
+                                          TL_DTYPES, VIEWS, Row, Unsupported, constant,
+                                          is_column_sum, is_row_op, lit, round_bf16,
+                                          unsupported_reason)
+
+aten = torch.ops.aten
 
 FULL, ROW, COLUMN = "full", "row", "column"
 POINTWISE_BLOCK = 1024
@@ -107,6 +115,7 @@ class _Emitter:
         self.sources = {p: (i, a) for i, (p, a) in enumerate(zip(self.placeholders, args))}
         self.ops = [n for n in gm.graph.nodes if n.op == "call_function"]
         self.outputs = list(gm.graph.output_node().args[0])
+        self.root = self._root_nodes()
         self.row_kernel = any(is_row_op(n) for n in self.ops)
         self.full = self._full_shape(args)
         self.rows = _numel(self.full[:-1]) if self.row_kernel else 0
@@ -114,12 +123,22 @@ class _Emitter:
         self.values: dict[fx.Node, object] = {}
         self.loads: dict[tuple, str] = {}
         self.indices: dict[tuple[int, ...], list[str]] = {}
+        self.remapped: dict[tuple[fx.Node, tuple[str, ...]], str] = {}
         self.count = 0
 
+    def _root_nodes(self) -> set[fx.Node]:
+        """Nodes computed at the kernel's own element: the outputs and what any op but a
+        remap reads. What only remaps read is computed where they read it (`at`)."""
+        root = set(self.outputs)
+        for n in reversed(self.ops):
+            if n in root and n.target not in REMAPS:
+                root.update(n.all_input_nodes)
+        return root
+
     def _full_shape(self, args) -> tuple[int, ...]:
-        shapes = [tuple(a.shape) for a in args]
+        shapes = [tuple(a.shape) for p, a in zip(self.placeholders, args) if p in self.root]
         for n in self.ops:
-            if not isinstance(n.meta.get("val"), (torch.Tensor, tuple, list)):
+            if n not in self.root or not isinstance(n.meta.get("val"), (torch.Tensor, tuple, list)):
                 continue  # getitem of an output the op does not compute (None)
             s = _shape(n)
             shapes += [x for x in s if x is not None] if isinstance(s, list) else [s]
@@ -204,6 +223,8 @@ class _Emitter:
         if a in self.sources:
             return self.load(a, target)
         value = self.values[a]
+        if a.target == CONSTANT:
+            return value
         if isinstance(value, str) and value.startswith("COLUMN("):
             raise Unsupported(f"{node.name} uses the column sum {a.name} inside its kernel")
         shape = _strip(_shape(a))
@@ -235,6 +256,13 @@ class _Emitter:
         elif is_column_sum(node):
             x = self.operand(node.args[0], _shape(node.args[0]), node)
             self.values[node] = (f"COLUMN({self.index(_shape(node.args[0]))[-1]}, {x})")
+        elif node.target == CONSTANT:
+            self.values[node] = constant(node)
+        elif node.target in REMAPS:
+            shape = _shape(node)
+            if self.cls(shape) != FULL:
+                raise Unsupported(f"{node.name} makes a value of shape {list(shape)} per row")
+            self.values[node] = self.at(node, tuple(self.index(shape)))
         elif node.target in ROW_OPS:
             target = _shape(node.args[0])
             args = [self.operand(a, target, node) for a in node.args]
@@ -255,6 +283,97 @@ class _Emitter:
         else:
             expr = POINTWISE[node.target](*args, **kwargs)
         self.values[node] = self.temp(expr)
+
+    # -- values read at other indices (REMAPS) -----------------------------------------------
+
+    def at(self, node: fx.Node, ctx: tuple[str, ...]) -> str:
+        """`node`'s value at index `ctx` (an expression per dim of its shape) instead of at
+        the kernel's own element: what a slice, cat or slice_backward reads. Sources load
+        there; views, pointwise ops and remaps are recomputed there; a value a row op
+        makes is only known at its own row, so reading it elsewhere is Unsupported."""
+        key = (node, ctx)
+        if key in self.remapped:
+            return self.remapped[key]
+        shape = _shape(node)
+        if node in self.sources:
+            index, arg = self.sources[node]
+            terms = [f"({c}) * {st}" for c, n, st in zip(ctx, arg.shape, arg.stride) if n != 1]
+            cast = "" if arg.dtype == torch.bool else ".to(tl.float32)"
+            value = self.temp(f"tl.load(in{index} + ({' + '.join(terms + ['zero'])}), "
+                              f"mask=mask, other=0){cast}")
+        elif node.target == CONSTANT:
+            value = constant(node)
+        elif node.target in VIEWS:
+            value = self.at(node.args[0], self._reshaped(ctx, shape, _shape(node.args[0])))
+        elif node.target in REMAPS:
+            value = self._remap(node, ctx)
+        elif node.target in POINTWISE or node.target == CAST:
+            args = [self._operand_at(a, ctx, shape, node) for a in node.args]
+            kwargs = {k: self._operand_at(v, ctx, shape, node) for k, v in node.kwargs.items()}
+            value = self.temp(_cast(args[0], node.args[0].meta["val"].dtype, node.meta["val"].dtype)
+                              if node.target == CAST else POINTWISE[node.target](*args, **kwargs))
+        else:
+            raise Unsupported(f"{node.name} ({node.target}) is read at other indices by a "
+                              "slice, cat or slice_backward; only pointwise values can be")
+        self.remapped[key] = value
+        return value
+
+    def _operand_at(self, a, ctx: tuple[str, ...], shape: tuple[int, ...], node: fx.Node):
+        if not isinstance(a, fx.Node):
+            return lit(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else a
+        own = _shape(a)
+        lead = len(shape) - len(own)
+        if lead < 0 or any(n not in (1, shape[i + lead]) for i, n in enumerate(own)):
+            raise Unsupported(f"{a.name} of shape {list(own)} does not broadcast to {list(shape)}")
+        value = self.at(a, tuple("0" if n == 1 else ctx[i + lead] for i, n in enumerate(own)))
+        if a.meta["val"].dtype == torch.bool and node.target not in (
+                aten.where.self, CAST) and node.meta["val"].dtype != torch.bool:
+            return f"{value}.to(tl.float32)"
+        return value
+
+    def _reshaped(self, ctx, shape, src_shape) -> tuple[str, ...]:
+        """The index in `src_shape` of the element at `ctx` in its reshape `shape`."""
+        terms = [f"({c}) * {st}" for c, n, st in zip(ctx, shape, _contiguous(shape)) if n != 1]
+        flat = self.temp(" + ".join(terms) or "0")
+        return tuple("0" if n == 1 else self.temp(f"{flat} // {st} % {n}")
+                     for n, st in zip(src_shape, _contiguous(src_shape)))
+
+    def _remap(self, node: fx.Node, ctx: tuple[str, ...]) -> str:
+        shape, idx = _shape(node), list(ctx)
+        if node.target == aten.slice.Tensor:  # out[i] = x[start + i * step]
+            src = node.args[0]
+            dim, start, step = _slice_args(node, _shape(src))
+            idx[dim] = _affine(ctx[dim], step, start)
+            return self.at(src, tuple(idx))
+        if node.target == aten.cat.default:  # each part where the index falls in its range
+            dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % len(shape)
+            parts, end = [], 0
+            for part in node.args[0]:
+                n = _shape(part)[dim]
+                idx[dim] = self._clamped(_affine(ctx[dim], 1, -end), n)
+                parts.append((end + n, self.at(part, tuple(idx))))
+                end += n
+            value = parts[-1][1]
+            for bound, part_value in reversed(parts[:-1]):
+                value = f"tl.where({ctx[dim]} < {bound}, {part_value}, {value})"
+            return self.temp(value)
+        # slice_backward(grad, sizes, dim, start, end, step): grad where the slice was, else 0
+        grad, _, dim, start, _, step = node.args
+        dim %= len(shape)
+        n = _shape(grad)[dim]
+        start = min(max(start + shape[dim] if start < 0 else start, 0), shape[dim])
+        if shape[dim] == 1:
+            return self.at(grad, ctx)
+        rel = _affine(ctx[dim], 1, -start)
+        idx[dim] = self._clamped(f"{rel} // {step}", n)
+        inside = f"({ctx[dim]} >= {start}) & ({ctx[dim]} < {start + (n - 1) * step + 1})"
+        if step > 1:
+            inside += f" & ({rel} % {step} == 0)"
+        return self.temp(f"tl.where({inside}, {self.at(grad, tuple(idx))}, 0.0)")
+
+    def _clamped(self, expr: str, n: int) -> str:
+        """`expr` clamped to [0, n): a part's index, in bounds where another part is read."""
+        return "0" if n == 1 else self.temp(f"tl.minimum(tl.maximum({expr}, 0), {n - 1})")
 
     def _name(self, expr: str) -> str:
         return expr if expr.startswith("COLUMN(") else self.temp(expr)
@@ -285,6 +404,23 @@ def _strip(shape) -> tuple[int, ...]:
     while shape and shape[0] == 1:
         shape = shape[1:]
     return shape
+
+
+def _affine(index: str, scale: int, shift: int) -> str:
+    """`index * scale + shift` as Triton source, without the no-op parts."""
+    out = index if scale == 1 else f"({index}) * {scale}"
+    return out if shift == 0 else f"({out} {'+' if shift > 0 else '-'} {abs(shift)})"
+
+
+def _slice_args(node: fx.Node, src_shape) -> tuple[int, int, int]:
+    """aten.slice.Tensor's (dim, start, step), start normalized as eager does."""
+    args = list(node.args) + [None] * (5 - len(node.args))
+    dim = (args[1] if args[1] is not None else node.kwargs.get("dim", 0)) % len(src_shape)
+    start = args[2] if args[2] is not None else node.kwargs.get("start") or 0
+    step = args[4] if args[4] is not None else node.kwargs.get("step", 1)
+    if start < 0:
+        start += src_shape[dim]
+    return dim, min(max(start, 0), src_shape[dim]), step
 
 
 def _contiguous(shape) -> tuple[int, ...]:
@@ -400,7 +536,8 @@ def generate(gm: fx.GraphModule, args: list[TensorArg], name_hint: str = "fused"
         reason = unsupported_reason(node)
         if reason is not None:
             raise Unsupported(f"{node.name}: {reason}")
-        em.emit_op(node)
+        if node in em.root:
+            em.emit_op(node)
     outputs = tuple(em.store(k, node) for k, node in enumerate(em.outputs))
     params = [f"in{i}" for i in range(len(args))] + [f"out{k}" for k in range(len(outputs))]
     looped = em.row_kernel and _next_pow2(em.full[-1]) > MAX_ROW_BLOCK

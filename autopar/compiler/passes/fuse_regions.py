@@ -49,9 +49,9 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from autopar.compiler.codegen.kernels import FUSED_OP, register_region
-from autopar.compiler.codegen.ops import (ATEN_INPUT_PASSES, POINTWISE, ROW_OPS, VIEWS,
-                                          Unsupported, has_lowering, is_column_sum,
-                                          is_row_op, unsupported_reason)
+from autopar.compiler.codegen.ops import (ATEN_INPUT_PASSES, POINTWISE, REMAPS, ROW_OPS,
+                                          VIEWS, Unsupported, has_lowering, is_column_sum,
+                                          is_row_op, moves_no_data, unsupported_reason)
 from autopar.compiler.codegen.triton_gen import TensorArg
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.annotate import op_name, tensor_bytes
@@ -114,10 +114,10 @@ def _subgraph(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node
 
 def _bytes_unfused(nodes: list[fx.Node]) -> int:
     """Bytes the region's ops move as aten ops: each reads its inputs (twice for ops with
-    two kernels, ATEN_INPUT_PASSES) and writes its output."""
+    two kernels, ATEN_INPUT_PASSES) and writes its output; views move none."""
     total = 0
     for n in nodes:
-        if n.target is not operator.getitem:
+        if not moves_no_data(n):
             reads = sum(tensor_bytes(a.meta.get(M.VAL)) for a in n.all_input_nodes)
             total += reads * ATEN_INPUT_PASSES.get(n.target, 1) + tensor_bytes(n.meta.get(M.VAL))
     return total
@@ -125,7 +125,7 @@ def _bytes_unfused(nodes: list[fx.Node]) -> int:
 
 def _region_name(nodes: list[fx.Node]) -> str:
     named = [n.target for n in nodes if n.target in ROW_OPS] or \
-        [n.target for n in nodes if n.target in POINTWISE]
+        [n.target for n in nodes if n.target in POINTWISE or n.target in REMAPS]
     base = named[0]._schema.name.split("::")[-1].lstrip("_") if named else "fused"
     return f"{base}_x{len(nodes)}"
 
@@ -174,7 +174,7 @@ def _fallback_peak(nodes: list[fx.Node], outputs: set[fx.Node]) -> int:
             for n in nodes}
     live, peak = {}, 0
     for i, n in enumerate(nodes):
-        if n.target not in VIEWS and n.target is not operator.getitem:
+        if not moves_no_data(n):
             live[n] = tensor_bytes(n.meta.get(M.VAL))
         peak = max(peak, sum(live.values()))
         for v in [v for v in live if v not in outputs and last[v] <= i
@@ -211,7 +211,7 @@ def _replace(tg: TrainGraph, region: _Region, key: str, name: str) -> list[fx.No
                   M.FUSED_SCRATCH: region.fallback_peak,
                   M.FUSED_MEMBERS: tuple(
                       (op_name(n), n.meta.get(M.FLOPS, 0), n.meta.get(M.BYTES, 0),
-                       0 if n.target in VIEWS else tensor_bytes(n.meta.get(M.VAL)))
+                       0 if moves_no_data(n) else tensor_bytes(n.meta.get(M.VAL)))
                       for n in region.nodes)}
     fused.meta.pop(M.GRAD_OF, None)  # a getitem below carries it, with the value
     items = []
@@ -398,7 +398,7 @@ def _replay_round(out: TrainGraph, regions, stats, made: set[fx.Node]) -> None:
 def _emit(nodes: list[fx.Node], order, declined):
     """(region, its registered kernel) for a candidate partition, or None: unprofitable,
     or the code generator declined it and its largest-shape part (recorded in `declined`)."""
-    nodes = _trim_views(nodes)
+    nodes = _trim_views(_cut_remaps(nodes))
     for attempt in (nodes, _peel(nodes)):
         if not attempt or all(n.target is operator.getitem or n.target in VIEWS for n in attempt):
             return None
@@ -416,6 +416,36 @@ def _emit(nodes: list[fx.Node], order, declined):
     return None
 
 
+def _cut_remaps(nodes: list[fx.Node]) -> list[fx.Node]:
+    """The region without each remap (slice, cat, slice_backward) that reads a value a
+    reduction makes, and without what follows it: a kernel computes such a value at its
+    own row only (triton_gen's `_Emitter.at`). GPT-2's loss: the log-softmax backward
+    stays a row kernel and the shift's slice_backward after it an aten op."""
+    inside = set(nodes)
+    cut: set[fx.Node] = set()
+    for n in nodes:
+        if n in cut:
+            continue
+        if n.target in REMAPS and _reads_reduction(n, inside):
+            cut.add(n)
+        if cut & set(n.all_input_nodes):
+            cut.add(n)
+    return [n for n in nodes if n not in cut] if cut else nodes
+
+
+def _reads_reduction(node: fx.Node, inside: set[fx.Node]) -> bool:
+    stack, seen = list(node.all_input_nodes), set()
+    while stack:
+        n = stack.pop()
+        if n in seen or n not in inside:
+            continue
+        seen.add(n)
+        if n.target is operator.getitem or n.target in ROW_OPS:
+            return True
+        stack += n.all_input_nodes
+    return False
+
+
 def _domain(node: fx.Node) -> int:
     """Elements of the iteration a node belongs to (a reduction: its input's)."""
     src = node.args[0] if node.target is operator.getitem else node
@@ -428,14 +458,26 @@ def _domain(node: fx.Node) -> int:
 def _peel(nodes: list[fx.Node]) -> list[fx.Node]:
     """The part of a region over its largest iteration: nodes of other sizes are taken off
     its input and output sides (Llama's rotary tables feed both the query's and the
-    smaller key's chain: the query's chain stays, the rest is proposed again later)."""
+    smaller key's chain: the query's chain stays, the rest is proposed again later). A
+    node only remaps read is computed at their indices: it counts as theirs (the rotary
+    embedding's half-width slices and neg belong to the cat's iteration)."""
     if not nodes:
         return nodes
-    domain = max(_domain(n) for n in nodes)
+    inside = set(nodes)
+    domains: dict[fx.Node, int] = {}
+    remapped: set[fx.Node] = set()  # read only by remaps, directly or through such nodes
+    for n in reversed(nodes):
+        if n.users and all(u in inside and (u.target in REMAPS or u in remapped)
+                           for u in n.users):
+            remapped.add(n)
+            domains[n] = max(domains[u] for u in n.users)
+        else:
+            domains[n] = _domain(n)
+    domain = max(domains.values())
     kept = list(nodes)
     while True:
         inside = set(kept)
-        edge = {n for n in kept if _domain(n) != domain
+        edge = {n for n in kept if domains[n] != domain
                 and (not set(n.all_input_nodes) & inside or not set(n.users) & inside)}
         if not edge:
             return kept
