@@ -208,6 +208,25 @@ def test_remaps_with_offsets_steps_and_reshapes(a, n, dim, start, step, seed):
     assert_error_model(*run_both(joined, x))
 
 
+@SETTINGS
+@given(a=dims, r=st.integers(1, 4), b=dims, n=cols, dims_=st.sampled_from([[1], [-3], [0, 1]]),
+       keepdim=st.booleans(), transpose=st.booleans(), seed=st.integers(0, 99))
+def test_small_middle_dim_sums_unroll(a, r, b, n, dims_, keepdim, transpose, seed):
+    """A sum over a few elements of dims other than the last (grouped-query attention's
+    key and value gradients, summed over the heads sharing them): one load per summed
+    element, fused with the pointwise ops after it."""
+    x = _rand((a, r, b, n), torch.float32, seed, transpose)
+    assert_error_model(*run_both(
+        lambda x: [aten.sum.dim_IntList(x, dims_, keepdim) * 2.0 + 1.0], x))
+
+
+def test_large_middle_dim_sums_are_declined():
+    x = torch.randn(17, 2, 3)
+    region = region_of(lambda x: [aten.sum.dim_IntList(x, [0]) * 2.0], x)
+    with pytest.raises(Unsupported, match="reduces dims"):
+        generate(region.gm, [TensorArg.of(x)])
+
+
 def test_constants_round_to_their_dtype():
     """scalar_tensor (a masked fill's value) is a literal, rounded as eager makes it: fp16's
     most negative value stays finite, a wider one becomes -inf."""

@@ -226,6 +226,10 @@ VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.unsqueeze.
 # never a copy (triton_gen's `_Emitter.at`): Llama's rotary embedding (slices, neg, cat)
 # and its backward (slice_backward) fuse with the multiplies around them
 REMAPS = frozenset({aten.slice.Tensor, aten.cat.default, aten.slice_backward.default})
+# a sum over a few elements of dims other than the last (grouped-query attention's key and
+# value gradients, summed over the heads that share them): unrolled, one load per summed
+# element, like a remap that reads several indices
+MAX_UNROLLED_SUM = 16
 # a 0-d constant: a literal in the kernel (a masked fill's value)
 CONSTANT = aten.scalar_tensor.default
 REDUCTIONS = frozenset({aten.sum.dim_IntList, aten.mean.dim, aten.amax.default})
@@ -273,6 +277,23 @@ def constant(node: fx.Node) -> str:
     return lit(torch.scalar_tensor(node.args[0], dtype=node.meta["val"].dtype).item())
 
 
+def is_unrolled_sum(node: fx.Node) -> bool:
+    """A sum over at most MAX_UNROLLED_SUM elements of dims other than the last."""
+    if node.target != aten.sum.dim_IntList or len(node.args) > 3 or node.kwargs.get("dtype"):
+        return False
+    x = _val(node.args[0])
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or not isinstance(node.args[1], (list, tuple)):
+        return False
+    dims = {d % x.dim() for d in node.args[1]}
+    return x.dim() - 1 not in dims and dims != set(range(x.dim() - 1)) and \
+        math.prod(x.shape[d] for d in dims) <= MAX_UNROLLED_SUM
+
+
+def is_remap(node: fx.Node) -> bool:
+    """Reads its input at other indices than its own element's (see REMAPS)."""
+    return node.target in REMAPS or is_unrolled_sum(node)
+
+
 def is_column_sum(node: fx.Node) -> bool:
     """A sum over every dim but the last (a bias gradient): summed with atomics per column."""
     if node.target != aten.sum.dim_IntList:
@@ -285,7 +306,7 @@ def is_column_sum(node: fx.Node) -> bool:
 
 
 def is_row_op(node: fx.Node) -> bool:
-    return node.target in ROW_OPS and not is_column_sum(node)
+    return node.target in ROW_OPS and not is_column_sum(node) and not is_unrolled_sum(node)
 
 
 def unsupported_reason(node: fx.Node) -> str | None:
@@ -321,6 +342,8 @@ def unsupported_reason(node: fx.Node) -> str | None:
     if is_column_sum(node):
         return None if outs[0].dtype == torch.float32 and len(node.args) <= 3 and \
             node.kwargs.get("dtype") is None else "a column sum into a non-fp32 tensor (atomics)"
+    if is_unrolled_sum(node):
+        return None
     if node.target in ROW_OPS:
         return _reduced_dim_reason(node)
     return None

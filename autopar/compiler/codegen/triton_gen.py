@@ -21,7 +21,8 @@ are loaded through their strides, broadcast the way the consuming op broadcasts
 them (stride 0 along size-1 or missing dims), so non-contiguous and broadcast
 inputs need no copies. Outputs are written with the strides the original op gave them.
 
-Remaps (slice, cat, slice_backward) read their input at other indices: what only they
+Remaps (slice, cat, slice_backward, a sum over a few elements of middle dims) read
+their input at other indices: what only they
 read is computed at those indices (`_Emitter.at`: loads through strides, pointwise ops
 recomputed, a cat's parts selected with `tl.where`, a slice_backward's zeros), never
 copied. A row op's value is known at its own row only and cannot be read that way.
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import operator
 import re
 from dataclasses import dataclass
@@ -42,10 +44,10 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopar.compiler.codegen.ops import (CAST, CONSTANT, POINTWISE, REMAPS, ROW_OPS,
-                                          TL_DTYPES, VIEWS, Row, Unsupported, constant,
-                                          is_column_sum, is_row_op, lit, round_bf16,
-                                          unsupported_reason)
+from autopar.compiler.codegen.ops import (CAST, CONSTANT, POINTWISE, ROW_OPS, TL_DTYPES,
+                                          VIEWS, Row, Unsupported, constant, is_column_sum,
+                                          is_remap, is_row_op, is_unrolled_sum, lit,
+                                          round_bf16, unsupported_reason)
 
 aten = torch.ops.aten
 
@@ -131,7 +133,7 @@ class _Emitter:
         remap reads. What only remaps read is computed where they read it (`at`)."""
         root = set(self.outputs)
         for n in reversed(self.ops):
-            if n in root and n.target not in REMAPS:
+            if n in root and not is_remap(n):
                 root.update(n.all_input_nodes)
         return root
 
@@ -258,7 +260,7 @@ class _Emitter:
             self.values[node] = (f"COLUMN({self.index(_shape(node.args[0]))[-1]}, {x})")
         elif node.target == CONSTANT:
             self.values[node] = constant(node)
-        elif node.target in REMAPS:
+        elif is_remap(node):
             shape = _shape(node)
             if self.cls(shape) != FULL:
                 raise Unsupported(f"{node.name} makes a value of shape {list(shape)} per row")
@@ -305,7 +307,7 @@ class _Emitter:
             value = constant(node)
         elif node.target in VIEWS:
             value = self.at(node.args[0], self._reshaped(ctx, shape, _shape(node.args[0])))
-        elif node.target in REMAPS:
+        elif is_remap(node):
             value = self._remap(node, ctx)
         elif node.target in POINTWISE or node.target == CAST:
             args = [self._operand_at(a, ctx, shape, node) for a in node.args]
@@ -340,6 +342,19 @@ class _Emitter:
 
     def _remap(self, node: fx.Node, ctx: tuple[str, ...]) -> str:
         shape, idx = _shape(node), list(ctx)
+        if is_unrolled_sum(node):  # the input at every index of the summed dims, added
+            src = _shape(node.args[0])
+            dims = sorted({d % len(src) for d in node.args[1]})
+            keep = len(node.args) > 2 and node.args[2]
+            kept = iter(c for i, c in enumerate(ctx) if not (keep and i in dims))
+            outer = [None if d in dims else next(kept) for d in range(len(src))]
+            terms = []
+            for flat in range(math.prod(src[d] for d in dims)):
+                at, rest = list(outer), flat
+                for d in reversed(dims):
+                    at[d], rest = str(rest % src[d]), rest // src[d]
+                terms.append(self.at(node.args[0], tuple(at)))
+            return self.temp(" + ".join(terms))
         if node.target == aten.slice.Tensor:  # out[i] = x[start + i * step]
             src = node.args[0]
             dim, start, step = _slice_args(node, _shape(src))

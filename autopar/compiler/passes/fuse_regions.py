@@ -51,7 +51,8 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 from autopar.compiler.codegen.kernels import FUSED_OP, register_region
 from autopar.compiler.codegen.ops import (ATEN_INPUT_PASSES, POINTWISE, REMAPS, ROW_OPS,
                                           VIEWS, Unsupported, has_lowering, is_column_sum,
-                                          is_row_op, moves_no_data, unsupported_reason)
+                                          is_remap, is_row_op, moves_no_data,
+                                          unsupported_reason)
 from autopar.compiler.codegen.triton_gen import TensorArg
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.annotate import op_name, tensor_bytes
@@ -426,7 +427,7 @@ def _cut_remaps(nodes: list[fx.Node]) -> list[fx.Node]:
     for n in nodes:
         if n in cut:
             continue
-        if n.target in REMAPS and _reads_reduction(n, inside):
+        if is_remap(n) and _reads_reduction(n, inside):
             cut.add(n)
         if cut & set(n.all_input_nodes):
             cut.add(n)
@@ -440,7 +441,7 @@ def _reads_reduction(node: fx.Node, inside: set[fx.Node]) -> bool:
         if n in seen or n not in inside:
             continue
         seen.add(n)
-        if n.target is operator.getitem or n.target in ROW_OPS:
+        if n.target is operator.getitem or (n.target in ROW_OPS and not is_remap(n)):
             return True
         stack += n.all_input_nodes
     return False
@@ -467,7 +468,7 @@ def _peel(nodes: list[fx.Node]) -> list[fx.Node]:
     domains: dict[fx.Node, int] = {}
     remapped: set[fx.Node] = set()  # read only by remaps, directly or through such nodes
     for n in reversed(nodes):
-        if n.users and all(u in inside and (u.target in REMAPS or u in remapped)
+        if n.users and all(u in inside and (is_remap(u) or u in remapped)
                            for u in n.users):
             remapped.add(n)
             domains[n] = max(domains[u] for u in n.users)
