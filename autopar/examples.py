@@ -46,13 +46,15 @@ def causal_lm_loss(output, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def gpt2(layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 256, batch: int = 8,
-         seq: int = 32, seed: int = 0) -> Example:
+         seq: int = 32, seed: int = 0, dropout: float = 0.0) -> Example:
+    """`dropout`: the embedding, residual and attention dropout probabilities (0: none, so
+    parity with eager PyTorch does not depend on random draws)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
     config = GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab,
-                        n_positions=max(seq, 64), use_cache=False, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+                        n_positions=max(seq, 64), use_cache=False, resid_pdrop=dropout,
+                        embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0, eos_token_id=0)
     model = GPT2LMHeadModel(config)
     ids = torch.randint(0, vocab, (batch, seq))
     return Example(model, (ids,), causal_lm_loss,

@@ -13,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from autopar.compiler.codegen.kernels import backend
 from autopar.compiler.codegen.ops import Unsupported
 from autopar.compiler.codegen.triton_gen import TensorArg, generate
 from tests.codegen_util import assert_error_model, region_of, run_both
@@ -70,6 +71,18 @@ def test_softmax_forward_and_backward(a, b, n, dtype, log, transpose, seed):
         y = fwd(x, -1, False)
         return [y, bwd(dy, y, -1, x.dtype)]
     assert_error_model(*run_both(fn, x, dy))
+
+
+@SETTINGS
+@given(a=dims, b=dims, n=cols, dtype=dtypes, seed=st.integers(0, 99))
+def test_safe_softmax_gives_zero_on_fully_masked_rows(a, b, n, dtype, seed):
+    """_safe_softmax (SDPA's math path): a softmax, except that a row of -inf gives zeros."""
+    x = _rand((a, b, n), dtype, seed)
+    x[0, 0] = float("-inf")  # a fully masked row
+    x[-1, -1, 0] = float("-inf")  # one masked element
+    got, eager, ref = run_both(lambda x: [aten._safe_softmax(x, -1)], x)
+    assert torch.equal(got[0][0, 0], torch.zeros(n, dtype=dtype))
+    assert_error_model(got, eager, ref)
 
 
 @SETTINGS
@@ -363,6 +376,18 @@ def test_looped_row_reductions(tiny_blocks, a, n, keepdim, seed):
     assert_error_model(*run_both(fn, x))
 
 
+@LOOPED
+@given(a=dims, n=wide, seed=st.integers(0, 99))
+def test_looped_safe_softmax(tiny_blocks, a, n, seed):
+    x = _rand((a, 2, n), torch.float32, seed)
+    x[0, 0] = float("-inf")
+    region = region_of(lambda x: [aten._safe_softmax(x, -1)], x)
+    assert generate(region.gm, [TensorArg.of(x)]).kind == "looped row"
+    got, eager, ref = run_both(lambda x: [aten._safe_softmax(x, -1)], x)
+    assert not got[0][0, 0].any()
+    assert_error_model(got, eager, ref)
+
+
 def test_vocabulary_wide_log_softmax_loops_in_blocks():
     """A 50k vocabulary's log-softmax with its backward: a looped row kernel."""
     x, dy = torch.randn(2, 50257), torch.randn(2, 50257)
@@ -373,3 +398,69 @@ def test_vocabulary_wide_log_softmax_loops_in_blocks():
     src = generate(region_of(fn, x, dy).gm, [TensorArg.of(x), TensorArg.of(dy)])
     assert src.kind == "looped row" and src.grid == 2 and src.block == 4096
     assert_error_model(*run_both(fn, x, dy))
+
+
+# -- dropout: the mask drawn in the kernel ----------------------------------------------------
+
+def _dropout(x, keep=0.9):
+    """A dropout as traced: the mask drawn in place into an uninitialized tensor, scaled."""
+    mask = aten.div_.Scalar(aten.bernoulli_.float(aten.empty_like(x), keep), keep)
+    return mask, x * mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dropout_mask_is_drawn_in_the_kernel(dtype):
+    """bernoulli_ is Philox (tl.rand) at each element's own offset: the kept fraction is
+    within 5 sigma of p, kept values are scaled by 1/p exactly as eager scales them, the
+    output is the input times the mask the kernel returns (in fp16: within the error
+    model), every launch draws afresh, and torch.manual_seed reproduces a draw."""
+    x = _rand((37, 53), dtype, 0)
+    region = region_of(lambda x: list(_dropout(x)), x)
+    with backend("triton"):
+        torch.manual_seed(0)
+        mask, out = region.run([x])
+        again = region.run([x])[0]
+        torch.manual_seed(0)
+        same = region.run([x])[0]
+    eager_mask = region.fallback([x])[0]
+    assert set(mask.unique().tolist()) <= set(eager_mask.unique().tolist()) | {0.0}
+    kept, n = (mask != 0).double().mean().item(), mask.numel()
+    assert abs(kept - 0.9) <= 5 * (0.9 * 0.1 / n) ** 0.5, kept
+    if dtype == torch.float32:
+        assert torch.equal(out, x * mask)
+    else:  # the kernel multiplies by the fp32 scale; eager by the mask rounded to fp16
+        assert_error_model([out], [x * mask], [x.double() * (mask != 0) / 0.9])
+    assert torch.equal(same, mask) and not torch.equal(again, mask)
+    assert region.source([TensorArg.of(x)]).seeds == 1
+
+
+@LOOPED
+@given(a=dims, n=wide, seed=st.integers(0, 99))
+def test_dropout_before_a_looped_softmax_redraws_the_same_mask(tiny_blocks, a, n, seed):
+    """A looped row kernel recomputes what it reads in every loop: the counter-based draw
+    gives the same mask each time, so the softmax is of x times the mask returned."""
+    x = _rand((a, 3, n), torch.float32, seed)
+    def fn(x):
+        mask, y = _dropout(x, 0.5)  # p = 0.5, bernoulli_'s default: traced without it
+        return [mask, aten._softmax(y, -1, False)]
+    region = region_of(fn, x)
+    assert generate(region.gm, [TensorArg.of(x)]).kind == "looped row"
+    with backend("triton"):
+        mask, y = region.run([x])
+    got, eager, ref = [y], [aten._softmax(x * mask, -1, False)], [
+        aten._softmax(x.double() * mask.double(), -1, False)]
+    assert_error_model(got, eager, ref)
+
+
+def test_inplace_on_a_tensor_read_elsewhere_is_declined():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autopar.compiler.codegen.ops import unsupported_reason
+
+    def fn(x):  # make_fx points reads after an in-place op at its result; this one is before
+        y = x * 2.0
+        w = y + 1.0
+        return [aten.mul_.Scalar(y, 3.0) + w]
+    gm = make_fx(fn)(torch.randn(3))
+    node = next(n for n in gm.graph.nodes if n.target == aten.mul_.Scalar)
+    assert "in-place" in unsupported_reason(node)

@@ -210,6 +210,50 @@ def test_fused_step_on_cpu_is_bit_identical_to_unfused(layout):
     assert all(torch.equal(state[k], plain_state[k]) for k in plain_state)
 
 
+def test_dropout_draws_its_mask_in_the_kernel_that_applies_it():
+    """GPT-2 with dropout: each dropout's draw (empty_like + bernoulli_), scale (div_) and
+    multiply run in one kernel, with the residual add and layer norm after it where there
+    is one; nothing of a dropout is left as an aten op. (With dropout, CPU attention traces
+    as its math decomposition: the attention probabilities' dropout is in the graph too,
+    fused with their `_safe_softmax`.)"""
+    ex = gpt2(layers=2, batch=2, seq=8, dropout=0.1)
+    tg, out, _ = _fuse(ex.model, ex.batch, ex.loss_fn)
+    draws = [n for n in tg.call_nodes() if n.target == aten.bernoulli_.float]
+    assert len(draws) == 1 + 3 * 2  # the embeddings', and per block the attention's and two
+    assert not [n for n in out.call_nodes() if n.target in (
+        aten.bernoulli_.float, aten.empty_like.default, aten.div_.Scalar)]
+    kernels = [_ops(n) for n in _fused(out) if "bernoulli_.float" in _ops(n)]
+    assert len(kernels) == len(draws) and all(
+        {"empty_like", "div_.Scalar", "mul.Tensor"} <= set(ops) for ops in kernels), kernels
+    # the embeddings' and the residual dropouts with the add and layer norm after them, the
+    # attention's with the softmax before it
+    assert sum("native_layer_norm" in ops for ops in kernels) == 1 + 2 * 2, kernels
+    assert sum("_safe_softmax" in ops for ops in kernels) == 2, kernels
+
+
+def _train_seeded(ex, layout, mode):
+    step = autopar.compile(copy.deepcopy(ex.model), None, ex.batch, ex.loss_fn, optimizer=_sgd,
+                           layout=layout)
+    torch.manual_seed(1)
+    with backend(mode):
+        losses = [float(step(*b)) for b in ex.batches(2)]
+    return losses, step.full_state_dict()
+
+
+def test_dropout_on_cpu_is_bit_identical_and_triton_draws_are_seeded():
+    """On CPU the fused regions draw with eager's bernoulli_ in graph order: the same masks,
+    losses and weights as the unfused step. The kernels draw their own (Philox) masks:
+    reproducible under torch.manual_seed, and training with them moves the loss."""
+    ex = gpt2(layers=1, batch=2, seq=8, dropout=0.1)
+    plain = _train_seeded(ex, autopar.Layout(), "eager")
+    fused = _train_seeded(ex, autopar.Layout(fusion=True), "auto")
+    assert fused[0] == plain[0]
+    assert all(torch.equal(fused[1][k], plain[1][k]) for k in plain[1])
+    first, again = (_train_seeded(ex, autopar.Layout(fusion=True), "triton") for _ in range(2))
+    assert first[0] == again[0] and first[0] != plain[0]
+    assert all(torch.isfinite(torch.tensor(first[0])))
+
+
 def test_amp_bf16_with_triton_kernels_within_bf16_eps():
     """bf16 AMP graphs: kernels load and store bf16, compute in fp32 (eager rounds every
     op to bf16), so losses agree to bf16's epsilon, not bit for bit."""

@@ -71,7 +71,10 @@ class FusedRegion:
         outs = [torch.zeros(o.shape, dtype=o.dtype, device=device) if o.kind == COLUMN
                 else torch.empty_strided(o.shape, o.stride, dtype=o.dtype, device=device)
                 for o in src.outputs]
-        fn[(src.grid,)](*inputs, *outs, BLOCK=src.block)
+        # a fresh Philox seed per draw and launch, from torch's CPU generator: torch.manual_seed
+        # reproduces the masks; the eager fallback draws from the device's generator instead
+        seeds = torch.randint(0, 2 ** 31 - 1, (src.seeds,)).tolist()
+        fn[(src.grid,)](*inputs, *outs, *seeds, BLOCK=src.block)
         return outs
 
 

@@ -135,6 +135,17 @@ POINTWISE: dict[object, Callable[..., str]] = {
     aten.ge.Tensor: lambda x, y: f"({x} >= {y})", aten.ge.Scalar: lambda x, y: f"({x} >= {y})",
     aten.clone.default: lambda x, memory_format=None: x,
 }
+# in-place variants (a dropout scales its mask with div_): the same expression, allowed when
+# nothing but the op reads the tensor it overwrites (`_inplace_reason`)
+INPLACE = {aten.div_.Scalar: aten.div.Scalar, aten.div_.Tensor: aten.div.Tensor,
+           aten.mul_.Scalar: aten.mul.Scalar, aten.mul_.Tensor: aten.mul.Tensor,
+           aten.add_.Scalar: aten.add.Scalar, aten.add_.Tensor: aten.add.Tensor}
+POINTWISE.update({op: POINTWISE[of] for op, of in INPLACE.items()})
+# a dropout's mask: `bernoulli_(empty_like(x), keep)` draws it in place into an
+# uninitialized tensor. In a kernel the tensor is nothing and the draw is Philox
+# (`tl.rand`) with a seed the launch takes from torch's generator (kernels.py)
+EMPTY = aten.empty_like.default
+RANDOM = aten.bernoulli_.float
 # ops whose inputs are cast to fp32 by eager too: an fp16 compare or where is exact in fp32
 CAST = aten._to_copy.default
 
@@ -160,6 +171,14 @@ class Row:
 def _softmax(r: Row, x, dim, half_to_float):
     e = r.emit(f"tl.exp({x} - {r.max(x)})")
     return f"({e} / {r.sum(e)})"
+
+
+def _safe_softmax(r: Row, x, dim, dtype=None):
+    """softmax, but 0 over a row that is all -inf (a fully masked attention row), not NaN."""
+    top = r.max(x)
+    masked = r.emit(f"({top} == float('-inf'))")
+    e = r.emit(f"tl.exp({x} - tl.where({masked}, 0.0, {top}))")  # all 0 on a masked row
+    return f"({e} / tl.where({masked}, 1.0, {r.sum(e)}))"
 
 
 def _log_softmax(r: Row, x, dim, half_to_float):
@@ -207,6 +226,7 @@ def _amax(r: Row, x, dims, keepdim=False):
 
 ROW_OPS: dict[object, Callable[..., object]] = {
     aten._softmax.default: _softmax, aten._log_softmax.default: _log_softmax,
+    aten._safe_softmax.default: _safe_softmax,
     aten._softmax_backward_data.default: _softmax_backward,
     aten._log_softmax_backward_data.default: _log_softmax_backward,
     aten.native_layer_norm.default: _layer_norm,
@@ -256,6 +276,9 @@ def _reduced_dim_reason(node: fx.Node) -> str | None:
     dims = [dims] if isinstance(dims, int) else list(dims or [])
     if [d % x.dim() for d in dims] != [x.dim() - 1]:
         return f"reduces dims {dims} of a {x.dim()}-d tensor (emitted: the last dim only)"
+    if node.target == aten._safe_softmax.default and (
+            len(node.args) > 2 and node.args[2] is not None or node.kwargs.get("dtype") is not None):
+        return "_safe_softmax with a dtype argument"
     if node.target in REDUCTIONS and (len(node.args) > 3 or node.kwargs.get("dtype") is not None):
         return "reduction with a dtype argument"
     return None
@@ -263,7 +286,8 @@ def _reduced_dim_reason(node: fx.Node) -> str | None:
 
 def has_lowering(node: fx.Node) -> bool:
     return (node.target in POINTWISE or node.target in ROW_OPS or node.target == CAST
-            or node.target in VIEWS or node.target in REMAPS or node.target == CONSTANT)
+            or node.target in VIEWS or node.target in REMAPS or node.target == CONSTANT
+            or node.target in (EMPTY, RANDOM))
 
 
 def moves_no_data(node: fx.Node) -> bool:
@@ -333,6 +357,14 @@ def unsupported_reason(node: fx.Node) -> str | None:
     if node.target == aten.native_layer_norm_backward.default and \
             any(isinstance(v, torch.Tensor) and v.dtype != torch.float32 for v in outs[1:]):
         return "layer norm backward with half-precision weights (summed with fp32 atomics)"
+    if node.target in INPLACE or node.target == RANDOM:
+        target = node.args[0]
+        if not isinstance(target, fx.Node) or target.op != "call_function" or len(target.users) > 1:
+            return "an in-place op on a tensor something else reads (emitted: on a tensor only it reads)"
+    if node.target == RANDOM and (len(node.args) > 2 or node.kwargs.get("generator") is not None):
+        return "bernoulli_ with its own generator"
+    if node.target == EMPTY and any(u.target != RANDOM for u in node.users):
+        return "empty_like read before anything writes it"
     if node.target == CONSTANT and outs[0].dtype == torch.bool:
         return "a bool constant (emitted: float constants)"
     if node.target in REMAPS and any(t.numel() == 0 for t in tensors):

@@ -44,8 +44,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopar.compiler.codegen.ops import (CAST, CONSTANT, POINTWISE, ROW_OPS, TL_DTYPES,
-                                          VIEWS, Row, Unsupported, constant, is_column_sum,
+from autopar.compiler.codegen.ops import (CAST, CONSTANT, EMPTY, POINTWISE, RANDOM, ROW_OPS,
+                                          TL_DTYPES, VIEWS, Row, Unsupported, constant,
+                                          is_column_sum,
                                           is_remap, is_row_op, is_unrolled_sum, lit,
                                           round_bf16, unsupported_reason)
 
@@ -91,6 +92,7 @@ class KernelSource:
     grid: int
     block: int
     outputs: tuple[OutputSpec, ...]
+    seeds: int = 0  # random draws (dropout masks): one seed argument each, after the outputs
 
 
 def _numel(shape) -> int:
@@ -126,6 +128,7 @@ class _Emitter:
         self.loads: dict[tuple, str] = {}
         self.indices: dict[tuple[int, ...], list[str]] = {}
         self.remapped: dict[tuple[fx.Node, tuple[str, ...]], str] = {}
+        self.seeds: list[fx.Node] = []
         self.count = 0
 
     def _root_nodes(self) -> set[fx.Node]:
@@ -260,7 +263,7 @@ class _Emitter:
             self.values[node] = (f"COLUMN({self.index(_shape(node.args[0]))[-1]}, {x})")
         elif node.target == CONSTANT:
             self.values[node] = constant(node)
-        elif is_remap(node):
+        elif node.target in (EMPTY, RANDOM) or is_remap(node):
             shape = _shape(node)
             if self.cls(shape) != FULL:
                 raise Unsupported(f"{node.name} makes a value of shape {list(shape)} per row")
@@ -305,6 +308,15 @@ class _Emitter:
                               f"mask=mask, other=0){cast}")
         elif node.target == CONSTANT:
             value = constant(node)
+        elif node.target == EMPTY:  # never read: only bernoulli_ overwrites it
+            value = "zero"
+        elif node.target == RANDOM:  # 1 with probability p, at this element's own offset
+            if node not in self.seeds:
+                self.seeds.append(node)
+            keep = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+            flat = self._flat(ctx, shape)
+            value = self.temp(f"tl.where(tl.rand(seed{self.seeds.index(node)}, {flat}) < "
+                              f"{lit(keep)}, 1.0, 0.0)")
         elif node.target in VIEWS:
             value = self.at(node.args[0], self._reshaped(ctx, shape, _shape(node.args[0])))
         elif is_remap(node):
@@ -333,10 +345,14 @@ class _Emitter:
             return f"{value}.to(tl.float32)"
         return value
 
+    def _flat(self, ctx, shape) -> str:
+        """The row-major position of the element at `ctx` in `shape` (a vector)."""
+        terms = [f"({c}) * {st}" for c, n, st in zip(ctx, shape, _contiguous(shape)) if n != 1]
+        return self.temp(" + ".join(terms + ["zero"]))
+
     def _reshaped(self, ctx, shape, src_shape) -> tuple[str, ...]:
         """The index in `src_shape` of the element at `ctx` in its reshape `shape`."""
-        terms = [f"({c}) * {st}" for c, n, st in zip(ctx, shape, _contiguous(shape)) if n != 1]
-        flat = self.temp(" + ".join(terms) or "0")
+        flat = self._flat(ctx, shape)
         return tuple("0" if n == 1 else self.temp(f"{flat} // {st} % {n}")
                      for n, st in zip(src_shape, _contiguous(src_shape)))
 
@@ -554,7 +570,8 @@ def generate(gm: fx.GraphModule, args: list[TensorArg], name_hint: str = "fused"
         if node in em.root:
             em.emit_op(node)
     outputs = tuple(em.store(k, node) for k, node in enumerate(em.outputs))
-    params = [f"in{i}" for i in range(len(args))] + [f"out{k}" for k in range(len(outputs))]
+    params = [f"in{i}" for i in range(len(args))] + [f"out{k}" for k in range(len(outputs))] \
+        + [f"seed{j}" for j in range(len(em.seeds))]
     looped = em.row_kernel and _next_pow2(em.full[-1]) > MAX_ROW_BLOCK
     body = _looped(em.lines, em.full[-1]) if looped else em.prologue() + em.lines
     digest = hashlib.sha256("\n".join(body).encode()).hexdigest()[:12]
@@ -565,6 +582,7 @@ def generate(gm: fx.GraphModule, args: list[TensorArg], name_hint: str = "fused"
     if em.row_kernel:
         block = min(LOOP_BLOCK, _next_pow2(em.full[-1])) if looped else _next_pow2(em.full[-1])
         return KernelSource(name, text, "looped row" if looped else "row", _numel(em.full[:-1]),
-                            block, outputs)
+                            block, outputs, len(em.seeds))
     block = min(POINTWISE_BLOCK, _next_pow2(_numel(em.full)))
-    return KernelSource(name, text, "pointwise", -(-_numel(em.full) // block), block, outputs)
+    return KernelSource(name, text, "pointwise", -(-_numel(em.full) // block), block, outputs,
+                        len(em.seeds))
