@@ -101,10 +101,12 @@ def main() -> None:
     p.add_argument("--model", default="gpt2-small4")
     p.add_argument("--repeats", type=int, default=5, help="timed runs of fusion + codegen")
     p.add_argument("--no-inductor", action="store_true")
+    p.add_argument("--dropout", type=float, default=None,
+                   help="GPT-2's dropout probability (the examples have none)")
     args = p.parse_args()
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="inductor-cold-"))
     torch.set_num_threads(1)
-    example = load_example(args.model)
+    example = load_example(args.model, **({} if args.dropout is None else {"dropout": args.dropout}))
     row = autopar_side(example, args.repeats)
     if not args.no_inductor:
         row.update(inductor_side(example))

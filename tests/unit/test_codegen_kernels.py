@@ -300,6 +300,21 @@ def test_limits_are_declined_with_reasons():
         generate(region.gm, [huge])
 
 
+def test_a_slice_of_a_tensor_beyond_int32_offsets_is_left_out():
+    """Left out of a region, the slice's output is an input read through its own strides
+    (tensor parallelism slices a head range out of a replicated score tensor this big)."""
+    import torch.fx as fx
+
+    from autopar.compiler.codegen.ops import unsupported_reason
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(4, 2 ** 29 + 1, device="meta")
+    part = graph.call_function(aten.slice.Tensor, (x, 1, 0, 8))
+    part.meta["val"] = x.meta["val"][:, :8]
+    assert "int32" in unsupported_reason(part)
+
+
 # -- looped row kernels: rows wider than one block ---------------------------------------------
 
 @pytest.fixture

@@ -46,9 +46,8 @@ import torch.fx as fx
 
 from autopar.compiler.codegen.ops import (CAST, CONSTANT, EMPTY, POINTWISE, RANDOM, ROW_OPS,
                                           TL_DTYPES, VIEWS, Row, Unsupported, constant,
-                                          is_column_sum,
-                                          is_remap, is_row_op, is_unrolled_sum, lit,
-                                          round_bf16, unsupported_reason)
+                                          extent, is_column_sum, is_remap, is_row_op,
+                                          is_unrolled_sum, lit, round_bf16, unsupported_reason)
 
 aten = torch.ops.aten
 
@@ -475,8 +474,7 @@ def _cast(x: str, src: torch.dtype, dst: torch.dtype) -> str:
 
 
 def _check_limits(em: _Emitter, args: list[TensorArg]) -> None:
-    extents = [_numel(em.full)] + [sum((n - 1) * st for n, st in zip(a.shape, a.stride)) + 1
-                                   for a in args if _numel(a.shape)]
+    extents = [_numel(em.full)] + [extent(a.shape, a.stride) for a in args]
     if max(extents) >= INT32_LIMIT:
         raise Unsupported(f"a tensor spanning {max(extents)} elements (offsets are int32)")
 

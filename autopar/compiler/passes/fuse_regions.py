@@ -154,7 +154,8 @@ class _Region:
         self.args = [TensorArg(tuple(a.meta[M.VAL].shape), tuple(a.meta[M.VAL].stride()),
                                a.meta[M.VAL].dtype) for a in self.inputs]
         self.bytes_before = _bytes_unfused(nodes)
-        self.bytes_after = sum(tensor_bytes(n.meta.get(M.VAL)) for n in self.inputs + self.outputs)
+        self.bytes_after = sum(map(_bytes_read, self.inputs, [set(nodes)] * len(self.inputs))) \
+            + sum(tensor_bytes(n.meta.get(M.VAL)) for n in self.outputs)
         self.fallback_peak = _fallback_peak(nodes, set(self.outputs))
 
     @functools.cached_property
@@ -164,6 +165,23 @@ class _Region:
 
     def describe(self) -> str:
         return f"{_region_name(self.nodes)} at {self.nodes[0].name} ({len(self.nodes)} ops)"
+
+
+def _bytes_read(value: fx.Node, inside: set[fx.Node]) -> int:
+    """Bytes a kernel reads of its input `value`: all of it, or what its slices take when
+    the region reads it only through slices (tensor parallelism's head range of a
+    replicated tensor)."""
+    whole = tensor_bytes(value.meta.get(M.VAL))
+    readers, todo = [], [u for u in value.users if u in inside]
+    while todo:  # through reshapes to what reads the elements
+        user = todo.pop()
+        if user.target in VIEWS:
+            todo += [u for u in user.users if u in inside]
+        else:
+            readers.append(user)
+    if readers and all(u.target == torch.ops.aten.slice.Tensor for u in readers):
+        return min(whole, sum(tensor_bytes(u.meta.get(M.VAL)) for u in readers))
+    return whole
 
 
 def _fallback_peak(nodes: list[fx.Node], outputs: set[fx.Node]) -> int:
