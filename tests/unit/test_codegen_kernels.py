@@ -240,6 +240,24 @@ def test_large_middle_dim_sums_are_declined():
         generate(region.gm, [TensorArg.of(x)])
 
 
+@SETTINGS
+@given(a=dims, b=dims, n=cols, perm=st.permutations([0, 1, 2]), dtype=dtypes,
+       seed=st.integers(0, 99))
+def test_transposes_permutes_and_expands_reindex(a, b, n, perm, dtype, seed):
+    """SDPA's math path scales q and k, expands and copies them (`mul`, `expand`, `clone`)
+    and the backward copies transposes: inside a kernel a transpose, permute or expand
+    reads its input at the corresponding index, with a contiguous output."""
+    x, y = _rand((a, b, n), dtype, seed), _rand((1, b, 1), dtype, seed + 1)
+
+    def fn(x, y):
+        moved = aten.permute(x * 0.5, perm)
+        wide = aten.expand(y.exp(), [a, b, n])
+        return [aten.clone(moved, memory_format=torch.contiguous_format) + 1.0,
+                aten.clone(aten.transpose(wide + x, 0, 2), memory_format=torch.contiguous_format)]
+    assert_error_model(*run_both(lambda x, y: fn(x, y)[:1], x, y))
+    assert_error_model(*run_both(lambda x, y: fn(x, y)[1:], x, y))
+
+
 def test_constants_round_to_their_dtype():
     """scalar_tensor (a masked fill's value) is a literal, rounded as eager makes it: fp16's
     most negative value stays finite, a wider one becomes -inf."""

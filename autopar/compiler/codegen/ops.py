@@ -9,8 +9,10 @@ Two families:
   row kernel, one program per row with a block over the reduced dim; `Row` gives them
   the helpers to reduce a value over the row (masked) and to name temporaries.
 
-Besides them: reshapes (VIEWS), remaps (REMAPS: slice, cat, slice_backward, which read
-their input at other indices) and constants (scalar_tensor).
+Besides them: reshapes (VIEWS), remaps (REMAPS: slice, cat, slice_backward, transpose,
+permute, expand, which read their input at other indices; small middle-dim sums act as
+one), constants (scalar_tensor), a dropout's mask draw (EMPTY, RANDOM) and in-place
+variants of add/mul/div (INPLACE).
 
 Every value inside a kernel is computed in fp32 (bool for comparisons); an explicit
 cast (`_to_copy`) rounds through its dtype, as eager does, and stores cast to the
@@ -245,7 +247,12 @@ VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.unsqueeze.
 # (the slice placed in zeros). Inside a kernel each is index arithmetic on what it reads,
 # never a copy (triton_gen's `_Emitter.at`): Llama's rotary embedding (slices, neg, cat)
 # and its backward (slice_backward) fuse with the multiplies around them
-REMAPS = frozenset({aten.slice.Tensor, aten.cat.default, aten.slice_backward.default})
+# Transposes, permutes and expands (LAYOUT_VIEWS) are remaps too: inside a kernel they
+# re-index what they read; at a region's edge they stay views (fuse_regions._trim_views)
+LAYOUT_VIEWS = frozenset({aten.transpose.int, aten.permute.default, aten.t.default,
+                          aten.expand.default})
+REMAPS = frozenset({aten.slice.Tensor, aten.cat.default, aten.slice_backward.default}) \
+    | LAYOUT_VIEWS
 # a sum over a few elements of dims other than the last (grouped-query attention's key and
 # value gradients, summed over the heads that share them): unrolled, one load per summed
 # element, like a remap that reads several indices

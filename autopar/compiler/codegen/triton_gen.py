@@ -21,8 +21,8 @@ are loaded through their strides, broadcast the way the consuming op broadcasts
 them (stride 0 along size-1 or missing dims), so non-contiguous and broadcast
 inputs need no copies. Outputs are written with the strides the original op gave them.
 
-Remaps (slice, cat, slice_backward, a sum over a few elements of middle dims) read
-their input at other indices: what only they
+Remaps (slice, cat, slice_backward, transpose, permute, expand, a sum over a few elements
+of middle dims) read their input at other indices: what only they
 read is computed at those indices (`_Emitter.at`: loads through strides, pointwise ops
 recomputed, a cat's parts selected with `tl.where`, a slice_backward's zeros), never
 copied. A row op's value is known at its own row only and cannot be read that way.
@@ -44,8 +44,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopar.compiler.codegen.ops import (CAST, CONSTANT, EMPTY, POINTWISE, RANDOM, ROW_OPS,
-                                          TL_DTYPES, VIEWS, Row, Unsupported, constant,
+from autopar.compiler.codegen.ops import (CAST, CONSTANT, EMPTY, LAYOUT_VIEWS, POINTWISE,
+                                          RANDOM, ROW_OPS, TL_DTYPES, VIEWS, Row, Unsupported, constant,
                                           extent, is_column_sum, is_remap, is_row_op,
                                           is_unrolled_sum, lit, round_bf16, unsupported_reason)
 
@@ -357,6 +357,8 @@ class _Emitter:
 
     def _remap(self, node: fx.Node, ctx: tuple[str, ...]) -> str:
         shape, idx = _shape(node), list(ctx)
+        if node.target in LAYOUT_VIEWS:  # out[i] = x[the same element, indexed x's way]
+            return self.at(node.args[0], _view_index(node, ctx, _shape(node.args[0])))
         if is_unrolled_sum(node):  # the input at every index of the summed dims, added
             src = _shape(node.args[0])
             dims = sorted({d % len(src) for d in node.args[1]})
@@ -434,6 +436,24 @@ def _strip(shape) -> tuple[int, ...]:
     while shape and shape[0] == 1:
         shape = shape[1:]
     return shape
+
+
+def _view_index(node: fx.Node, ctx: tuple[str, ...], src: tuple[int, ...]) -> tuple[str, ...]:
+    """The index into a transpose's, permute's or expand's input of the element at `ctx`."""
+    if node.target == aten.expand.default:  # right-aligned; a size-1 dim repeats its element
+        lead = len(ctx) - len(src)
+        return tuple("0" if n == 1 else ctx[i + lead] for i, n in enumerate(src))
+    if node.target == aten.permute.default:
+        order = [d % len(src) for d in node.args[1]]
+    else:  # transpose(x, a, b), t(x)
+        a, b = (node.args[1] % len(src), node.args[2] % len(src)) if len(node.args) > 1 \
+            else (0, len(src) - 1)
+        order = list(range(len(src)))
+        order[a], order[b] = order[b], order[a]
+    out = [""] * len(src)
+    for i, d in enumerate(order):  # output dim i is input dim order[i]
+        out[d] = ctx[i]
+    return tuple(out)
 
 
 def _affine(index: str, scale: int, shift: int) -> str:

@@ -7,8 +7,12 @@ kernel's eager fallback and the source of its Triton kernel.
 
 - Candidates: ops with a Triton lowering (codegen/ops.py: pointwise ops with
   broadcasting, reductions over the last dim, column sums, softmax, log-softmax,
-  layer norm and their backwards, reshapes of contiguous tensors). Matmuls,
-  attention, other views, collectives and `comm` nodes are never fused.
+  layer norm and their backwards, reshapes of contiguous tensors, remaps (slices,
+  cat, slice_backward, transposes, expands), small middle-dim sums, constants, a
+  dropout's mask draw). Matmuls, attention, reshapes of non-contiguous tensors,
+  collectives and `comm` nodes are never fused; views at a region's edge stay views
+  (`_trim_views`), and a remap that would read a reduction's value is left out with
+  what follows it (`_cut_remaps`).
 - Legality: torch.fx's CapabilityBasedPartitioner groups connected candidates
   without a cycle through the rest of the graph; it runs once per program (forward
   or backward of a pipeline stage), so no kernel spans two programs. The code
@@ -49,8 +53,8 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from autopar.compiler.codegen.kernels import FUSED_OP, register_region
-from autopar.compiler.codegen.ops import (ATEN_INPUT_PASSES, POINTWISE, REMAPS, ROW_OPS,
-                                          VIEWS, Unsupported, has_lowering, is_column_sum,
+from autopar.compiler.codegen.ops import (ATEN_INPUT_PASSES, LAYOUT_VIEWS, POINTWISE, REMAPS,
+                                          ROW_OPS, VIEWS, Unsupported, has_lowering, is_column_sum,
                                           is_remap, is_row_op, moves_no_data,
                                           unsupported_reason)
 from autopar.compiler.codegen.triton_gen import TensorArg
@@ -132,14 +136,17 @@ def _region_name(nodes: list[fx.Node]) -> str:
 
 
 def _trim_views(nodes: list[fx.Node]) -> list[fx.Node]:
-    """Leave out views of the region's inputs whose values are also used outside it:
-    a kernel output cannot be a view of its input (they read the input through the view
-    instead). They sit at the region's boundary, so no cycle appears."""
+    """Leave out views at the region's edge: reshapes and transposes of its inputs whose
+    values are also used outside it (a kernel output cannot be a view of its input: they
+    read the input through the view instead), and transposes, permutes and expands of
+    its values that only the rest of the graph reads (it views the kernel's output, as
+    it viewed the unfused value). They sit at the edge, so no cycle appears."""
     nodes = list(nodes)
     while True:
         inside = set(nodes)
-        edge = [n for n in nodes if n.target in VIEWS and not set(n.all_input_nodes) & inside
-                and any(u not in inside for u in n.users)]
+        edge = [n for n in nodes if (n.target in VIEWS or n.target in LAYOUT_VIEWS)
+                and not set(n.all_input_nodes) & inside and any(u not in inside for u in n.users)]
+        edge += [n for n in nodes if n.target in LAYOUT_VIEWS and not set(n.users) & inside]
         if not edge:
             return nodes
         nodes = [n for n in nodes if n not in edge]
