@@ -310,27 +310,53 @@ def test_custom_op_passes_opcheck():
     assert set(result.values()) == {"SUCCESS"}, result
 
 
-def test_limits_are_declined_with_reasons():
-    """Tensors beyond int32 offsets are not emitted."""
+def test_tensors_beyond_int32_offsets_get_int64_indices():
+    """A tensor spanning 2^31 elements or more (tensor parallelism slices a head range out
+    of a replicated score tensor that big) widens the kernel's indices to int64; a dropout
+    over that many elements is declined (Philox offsets are 32-bit)."""
     region = region_of(lambda x: [x * 2.0], torch.randn(2, 8))
     huge = TensorArg((2, 8), (2 ** 31, 1), torch.float32)
-    with pytest.raises(Unsupported, match="int32"):
-        generate(region.gm, [huge])
+    assert "tl.program_id(0).to(tl.int64)" in generate(region.gm, [huge]).text
+    assert "to(tl.int64)" not in generate(region.gm, [TensorArg.of(torch.randn(2, 8))]).text
+    region = region_of(lambda x: list(_dropout(x)), torch.randn(2, 8))
+    generate(region.gm, [huge])  # the mask itself is small
+    with pytest.raises(Unsupported, match="32-bit"):
+        generate(region.gm, [TensorArg((2 ** 16, 2 ** 15), (2 ** 15, 1), torch.float32)])
 
 
-def test_a_slice_of_a_tensor_beyond_int32_offsets_is_left_out():
-    """Left out of a region, the slice's output is an input read through its own strides
-    (tensor parallelism slices a head range out of a replicated score tensor this big)."""
-    import torch.fx as fx
+@pytest.fixture
+def wide_indices(monkeypatch):
+    """Every kernel computes its indices in int64 (kernels compiled before are set aside)."""
+    from autopar.compiler.codegen import kernels, triton_gen
 
-    from autopar.compiler.codegen.ops import unsupported_reason
+    monkeypatch.setattr(triton_gen, "INT32_LIMIT", 1)
+    monkeypatch.setattr(kernels, "_REGIONS", {})
 
-    graph = fx.Graph()
-    x = graph.placeholder("x")
-    x.meta["val"] = torch.empty(4, 2 ** 29 + 1, device="meta")
-    part = graph.call_function(aten.slice.Tensor, (x, 1, 0, 8))
-    part.meta["val"] = x.meta["val"][:, :8]
-    assert "int32" in unsupported_reason(part)
+
+def test_int64_indices_give_the_same_results(wide_indices):
+    """The int64 path on small tensors, under the interpreter: a broadcast transposed
+    pointwise chain, a softmax with its backward, a layer norm with its weight and bias
+    gradients (column sums), a rotary embedding (remaps)."""
+    x, dy = _rand((3, 4, 9), torch.float32, 0, True), _rand((3, 4, 9), torch.float32, 1)
+    w, b = _rand((9,), torch.float32, 2), _rand((9,), torch.float32, 3)
+
+    def norm(x, dy, w, b):
+        y, mean, rstd = aten.native_layer_norm(x, [9], w, b, 1e-5)
+        return [y, *aten.native_layer_norm_backward(dy, x, [9], mean, rstd, w, b,
+                                                    [True, True, True])]
+
+    def softmax(x, dy):
+        y = aten._softmax(x, -1, False)
+        return [y, aten._softmax_backward_data(dy, y, -1, x.dtype)]
+
+    def rotary(x, w):
+        return [x * w + torch.cat((-x[..., 5:], x[..., :5]), dim=-1) * w]
+    cases = [(_gelu_tanh_chain, (x, b)), (norm, (x, dy, w, b)), (softmax, (x, dy)),
+             (rotary, (x, w))]
+    for fn, inputs in cases:
+        source = generate(region_of(fn, *inputs).gm, [TensorArg.of(t) for t in inputs])
+        assert "to(tl.int64)" in source.text, fn.__name__
+        assert_error_model(*run_both(fn, *inputs))
 
 
 # -- looped row kernels: rows wider than one block ---------------------------------------------
@@ -497,3 +523,14 @@ def test_inplace_on_a_tensor_read_elsewhere_is_declined():
     gm = make_fx(fn)(torch.randn(3))
     node = next(n for n in gm.graph.nodes if n.target == aten.mul_.Scalar)
     assert "in-place" in unsupported_reason(node)
+
+
+def test_int64_indices_in_a_looped_row_kernel(tiny_blocks, wide_indices):
+    x, dy = _rand((2, 3, 11), torch.float32, 4), _rand((2, 3, 11), torch.float32, 5)
+
+    def fn(x, dy):
+        y = aten._log_softmax(x, -1, False)
+        return [y, aten._log_softmax_backward_data(dy, y, -1, x.dtype)]
+    source = generate(region_of(fn, x, dy).gm, [TensorArg.of(x), TensorArg.of(dy)])
+    assert source.kind == "looped row" and "to(tl.int64)" in source.text
+    assert_error_model(*run_both(fn, x, dy))

@@ -291,13 +291,6 @@ def _reduced_dim_reason(node: fx.Node) -> str | None:
     return None
 
 
-def extent(shape, stride) -> int:
-    """Elements from a tensor's first to its last, through its strides (0 if empty)."""
-    if any(n == 0 for n in shape):
-        return 0
-    return sum((n - 1) * st for n, st in zip(shape, stride)) + 1
-
-
 def has_lowering(node: fx.Node) -> bool:
     return (node.target in POINTWISE or node.target in ROW_OPS or node.target == CAST
             or node.target in VIEWS or node.target in REMAPS or node.target == CONSTANT
@@ -384,9 +377,6 @@ def unsupported_reason(node: fx.Node) -> str | None:
         return "a bool constant (emitted: float constants)"
     if node.target in REMAPS and any(t.numel() == 0 for t in tensors):
         return f"{node.target} of an empty tensor"
-    if node.target in REMAPS and max(extent(t.shape, t.stride()) for t in tensors) >= 2 ** 31:
-        # left out, a slice's output is an input the kernel reads through its own strides
-        return f"{node.target} of a tensor spanning 2^31 elements or more (offsets are int32)"
     if node.target in VIEWS and not all(t.is_contiguous() for t in tensors):
         return "a view of a non-contiguous tensor (a kernel reads views as reshapes)"
     if is_column_sum(node):

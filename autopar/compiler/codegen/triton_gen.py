@@ -46,7 +46,7 @@ import torch.fx as fx
 
 from autopar.compiler.codegen.ops import (CAST, CONSTANT, EMPTY, LAYOUT_VIEWS, POINTWISE,
                                           RANDOM, ROW_OPS, TL_DTYPES, VIEWS, Row, Unsupported, constant,
-                                          extent, is_column_sum, is_remap, is_row_op,
+                                          is_column_sum, is_remap, is_row_op,
                                           is_unrolled_sum, lit, round_bf16, unsupported_reason)
 
 aten = torch.ops.aten
@@ -59,7 +59,9 @@ POINTWISE_BLOCK = 1024
 # assumptions, not measured on a GPU (none on the development machine)
 MAX_ROW_BLOCK = 1 << 14
 LOOP_BLOCK = 1 << 12
-INT32_LIMIT = 2 ** 31  # offsets are int32 (program ids and aranges are)
+# program ids and aranges are int32: a kernel over a tensor spanning this many elements or
+# more computes its indices in int64 (the program id widened first)
+INT32_LIMIT = 2 ** 31
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,7 @@ class _Emitter:
         self.remapped: dict[tuple[fx.Node, tuple[str, ...]], str] = {}
         self.seeds: list[fx.Node] = []
         self.count = 0
+        self.wide = False  # int64 indices (set by _check_limits)
 
     def _root_nodes(self) -> set[fx.Node]:
         """Nodes computed at the kernel's own element: the outputs and what any op but a
@@ -173,9 +176,9 @@ class _Emitter:
 
     def prologue(self) -> list[str]:
         if self.row_kernel:
-            return ["row = tl.program_id(0)", "cols = tl.arange(0, BLOCK)",
+            return [f"row = {_program_id(self.wide)}", "cols = tl.arange(0, BLOCK)",
                     f"mask = cols < {self.full[-1]}", "zero = cols * 0"]
-        return ["lin = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)",
+        return [f"lin = {_program_id(self.wide)} * BLOCK + tl.arange(0, BLOCK)",
                 f"mask = lin < {_numel(self.full)}", "zero = lin * 0"]
 
     def index(self, shape: tuple[int, ...]) -> list[str]:
@@ -494,9 +497,23 @@ def _cast(x: str, src: torch.dtype, dst: torch.dtype) -> str:
 
 
 def _check_limits(em: _Emitter, args: list[TensorArg]) -> None:
-    extents = [_numel(em.full)] + [extent(a.shape, a.stride) for a in args]
-    if max(extents) >= INT32_LIMIT:
-        raise Unsupported(f"a tensor spanning {max(extents)} elements (offsets are int32)")
+    """Widen the kernel's indices to int64 when a tensor spans 2^31 elements or more."""
+    extents = [_numel(em.full)] + [_extent(a) for a in args]
+    em.wide = max(extents) >= INT32_LIMIT
+    if em.wide and any(n.target == RANDOM for n in em.ops) and _numel(em.full) >= INT32_LIMIT:
+        raise Unsupported(f"a dropout mask over {_numel(em.full)} elements (Philox offsets "
+                          "are 32-bit)")
+
+
+def _extent(arg: TensorArg) -> int:
+    """Elements from a tensor's first to its last, through its strides (0 if empty)."""
+    if not _numel(arg.shape):
+        return 0
+    return sum((n - 1) * st for n, st in zip(arg.shape, arg.stride)) + 1
+
+
+def _program_id(wide: bool) -> str:
+    return "tl.program_id(0).to(tl.int64)" if wide else "tl.program_id(0)"
 
 
 def _next_pow2(n: int) -> int:
@@ -509,7 +526,7 @@ _REDUCTION = re.compile(r"tl\.(sum|max)\(tl\.where\(mask, ")
 _FULL_SEEDS = frozenset({"cols", "mask", "zero"})
 
 
-def _looped(lines: list[str], n: int) -> list[str]:
+def _looped(lines: list[str], n: int, wide: bool = False) -> list[str]:
     """A row kernel's body (after its prologue) as loops over blocks of BLOCK columns
     (see the module docstring)."""
     parsed = []  # (target or None, text, refs)
@@ -528,7 +545,7 @@ def _looped(lines: list[str], n: int) -> list[str]:
         elif refs & (_FULL_SEEDS | full) and target:
             full.add(target)
 
-    out, done = ["row = tl.program_id(0)", *index], set()
+    out, done = [f"row = {_program_id(wide)}", *index], set()
     loop = [f"for start in range(0, {n}, BLOCK):", "    cols = start + tl.arange(0, BLOCK)",
             f"    mask = cols < {n}", "    zero = cols * 0"]
     pending = list(reductions)
@@ -591,7 +608,7 @@ def generate(gm: fx.GraphModule, args: list[TensorArg], name_hint: str = "fused"
     params = [f"in{i}" for i in range(len(args))] + [f"out{k}" for k in range(len(outputs))] \
         + [f"seed{j}" for j in range(len(em.seeds))]
     looped = em.row_kernel and _next_pow2(em.full[-1]) > MAX_ROW_BLOCK
-    body = _looped(em.lines, em.full[-1]) if looped else em.prologue() + em.lines
+    body = _looped(em.lines, em.full[-1], em.wide) if looped else em.prologue() + em.lines
     digest = hashlib.sha256("\n".join(body).encode()).hexdigest()[:12]
     name = f"{name_hint}_{digest}"
     text = "\n".join(["import triton", "import triton.language as tl", "", "",
