@@ -284,7 +284,8 @@ def _reduced_dim_reason(node: fx.Node) -> str | None:
     if [d % x.dim() for d in dims] != [x.dim() - 1]:
         return f"reduces dims {dims} of a {x.dim()}-d tensor (emitted: the last dim only)"
     if node.target == aten._safe_softmax.default and (
-            len(node.args) > 2 and node.args[2] is not None or node.kwargs.get("dtype") is not None):
+            len(node.args) > 2 and node.args[2] is not None
+            or node.kwargs.get("dtype") is not None):
         return "_safe_softmax with a dtype argument"
     if node.target in REDUCTIONS and (len(node.args) > 3 or node.kwargs.get("dtype") is not None):
         return "reduction with a dtype argument"
@@ -314,7 +315,8 @@ def is_unrolled_sum(node: fx.Node) -> bool:
     if node.target != aten.sum.dim_IntList or len(node.args) > 3 or node.kwargs.get("dtype"):
         return False
     x = _val(node.args[0])
-    if not isinstance(x, torch.Tensor) or x.dim() < 2 or not isinstance(node.args[1], (list, tuple)):
+    if not isinstance(x, torch.Tensor) or x.dim() < 2 or \
+            not isinstance(node.args[1], (list, tuple)):
         return False
     dims = {d % x.dim() for d in node.args[1]}
     return x.dim() - 1 not in dims and dims != set(range(x.dim() - 1)) and \
@@ -368,7 +370,8 @@ def unsupported_reason(node: fx.Node) -> str | None:
     if node.target in INPLACE or node.target == RANDOM:
         target = node.args[0]
         if not isinstance(target, fx.Node) or target.op != "call_function" or len(target.users) > 1:
-            return "an in-place op on a tensor something else reads (emitted: on a tensor only it reads)"
+            return ("an in-place op on a tensor something else reads (emitted: on a tensor "
+                    "only it reads)")
     if node.target == RANDOM and (len(node.args) > 2 or node.kwargs.get("generator") is not None):
         return "bernoulli_ with its own generator"
     if node.target == EMPTY and any(u.target != RANDOM for u in node.users):

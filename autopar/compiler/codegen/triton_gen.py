@@ -45,8 +45,8 @@ import torch
 import torch.fx as fx
 
 from autopar.compiler.codegen.ops import (CAST, CONSTANT, EMPTY, LAYOUT_VIEWS, POINTWISE,
-                                          RANDOM, ROW_OPS, TL_DTYPES, VIEWS, Row, Unsupported, constant,
-                                          is_column_sum, is_remap, is_row_op,
+                                          RANDOM, ROW_OPS, TL_DTYPES, VIEWS, Row, Unsupported,
+                                          constant, is_column_sum, is_remap, is_row_op,
                                           is_unrolled_sum, lit, round_bf16, unsupported_reason)
 
 aten = torch.ops.aten
@@ -295,7 +295,7 @@ class _Emitter:
 
     def at(self, node: fx.Node, ctx: tuple[str, ...]) -> str:
         """`node`'s value at index `ctx` (an expression per dim of its shape) instead of at
-        the kernel's own element: what a slice, cat or slice_backward reads. Sources load
+        the kernel's own element: what a remap (slice, cat, transpose, ...) reads. Sources load
         there; views, pointwise ops and remaps are recomputed there; a value a row op
         makes is only known at its own row, so reading it elsewhere is Unsupported."""
         key = (node, ctx)
@@ -330,7 +330,7 @@ class _Emitter:
                               if node.target == CAST else POINTWISE[node.target](*args, **kwargs))
         else:
             raise Unsupported(f"{node.name} ({node.target}) is read at other indices by a "
-                              "slice, cat or slice_backward; only pointwise values can be")
+                              "remap (slice, cat, transpose, ...); only pointwise values can be")
         self.remapped[key] = value
         return value
 

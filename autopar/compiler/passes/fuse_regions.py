@@ -54,8 +54,8 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 
 from autopar.compiler.codegen.kernels import FUSED_OP, register_region
 from autopar.compiler.codegen.ops import (ATEN_INPUT_PASSES, LAYOUT_VIEWS, POINTWISE, REMAPS,
-                                          ROW_OPS, VIEWS, Unsupported, has_lowering, is_column_sum,
-                                          is_remap, is_row_op, moves_no_data,
+                                          ROW_OPS, VIEWS, Unsupported, has_lowering,
+                                          is_column_sum, is_remap, is_row_op, moves_no_data,
                                           unsupported_reason)
 from autopar.compiler.codegen.triton_gen import TensorArg
 from autopar.compiler.ir import meta as M
@@ -443,7 +443,7 @@ def _emit(nodes: list[fx.Node], order, declined):
 
 
 def _cut_remaps(nodes: list[fx.Node]) -> list[fx.Node]:
-    """The region without each remap (slice, cat, slice_backward) that reads a value a
+    """The region without each remap (a slice, cat, transpose, ...) that reads a value a
     reduction makes, and without what follows it: a kernel computes such a value at its
     own row only (triton_gen's `_Emitter.at`). GPT-2's loss: the log-softmax backward
     stays a row kernel and the shift's slice_backward after it an aten op."""
