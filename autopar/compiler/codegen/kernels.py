@@ -73,7 +73,7 @@ class FusedRegion:
                 for o in src.outputs]
         # a fresh Philox seed per draw and launch, from torch's CPU generator: torch.manual_seed
         # reproduces the masks; the eager fallback draws from the device's generator instead
-        seeds = torch.randint(0, 2 ** 31 - 1, (src.seeds,)).tolist()
+        seeds = torch.randint(0, 2 ** 31 - 1, (src.seeds,)).tolist() if src.seeds else []
         fn[(src.grid,)](*inputs, *outs, *seeds, BLOCK=src.block)
         return outs
 

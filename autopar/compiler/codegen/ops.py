@@ -138,7 +138,7 @@ POINTWISE: dict[object, Callable[..., str]] = {
     aten.clone.default: lambda x, memory_format=None: x,
 }
 # in-place variants (a dropout scales its mask with div_): the same expression, allowed when
-# nothing but the op reads the tensor it overwrites (`_inplace_reason`)
+# nothing but the op reads the tensor it overwrites (`unsupported_reason`)
 INPLACE = {aten.div_.Scalar: aten.div.Scalar, aten.div_.Tensor: aten.div.Tensor,
            aten.mul_.Scalar: aten.mul.Scalar, aten.mul_.Tensor: aten.mul.Tensor,
            aten.add_.Scalar: aten.add.Scalar, aten.add_.Tensor: aten.add.Tensor}

@@ -239,10 +239,7 @@ class _Emitter:
                 shape != _strip(tuple(target[:-1]) + (1,)):
             raise Unsupported(f"{node.name} broadcasts a row value of shape {list(shape)} "
                               f"against {list(target)}")
-        if a.meta["val"].dtype == torch.bool and node.target not in (
-                torch.ops.aten.where.self, CAST) and node.meta["val"].dtype != torch.bool:
-            return f"{value}.to(tl.float32)"
-        return value
+        return _as_operand(value, a, node)
 
     def emit_view(self, node: fx.Node) -> None:
         src = node.args[0]
@@ -342,10 +339,7 @@ class _Emitter:
         if lead < 0 or any(n not in (1, shape[i + lead]) for i, n in enumerate(own)):
             raise Unsupported(f"{a.name} of shape {list(own)} does not broadcast to {list(shape)}")
         value = self.at(a, tuple("0" if n == 1 else ctx[i + lead] for i, n in enumerate(own)))
-        if a.meta["val"].dtype == torch.bool and node.target not in (
-                aten.where.self, CAST) and node.meta["val"].dtype != torch.bool:
-            return f"{value}.to(tl.float32)"
-        return value
+        return _as_operand(value, a, node)
 
     def _flat(self, ctx, shape) -> str:
         """The row-major position of the element at `ctx` in `shape` (a vector)."""
@@ -396,7 +390,7 @@ class _Emitter:
         grad, _, dim, start, _, step = node.args
         dim %= len(shape)
         n = _shape(grad)[dim]
-        start = min(max(start + shape[dim] if start < 0 else start, 0), shape[dim])
+        start = _start(start, shape[dim])
         if shape[dim] == 1:
             return self.at(grad, ctx)
         rel = _affine(ctx[dim], 1, -start)
@@ -471,9 +465,21 @@ def _slice_args(node: fx.Node, src_shape) -> tuple[int, int, int]:
     dim = (args[1] if args[1] is not None else node.kwargs.get("dim", 0)) % len(src_shape)
     start = args[2] if args[2] is not None else node.kwargs.get("start") or 0
     step = args[4] if args[4] is not None else node.kwargs.get("step", 1)
-    if start < 0:
-        start += src_shape[dim]
-    return dim, min(max(start, 0), src_shape[dim]), step
+    return dim, _start(start, src_shape[dim]), step
+
+
+def _start(start: int, size: int) -> int:
+    """A slice's start as eager normalizes it: negative counts from the end, clamped."""
+    return min(max(start + size if start < 0 else start, 0), size)
+
+
+def _as_operand(value: str, a: fx.Node, node: fx.Node) -> str:
+    """A bool value as `node` reads it: fp32 for arithmetic (eager promotes it), bool for
+    where, casts and ops that make bools."""
+    if a.meta["val"].dtype == torch.bool and node.target not in (aten.where.self, CAST) \
+            and node.meta["val"].dtype != torch.bool:
+        return f"{value}.to(tl.float32)"
+    return value
 
 
 def _contiguous(shape) -> tuple[int, ...]:
