@@ -130,3 +130,53 @@ def test_changed_copies_a_record_as_replace_would_and_refuses_unknown_fields():
     with pytest.raises(TypeError, match="no field"):
         changed(op, flop=1)
     assert not hasattr(OpRecord, "__post_init__")
+
+
+@pytest.mark.parametrize("where", ["dgx-h100", "local"])
+def test_the_pipeline_bounds_are_below_every_pipelines_prediction(gpt8, where):
+    """plan.compute_bound's floors for pipelines: what runs after the schedule
+    (pipeline_cost.after_schedule_floor), and, from a template, block work and receives
+    (Estimator.pipeline_floors), also scaled from the largest micro-batch's template to
+    smaller ones before theirs is rewritten. Each stays below every pipelined
+    candidate's prediction, the first below the sum of the ranks' sync, optimizer and
+    gather; and the search bounded by them chooses what costing everything chooses."""
+    from autopar.compiler.planner import search as S
+    from autopar.compiler.planner.cost_model import DEFAULT_EFFICIENCY
+    from autopar.compiler.planner.estimate import template_fields
+    from autopar.compiler.planner.pipeline_cost import after_schedule_floor, pipeline_time
+    from autopar.compiler.planner.plan import compute_bound, pipeline_preparer
+
+    model, batch = gpt8
+    cluster = (autopar.ClusterSpec.preset("dgx-h100") if where == "dgx-h100"
+               else autopar.ClusterSpec.local(nprocs=4))
+    fixed = {"amp": "bf16", "zero": 0, "tp": 2} if where == "dgx-h100" else {"tp": 1}
+    candidates = S.candidate_layouts(cluster, 16, 8, fixed)
+    pipes = [lay for lay in candidates if lay.pp > 1]
+    pipes += [lay.replace(grad_comm_dtype="bf16") for lay in pipes[:8] if lay.dp > 1]
+    est = Estimator(model, cluster, batch, causal_lm_loss, trace_blocks=2)
+    bound = compute_bound(est, candidates, DEFAULT_EFFICIENCY)
+    prepare = pipeline_preparer(est, candidates)
+    for lay in candidates:
+        prepare(lay)
+    # one template per set of fields the passes read, at the largest micro-batch only
+    assert est.counts()["rewrites"] == len({template_fields(lay) for lay in candidates
+                                            if lay.pp > 1})
+    early = {lay: bound(lay) for lay in pipes}  # smaller micro-batches: scaled floors
+    assert any(est.pipeline_floors(lay)[1] > 0 and est._micro_batch(lay) < 16 / lay.dp / lay.pp
+               for lay in pipes)
+    params = [(tuple(p.shape), p.element_size()) for p in model.parameters()]
+    for lay in pipes:
+        pred = est.predict(lay)
+        assert early[lay] <= pred.step_time_s, (lay, early[lay], pred.step_time_s)
+        summary, stages, _ = est.rewritten(lay)
+        pt = pipeline_time(summary, stages, cluster, lay)
+        after = sum(pt.grad_sync_s) + sum(pt.optimizer_per_rank_s) + sum(pt.param_gather_s)
+        assert after_schedule_floor(params, cluster, lay) <= after * (1 + 1e-9), lay
+    for lay in pipes:  # every template rewritten now: the tightest floors
+        assert 0 < bound(lay) <= est.predict(lay).step_time_s, lay
+    everything = S.search(candidates, est.predict, cluster)
+    fresh = Estimator(model, cluster, batch, causal_lm_loss, trace_blocks=2)
+    pruned = S.search(candidates, fresh.predict, cluster,
+                      bound=compute_bound(fresh, candidates, DEFAULT_EFFICIENCY),
+                      prepare=pipeline_preparer(fresh, candidates))
+    assert (pruned.layout, pruned.predicted) == (everything.layout, everything.predicted)

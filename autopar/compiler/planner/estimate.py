@@ -7,6 +7,7 @@ device, the inputs may be meta tensors: nothing is allocated), runs the same pas
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 
 from autopar.api import _local_example, run_passes
 from autopar.cluster import ClusterSpec
-from autopar.compiler.ir.trace import LossFn, trace_train_step
+from autopar.compiler.ir.trace import LossFn, batch_dims_of, trace_train_step
 from autopar.compiler.passes.assign_stages import check_stage_count
 from autopar.compiler.passes.base import GraphPass
 from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, OPTIMIZER_STATES,
@@ -23,8 +24,10 @@ from autopar.compiler.passes.pipeline import (default_passes, forward_level_fiel
                                               forward_level_passes, is_pipelined)
 from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.planner.memory import MemoryPrediction
+from autopar.compiler.planner.pipeline_cost import p2p_time
 from autopar.compiler.planner.pipeline_memory import pipeline_memory_per_rank
-from autopar.compiler.planner.replicated import (TEMPLATE_BLOCKS, pipeline_memory_from_summary,
+from autopar.compiler.planner.replicated import (TEMPLATE_BLOCKS, Template, block_work_floor,
+                                                 pipeline_memory_from_summary,
                                                  replicate, stage_programs, template_of)
 from autopar.compiler.planner.scaled import multiplicities, reduced, scale_summary
 from autopar.compiler.planner.stages import StageSummary, stage_summary
@@ -76,6 +79,9 @@ class Estimator:
         self._replicas: dict[tuple, tuple] = {}
         self._forward: dict[tuple, TrainGraph] = {}  # graphs after the forward-level passes
         self._predictions: dict[Layout, Prediction] = {}
+        # pipeline templates by the fields their passes read: [(micro-batch size, template)]
+        self._templates: dict[Layout, list[tuple[float, Template]]] = {}
+        self._floors: dict[int, tuple] = {}  # id(template) -> (sends, block work)
 
     def predict(self, layout: Layout) -> Prediction:
         """The Prediction of `layout`, kept: a search that asks again (the no-fit
@@ -122,6 +128,38 @@ class Estimator:
     def costed(self, layout: Layout) -> Prediction | None:
         """The Prediction of `layout` if it was costed already, else None."""
         return self._predictions.get(layout)
+
+    def pipeline_floors(self, layout: Layout) -> tuple[float, float]:
+        """(seconds below one stage boundary's receives per micro-batch, below one
+        repeated block's work per micro-batch on any stage: F and B, or F, I and W) for a
+        pipelined `layout`, from a template rewritten already with the same fields at
+        micro-batch size b0 (replicated.block_work_floor). Scaled to `layout`'s size b by
+        min(1, b / b0): each op's and value's FLOPs and bytes are affine in the batch
+        with nonnegative terms (b appears once in a shape, or not at all), so each op
+        time, collective and transfer at b is at least that share of its time at b0, and
+        so is any replay of them. (0, 0) when no such template was rewritten yet."""
+        templates = self._templates.get(template_fields(layout))
+        if not templates or not self._templated(layout):
+            return 0.0, 0.0
+        size = self._micro_batch(layout)
+        received = work = 0.0
+        for b0, t in templates:
+            if id(t) not in self._floors:
+                self._floors[id(t)] = (_boundary_sends(t),
+                                       block_work_floor(t, self.cluster, layout, self.efficiency))
+            sends, block = self._floors[id(t)]
+            share = min(1.0, size / b0)
+            received = max(received, sum(p2p_time(nbytes * share, values, self.cluster, layout,
+                                                  self.efficiency) for nbytes, values in sends))
+            work = max(work, block * share)
+        return received, work
+
+    def _micro_batch(self, layout: Layout) -> float:
+        """One rank's micro-batch size (the example's batch when it has no batch dim)."""
+        tensors = [x for x in self.example_inputs if isinstance(x, torch.Tensor)]
+        dims = batch_dims_of(tensors)
+        batch = next((x.shape[d] for x, d in zip(tensors, dims) if d is not None), None)
+        return 1.0 if batch is None else batch / (layout.dp * layout.microbatches)
 
     def rewritten_summary(self, layout: Layout) -> GraphSummary | None:
         """The summary of the unpipelined `layout`'s rewritten graph if an earlier call
@@ -193,25 +231,8 @@ class Estimator:
     def rewritten(self, layout: Layout) -> tuple[GraphSummary, StageSummary | None, int]:
         """(summary of the rewritten graph, its stages when pipelined, model FLOPs of
         one rank's micro-batch) for `layout`."""
-        _, traced, model_flops, scaling = self._trace(layout)
-        key = self._key(layout)
-        template = self._template(layout)
-        if key not in self._rewritten:
-            options, passes_layout = {}, layout
-            if template:  # two stages cut between the two traced blocks
-                path, counts = scaling
-                options["pipeline_cuts"] = [f"{path}.1"]
-                passes_layout = layout.replace(pp=2, virtual_stages=1, schedule="1f1b")
-            rewritten = self._run_passes(traced, key[0], passes_layout, options)
-            if template:
-                entry = (None, None, None, template_of(rewritten, sum(scaling[1]), self.cluster))
-            else:
-                stages = stage_summary(rewritten) if key[1] else None
-                summary = self._scaled(summarize(rewritten), rewritten, scaling)
-                entry = (summary, stages, None if scaling else rewritten, None)
-            self._rewritten[key] = entry
-            if "tp" in rewritten.attrs:
-                self._tables[key] = rewritten.attrs["tp"]
+        model_flops = self._trace(layout)[2]
+        key = self._entry(layout)
         summary, stages, _, pattern = self._rewritten[key]
         if pattern is not None:
             depth = self._stages(layout)
@@ -222,6 +243,45 @@ class Estimator:
                                               {})
             summary, stages = self._replicas[key, depth][:2]
         return summary, stages, model_flops
+
+    def prepare(self, layout: Layout) -> None:
+        """Rewrite the pipeline template `layout` is costed from (if it is), so that
+        `pipeline_floors` bounds the pipelines of its fields: at the largest micro-batch
+        among them, it bounds them all (plan.pipeline_preparer). A rewrite that fails is
+        left for `predict` to report."""
+        if self._templated(layout):
+            with contextlib.suppress(ValueError):
+                self._entry(layout)
+
+    def _templated(self, layout: Layout) -> bool:
+        """Whether `layout` would be costed from a template, without tracing it."""
+        return self.trace_blocks is not None and self._stages(layout) > 1
+
+    def _entry(self, layout: Layout) -> tuple:
+        """The key of `layout`'s rewritten graph in `_rewritten`, rewritten if new."""
+        _, traced, _, scaling = self._trace(layout)
+        key = self._key(layout)
+        template = self._template(layout)
+        if key not in self._rewritten:
+            options, passes_layout = {}, layout
+            if template:  # two stages cut between the two traced blocks
+                path, counts = scaling
+                options["pipeline_cuts"] = [f"{path}.1"]
+                passes_layout = layout.replace(pp=2, virtual_stages=1, schedule="1f1b")
+            rewritten = self._run_passes(traced, key[0], passes_layout, options)
+            if template:
+                pattern = template_of(rewritten, sum(scaling[1]), self.cluster)
+                entry = (None, None, None, pattern)
+                self._templates.setdefault(template_fields(layout), []).append(
+                    (self._micro_batch(layout), pattern))
+            else:
+                stages = stage_summary(rewritten) if key[1] else None
+                summary = self._scaled(summarize(rewritten), rewritten, scaling)
+                entry = (summary, stages, None if scaling else rewritten, None)
+            self._rewritten[key] = entry
+            if "tp" in rewritten.attrs:
+                self._tables[key] = rewritten.attrs["tp"]
+        return key
 
     def _run_passes(self, traced: TrainGraph, trace_key: tuple, layout: Layout,
                     options: dict) -> TrainGraph:
@@ -240,6 +300,23 @@ class Estimator:
                                             options=options)[0]
         rest = default_passes(layout)[len(first):]
         return run_passes(self._forward[key], layout, self.cluster, rest, options=options)[0]
+
+
+def template_fields(layout: Layout) -> Layout:
+    """What a pipeline template's passes read of a layout (Estimator._key's fields)."""
+    return layout.replace(schedule="1f1b", microbatches=2, virtual_stages=1, dp=1, zero=0, pp=2)
+
+
+def _boundary_sends(t) -> tuple[tuple[int, int], tuple[int, int]]:
+    """((bytes, values) forward, (bytes, values) backward) that cross every boundary
+    between neighbouring stages of a pipeline replicated from template `t`
+    (replicated._messages: what a block sends on, and the gradients it makes or reads)."""
+    out = {"F": [0, 0], "B": [0, 0]}
+    for phase, from_block, to_block, nbytes in t.sends:
+        if from_block or (phase == "B" and to_block):
+            out[phase][0] += nbytes
+            out[phase][1] += 1
+    return tuple(out["F"]), tuple(out["B"])
 
 
 def check_layout(layout: Any, cluster: ClusterSpec) -> None:

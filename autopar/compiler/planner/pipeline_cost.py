@@ -25,8 +25,9 @@ bubble.
 from __future__ import annotations
 
 import functools
+import math
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from autopar.cluster import ClusterSpec
@@ -193,10 +194,49 @@ def updated_bytes(summary: GraphSummary, stages: StageSummary, layout: Layout) -
 
 
 def _wire(nbytes: int, summary: GraphSummary, layout: Layout) -> float:
-    if layout.grad_comm_dtype is None or not summary.param_itemsize:
+    return _wired(nbytes, summary.param_itemsize, layout)
+
+
+def _wired(nbytes: float, itemsizes: Sequence[int], layout: Layout) -> float:
+    if layout.grad_comm_dtype is None or not itemsizes:
         return nbytes
-    itemsize = sum(summary.param_itemsize) / len(summary.param_itemsize)
-    return nbytes * WIRE_BYTES[layout.grad_comm_dtype] / itemsize
+    return nbytes * WIRE_BYTES[layout.grad_comm_dtype] * len(itemsizes) / sum(itemsizes)
+
+
+def after_schedule_floor(params: Sequence[tuple[tuple[int, ...], int]], cluster: ClusterSpec,
+                         layout: Layout, optimizer: str = "adamw",
+                         eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    """Seconds below the sum over pipeline ranks of what each runs after its last action
+    (grad_sync_time + optimizer + param_gather_time), from the trainable parameters'
+    (shape, itemsize) alone: nothing traced (the planner's bound, plan.compute_bound).
+
+    Why it is below: each parameter is held whole or as one tensor-parallel piece, at
+    least numel * (d // tp) / d of it for its smallest such ratio over dims d; every
+    collective time is a minimum of affine functions of the bytes with nonnegative
+    intercepts, so a sum of them is at least one collective of the summed bytes (a
+    ZeRO-2/3 rank's reduce-scatters and all-reduce: the cheaper kind for all of them);
+    a tied weight counted once is counted too few times, never too many; a parameter
+    counts as gathered under ZeRO only if it keeps dp rows or more after tensor
+    parallelism (dim 0 // tp >= dp); each rank's ZeRO block is at least 1/dp of what it
+    holds."""
+    if not params:
+        return 0.0
+    held, gathered = 0.0, 0.0
+    for shape, itemsize in params:
+        numel = math.prod(shape)
+        piece = numel * min([1.0, *((d // layout.tp) / d for d in shape if d)]) * itemsize
+        held += piece
+        if layout.zero and layout.dp > 1 and shape and shape[0] // layout.tp >= layout.dp:
+            gathered += piece
+    spans = group_spans_nodes(layout.dp, layout.tp, cluster)
+    wire = _wired(held, [size for _, size in params], layout)
+    sync = collective_time("all_reduce", wire, layout.dp, cluster, spans, eff)
+    if layout.zero >= 2:
+        sync = min(sync, collective_time("reduce_scatter", wire, layout.dp, cluster, spans, eff))
+    gather = collective_time("all_gather", gathered, layout.dp, cluster, spans, eff) \
+        if gathered else 0.0
+    updated = held / layout.dp if layout.zero else held
+    return sync + gather + optimizer_time(updated, optimizer, cluster, eff)
 
 
 @functools.lru_cache(maxsize=64)

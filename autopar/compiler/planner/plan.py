@@ -19,9 +19,9 @@ from autopar.compiler.ir.trace import LossFn, batch_dims_of
 from autopar.compiler.passes.assign_stages import node_time
 from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, Efficiency,
                                                  model_compute_floor)
-from autopar.compiler.planner.estimate import Estimator
+from autopar.compiler.planner.estimate import Estimator, template_fields
 from autopar.compiler.planner.memory import static_lower_bound
-from autopar.compiler.planner.pipeline_cost import pipeline_time
+from autopar.compiler.planner.pipeline_cost import after_schedule_floor, pipeline_time
 from autopar.compiler.planner.search import (PlanError, candidate_layouts, check_constraints,
                                              refinements, search)
 from autopar.compiler.planner.summary import DTYPE_NAMES
@@ -55,7 +55,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs: Sequence[
     bound = compute_bound(estimator, costed, efficiency) if costed else None
     try:
         result = search(costed, estimator.predict, cluster, fraction, step, refinements(fixed),
-                        bound)
+                        bound, prepare=pipeline_preparer(estimator, costed))
         result.skipped += pruned
     except PlanError as exc:
         if pruned:  # the error names the smallest peak: it may be a pruned layout's
@@ -84,7 +84,8 @@ BOUND_MARGIN = 0.99
 
 def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficiency
                   ) -> Callable[[Layout], float]:
-    """`bound(layout)`: seconds below any predicted step of `layout`, the largest of three.
+    """`bound(layout)`: seconds below any predicted step of `layout`, the largest of the
+    bounds below.
 
     From FLOPs, before anything is costed: each rank computes at least its 1/world share
     of the step's model FLOPs, and no op runs faster than at the highest peak among the
@@ -109,9 +110,16 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
 
     From a costed sibling: a pipeline that differs only in its ZeRO stage runs the same
     schedule with the same stage times (ZeRO acts after the last action, or before the
-    first), so its step
-    is at least the sibling's critical rank's compute plus bubble (both inside that
-    rank's end of schedule)."""
+    first), so its step is at least the sibling's critical rank's compute plus bubble
+    (both inside that rank's end of schedule).
+
+    After the schedule, for a pipeline or micro-batched step: each rank sums its
+    gradients over dp, runs the optimizer and (ZeRO) gathers its parameters after its
+    last action, not overlapped (pipeline_cost.py). The step is at least the mean over
+    the pp ranks of compute plus that, so at least the mean rank's compute (the FLOPs'
+    share or c) plus pipeline_cost.after_schedule_floor / pp, a floor from the
+    parameters' shapes alone. It is what rules out most pipelines of a large model
+    before they are rewritten: their gradient all-reduce over dp is seconds."""
     cluster, model = estimator.cluster, estimator.model
     try:
         total = estimator.step_model_flops(candidates[0]) * BOUND_MARGIN
@@ -125,18 +133,43 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
     stack = repeated_block_container(model)
     blocks = stack[1] if stack else 0
 
-    def reference(layout: Layout) -> float:
+    params = [(tuple(p.shape), p.element_size()) for p in model.parameters() if p.requires_grad]
+    tails: dict[tuple, float] = {}
+
+    def reference(layout: Layout) -> tuple[float, float]:
+        """(the slowest pipeline rank's compute, the mean rank's) from the reference."""
         unpipelined = reference_layout(layout)
         if unpipelined is None:
-            return 0.0
+            return 0.0, 0.0
         if unpipelined not in floors:
             summary = estimator.rewritten_summary(unpipelined)
             if summary is None:  # not costed yet: no floor from it (asked again later)
-                return 0.0
+                return 0.0, 0.0
             floors[unpipelined] = model_compute_floor(summary, cluster, eff)
         whole, in_blocks = floors[unpipelined]
         fullest = math.ceil(blocks / layout.pp) * layout.pp / blocks if blocks else 1.0
-        return max(whole * bubble_factor(layout), in_blocks * fullest) * BOUND_MARGIN
+        return (max(whole * bubble_factor(layout), in_blocks * fullest) * BOUND_MARGIN,
+                whole * BOUND_MARGIN)
+
+    def tail(layout: Layout) -> float:
+        """The mean pipeline rank's gradient sync, optimizer and ZeRO gather after its
+        last action (none bounded for a step without micro-batches: it overlaps)."""
+        if layout.pp == 1 and layout.microbatches == 1:
+            return 0.0
+        key = (layout.dp, layout.tp, layout.zero, layout.grad_comm_dtype)
+        if key not in tails:
+            tails[key] = after_schedule_floor(params, cluster, layout, estimator.optimizer, eff)
+        boundary, _ = estimator.pipeline_floors(layout)
+        received = (layout.pp * layout.virtual_stages - 1) * layout.microbatches * boundary
+        return (tails[key] + received) / layout.pp * BOUND_MARGIN
+
+    def block_work(layout: Layout) -> float:
+        """The mean pipeline rank's block work (phases with their exposed tensor-parallel
+        collectives) from its template, once one is rewritten."""
+        if layout.pp == 1:
+            return 0.0
+        _, block = estimator.pipeline_floors(layout)
+        return layout.microbatches * blocks * block / layout.pp * BOUND_MARGIN
 
     def sibling(layout: Layout) -> float:
         if layout.pp == 1 and layout.microbatches == 1:
@@ -150,9 +183,25 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
         peaks = [listed[d] for d in dtypes | {layout.amp} if d in listed]
         flops = total / cluster.world_size / (max(peaks) * eff.compute) * factor \
             if peaks and total else 0.0
-        return max(flops, reference(layout), sibling(layout))
+        slowest, mean = reference(layout)
+        return max(slowest, sibling(layout), max(flops, mean, block_work(layout)) + tail(layout))
 
     return bound
+
+
+def pipeline_preparer(estimator: Estimator, candidates: list[Layout]
+                      ) -> Callable[[Layout], None]:
+    """search's `prepare`: before a pipeline is costed, rewrite the template of the
+    candidate with the largest micro-batch among those sharing its template's fields
+    (Estimator.pipeline_floors scales it down to the others, not up)."""
+    widest: dict[Layout, Layout] = {}
+    for layout in candidates:
+        if layout.pp > 1:
+            fields = template_fields(layout)
+            if fields not in widest or (layout.dp * layout.microbatches
+                                        < widest[fields].dp * widest[fields].microbatches):
+                widest[fields] = layout
+    return lambda layout: estimator.prepare(widest.get(template_fields(layout), layout))
 
 
 def reference_layout(layout: Layout) -> Layout | None:

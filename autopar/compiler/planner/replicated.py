@@ -39,10 +39,11 @@ from autopar.cluster import ClusterSpec
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.annotate import tensor_bytes
 from autopar.compiler.ir.graph import TrainGraph
+from autopar.compiler.planner.cost_model import DEFAULT_EFFICIENCY, Efficiency
 from autopar.compiler.passes.assign_stages import STAGE, balanced_cuts, node_time
 from autopar.compiler.planner.memory import (CATEGORIES, MemoryPrediction, graph_liveness,
                                              optimizer_memory)
-from autopar.compiler.planner.pipeline_cost import zero_block_bytes
+from autopar.compiler.planner.pipeline_cost import phase_time, zero_block_bytes
 from autopar.compiler.planner.scaled import op_layers, param_layers
 from autopar.compiler.planner.stages import Message, StageSummary, stage_summary
 from autopar.compiler.planner.summary import GraphSummary, OpRecord, changed, summarize
@@ -183,6 +184,29 @@ def replicate(t: Template, n_stages: int) -> tuple[GraphSummary, StageSummary]:
                           messages=messages, param_stages=_params(t, counts, stages=True),
                           kinds=tuple(kinds))
     return summary, stages
+
+
+def block_work_floor(t: Template, cluster: ClusterSpec, layout: Layout,
+                     eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    """Seconds below one repeated block's work per micro-batch on any stage of a pipeline
+    replicated from `t`: its F phase plus its B phase, or I plus W (whichever is less).
+
+    Stage s runs c_s blocks as the template's block ops of its role (stage 0's, or stage
+    1's), each `repeat`ed c_s times (`replicate`). A phase replay (pipeline_cost.
+    phase_time) is monotone in every op's time and scales with them, so with the other
+    ops left out, and each op's first touch too (a replicated op's allocation is the
+    template's or larger, or none for a view of a received value), a stage's phase takes
+    at least c_s times the block's phase here. Summed over stages: L blocks, each at
+    least the lesser of the two roles' block work."""
+    summary = replace(t.summary, ops=tuple(changed(op, allocates=0) for op in t.summary.ops))
+    roles = []
+    for stage in (0, 1):
+        block = [i for i, s in enumerate(t.stages.stage_of)
+                 if s == stage and t.op_layer[i] is not None]
+        phase = {kind: phase_time(summary, [i for i in block if t.stages.program_of[i] in kind],
+                                  cluster, layout, eff).total_s for kind in ("F", "IW", "I", "W")}
+        roles.append(phase["F"] + min(phase["IW"], phase["I"] + phase["W"]))
+    return min(roles)
 
 
 def _copy(op: OpRecord, where: dict[int, int], count: int | None, kept: bool,

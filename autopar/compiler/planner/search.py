@@ -96,7 +96,7 @@ def candidate_layouts(cluster: ClusterSpec, batch: int | None, blocks: int,
     its own: fix `microbatches` to try another)."""
     world = cluster.world_size
     amps = ["off", "bf16"] if "bf16" in cluster.device.peak_flops else ["off"]
-    out = []
+    out: dict[Layout, None] = {}  # ordered, and a membership test that does not scan
     for tp in _options("tp", divisors(min(world, cluster.devices_per_node)), fixed):
         pps = [p for p in divisors(world // tp) if p <= max(blocks, 1)] if world % tp == 0 else []
         for pp in _options("pp", pps, fixed):
@@ -113,9 +113,9 @@ def candidate_layouts(cluster: ClusterSpec, batch: int | None, blocks: int,
                 fields = {"dp": dp, "tp": tp, "pp": pp, "microbatches": m, "schedule": sched,
                           "virtual_stages": vs, "zero": zero, "amp": amp}
                 layout = _constrained(fields, fixed)
-                if layout is not None and layout not in out:
-                    out.append(layout)
-    return out
+                if layout is not None:
+                    out.setdefault(layout)
+    return list(out)
 
 
 def _constrained(fields: dict[str, Any], fixed: dict[str, Any]) -> Layout | None:
@@ -213,7 +213,8 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
            progress: Callable[[Layout], None] | None = None,
            refine: Iterable[Refinement] = (),
            bound: Callable[[Layout], float] | None = None,
-           memory_bound: Callable[[Layout], float] | None = None) -> Plan:
+           memory_bound: Callable[[Layout], float] | None = None,
+           prepare: Callable[[Layout], None] | None = None) -> Plan:
     """Cost every candidate, then each round of `refine`; keep the fastest that fits
     (see the module docstring). `bound(layout)`: seconds the layout's step cannot beat
     (planner/plan.py); candidates are costed lowest bound first (then `costing_order`),
@@ -223,7 +224,10 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
     `memory_bound(layout)`: bytes its peak cannot be below (memory.static_lower_bound);
     a layout whose bound is over the memory allowed and above the smallest peak costed
     so far is skipped: it can neither be the plan nor the smallest peak a PlanError
-    names (give the candidates smallest bound first for this to prune)."""
+    names (give the candidates smallest bound first for this to prune).
+    `prepare(layout)`: called before a layout that the bounds did not rule out is
+    costed (the planner rewrites its pipeline template there); its bound is then asked
+    once more."""
     capacity = cluster.device.memory_bytes * max_memory_fraction
     candidates = list(candidates)
     order = {lay: k for k, lay in enumerate(candidates)}
@@ -231,6 +235,15 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
     skipped: list[tuple[Layout, str]] = []
     best = [math.inf]  # the fastest fitting step so far
     smallest = [math.inf]  # the smallest peak so far
+
+    def bounded(layout: Layout) -> bool:
+        """Skip `layout` (recorded with why) if its bound is above the best so far."""
+        least = bound(layout) if bound is not None and best[0] < math.inf else 0.0
+        if least > best[0]:
+            skipped.append((layout, f"not costed: it cannot take less than {least * 1e3:.4g} ms "
+                                    f"(plan.compute_bound), slower than the fastest fitting "
+                                    f"layout costed ({best[0] * 1e3:.4g} ms)"))
+        return least > best[0]
 
     def cost(layouts: Iterable[Layout], show: bool) -> None:
         seen = {lay for lay, _ in costed} | {lay for lay, _ in skipped}
@@ -244,12 +257,7 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
             seen.add(layout)
             if show and progress is not None:
                 progress(layout)
-            least = bound(layout) if bound is not None and best[0] < math.inf else 0.0
-            if least > best[0]:
-                skipped.append((layout, f"not costed: it cannot take less than "
-                                        f"{least * 1e3:.4g} ms (plan.compute_bound), slower "
-                                        f"than the fastest fitting layout costed "
-                                        f"({best[0] * 1e3:.4g} ms)"))
+            if bounded(layout):
                 continue
             held = memory_bound(layout) if memory_bound is not None else 0.0
             if held > capacity and held > smallest[0]:
@@ -257,6 +265,10 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
                                         f"{_gb(capacity)} allowed and above the smallest "
                                         f"peak costed ({_gb(smallest[0])})"))
                 continue
+            if prepare is not None and bound is not None and best[0] < math.inf:
+                prepare(layout)
+                if bounded(layout):
+                    continue
             try:
                 pred = predict(layout)
             except ValueError as exc:  # a cut or a tp placement the model cannot take
