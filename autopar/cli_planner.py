@@ -34,6 +34,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
     constraints = {k: getattr(args, k) for k in _PLAN_CONSTRAINTS if getattr(args, k) is not None}
     constraints["max_memory_fraction"] = args.max_memory_fraction
+    if args.workers is not None and (args.workers < 0 or args.workers and not args.trace_blocks):
+        raise SystemExit("autopar plan: --workers N needs N >= 0 and --trace-blocks (a worker "
+                         "sends scaled summaries back, not an exact trace's graphs)")
     try:
         cluster = _cluster_from_args(args.cluster, args.nodes, None, args.nproc)
         with torch.device("meta"):  # nothing is allocated: weights and batch are shapes only
@@ -41,7 +44,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         with _PlanProgress(fancy=sys.stdout.isatty() and not args.json) as show:
             plan = autopar.plan(example.model, cluster, example.batch, example.loss_fn,
                                 optimizer=args.optimizer, progress=show,
-                                trace_blocks=args.trace_blocks, **constraints)
+                                trace_blocks=args.trace_blocks, workers=args.workers,
+                                **constraints)
     except (LayoutError, ClusterSpecError, autopar.PlanError) as exc:
         raise SystemExit(f"autopar plan: {exc}") from exc
     for path in args.report or ():
@@ -180,6 +184,9 @@ def add_planner_commands(sub) -> None:
                       default="adamw")
     plan.add_argument("--trace-blocks", type=int, default=None, metavar="K",
                       help="trace K repeated blocks and scale their costs (deep models)")
+    plan.add_argument("--workers", type=int, default=None, metavar="N",
+                      help="with --trace-blocks: N processes rewrite graphs while the search "
+                           "costs (default: one per CPU, up to 2; 0: none)")
     plan.add_argument("--report", action="append", metavar="PATH",
                       help="write the report: .html, .md or .json (repeatable)")
     plan.add_argument("--trace", metavar="PATH",

@@ -61,7 +61,8 @@ TRILLION_CASES = {
 }
 
 
-def run_trillion(name: str, memory_gb: float | None, dropout: float = 0.1) -> str:
+def run_trillion(name: str, memory_gb: float | None, dropout: float = 0.1,
+                 workers: int | None = None) -> str:
     start = time.perf_counter()
     model, batch = gpt(128, 25600, vocab=51200, batch=1536, seq=2048, dropout=dropout)
     built = time.perf_counter() - start
@@ -74,7 +75,8 @@ def run_trillion(name: str, memory_gb: float | None, dropout: float = 0.1) -> st
     start = time.perf_counter()
     fixed = ", ".join(f"{k}={v}" for k, v in constraints.items()) or "none"
     try:
-        plan = autopar.plan(model, cluster, batch, causal_lm_loss, trace_blocks=2, **constraints)
+        plan = autopar.plan(model, cluster, batch, causal_lm_loss, trace_blocks=2,
+                            workers=workers, **constraints)
     except autopar.PlanError as exc:  # the error is the result: say how long it took
         return (f"| {fixed} | | | | | | {time.perf_counter() - start:.1f} ({built:.1f}) | "
                 f"PlanError: {exc} | | | |")
@@ -99,6 +101,9 @@ def main() -> None:
                    help="GPT-2's dropout (attention, residual, embedding) of the 1T model: "
                         "0.1 is GPT-2's default; with 0 attention traces to its fused CPU "
                         "kernel instead of the math path that keeps s x s scores")
+    p.add_argument("--workers", type=int, default=None,
+                   help="autopar.plan's workers (default: one on a machine with two CPUs or "
+                        "more; 0: plan in this process alone)")
     args = p.parse_args()
     # the tensor-parallel rules probe strategies on fake tensors; their refusals are noise
     logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
@@ -107,7 +112,7 @@ def main() -> None:
               "rewrites | seconds (build) | chosen | predicted step | MFU | peak memory |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for name in args.trillion:
-            print(run_trillion(name, args.memory_gb, args.dropout), flush=True)
+            print(run_trillion(name, args.memory_gb, args.dropout, args.workers), flush=True)
         return
     print("| layers x hidden | parameters | GPUs | candidates | costed | traces | rewrites "
           "| seconds | chosen |")

@@ -144,7 +144,7 @@ def test_the_pipeline_bounds_are_below_every_pipelines_prediction(gpt8, where):
     from autopar.compiler.planner.cost_model import DEFAULT_EFFICIENCY
     from autopar.compiler.planner.estimate import template_fields
     from autopar.compiler.planner.pipeline_cost import after_schedule_floor, pipeline_time
-    from autopar.compiler.planner.plan import compute_bound, pipeline_preparer
+    from autopar.compiler.planner.plan import compute_bound, widest_templates
 
     model, batch = gpt8
     cluster = (autopar.ClusterSpec.preset("dgx-h100") if where == "dgx-h100"
@@ -155,7 +155,10 @@ def test_the_pipeline_bounds_are_below_every_pipelines_prediction(gpt8, where):
     pipes += [lay.replace(grad_comm_dtype="bf16") for lay in pipes[:8] if lay.dp > 1]
     est = Estimator(model, cluster, batch, causal_lm_loss, trace_blocks=2)
     bound = compute_bound(est, candidates, DEFAULT_EFFICIENCY)
-    prepare = pipeline_preparer(est, candidates)
+    widest = widest_templates(candidates)
+
+    def prepare(lay, est=est):
+        est.prepare(widest.get(template_fields(lay), lay))
     for lay in candidates:
         prepare(lay)
     # one template per set of fields the passes read, at the largest micro-batch only
@@ -178,5 +181,5 @@ def test_the_pipeline_bounds_are_below_every_pipelines_prediction(gpt8, where):
     fresh = Estimator(model, cluster, batch, causal_lm_loss, trace_blocks=2)
     pruned = S.search(candidates, fresh.predict, cluster,
                       bound=compute_bound(fresh, candidates, DEFAULT_EFFICIENCY),
-                      prepare=pipeline_preparer(fresh, candidates))
+                      prepare=lambda lay: fresh.prepare(widest.get(template_fields(lay), lay)))
     assert (pruned.layout, pruned.predicted) == (everything.layout, everything.predicted)

@@ -8,7 +8,8 @@ device, the inputs may be meta tensors: nothing is allocated), runs the same pas
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +33,7 @@ from autopar.compiler.planner.replicated import (TEMPLATE_BLOCKS, Template, bloc
 from autopar.compiler.planner.scaled import multiplicities, reduced, scale_summary
 from autopar.compiler.planner.stages import StageSummary, stage_summary
 from autopar.compiler.planner.summary import GraphSummary, summarize
+from autopar.compiler.planner.workers import RewriteWorker, child_groups
 from autopar.layout import Layout, LayoutError, Prediction
 
 
@@ -82,6 +84,7 @@ class Estimator:
         # pipeline templates by the fields their passes read: [(micro-batch size, template)]
         self._templates: dict[Layout, list[tuple[float, Template]]] = {}
         self._floors: dict[int, tuple] = {}  # id(template) -> (sends, block work)
+        self.workers: dict[tuple, RewriteWorker] = {}  # group -> its worker (start_workers)
 
     def predict(self, layout: Layout) -> Prediction:
         """The Prediction of `layout`, kept: a search that asks again (the no-fit
@@ -123,7 +126,89 @@ class Estimator:
 
     def traced(self, layout: Layout) -> TrainGraph:
         """The traced graph of one rank's micro-batch under `layout`."""
-        return self._trace(layout)[1]
+        return self._trace(layout, graph=True)[1]
+
+    # -- a worker process (workers.py) ------------------------------------------------------
+
+    def start_workers(self, count: int, order: Sequence[Layout],
+                      bound: Callable[[Layout], float], extra: Sequence[Layout] = ()) -> None:
+        """Fork `count` RewriteWorkers for the groups of `order` (the layouts in the order
+        the search asks for them, `bound` their FLOP bounds) that workers.child_groups
+        gives them; each rewrites its members ahead, `extra` ones too (pipeline
+        templates)."""
+        groups: dict[tuple, list[Layout]] = {}
+        least: dict[tuple, float] = {}
+        for layout in order:
+            group = self.group_of(layout)
+            groups.setdefault(group, []).append(layout)
+            least[group] = min(least.get(group, math.inf), bound(layout))
+        for layout in extra:
+            if self.group_of(layout) in groups:
+                groups[self.group_of(layout)].append(layout)
+        for share in child_groups(list(groups), [least[g] for g in groups], count):
+            if share:
+                worker = RewriteWorker(self, {g: groups[g] for g in share})
+                self.workers.update(dict.fromkeys(share, worker))
+
+    def close_workers(self) -> None:
+        for worker in set(self.workers.values()):
+            worker.close()
+        self.workers = {}
+
+    def group_of(self, layout: Layout) -> tuple:
+        """The layouts that share a trace and the forward-level passes' graph: what a
+        worker rewrites together. Known without tracing."""
+        return self._trace_key(layout), forward_level_fields(layout)
+
+    def export_entry(self, layout: Layout) -> tuple:
+        """What `adopt` takes in another process: `layout`'s rewritten entry as plain
+        data (its trace's FLOPs and scaling, not the graphs)."""
+        key = self._entry(layout)
+        entry = self._rewritten[key]
+        if entry[2] is not None:
+            raise RuntimeError("an exact trace's rewritten graph is not sent")
+        trace = self._traced[key[0]]
+        return key, entry, self._tables.get(key), (trace[0], None, *trace[2:])
+
+    def adopt(self, layout: Layout, key: tuple, entry: tuple, table: dict | None,
+              trace: tuple) -> tuple:
+        """Keep an entry that a worker rewrote, as `_entry` keeps its own."""
+        self._traced.setdefault(trace[0], trace)
+        if key not in self._rewritten:
+            self._rewritten[key] = entry
+            if table is not None:
+                self._tables[key] = table
+            if entry[3] is not None:
+                self._templates.setdefault(template_fields(layout), []).append(
+                    (self._micro_batch(layout), entry[3]))
+        return key
+
+    def layer_rows(self, layout: Layout) -> list[dict[str, Any]]:
+        """plan.layer_costs of `layout`'s traced graph (from the worker that traced it)."""
+        from autopar.compiler.planner.plan import layer_costs  # plan imports this module
+
+        worker = self.workers.get(self.group_of(layout))
+        if worker is not None and worker.alive:
+            status, data = worker.result("layers", layout)
+            if status == "ok":
+                return data
+        return layer_costs(self.traced(layout), self.cluster)
+
+    def _remote(self, layout: Layout) -> tuple | None:
+        """The key of `layout`'s entry when the worker rewrites its group (None: this
+        process does)."""
+        group = self.group_of(layout)
+        worker = self.workers.get(group)
+        if worker is None or not worker.alive:
+            return None
+        if group[0] in self._traced:
+            key = self._key(layout)
+            if key in self._rewritten:
+                return key
+        status, data = worker.result("entry", layout)
+        if status == "error":
+            raise ValueError(data)
+        return self.adopt(layout, *data) if status == "ok" else None
 
     def costed(self, layout: Layout) -> Prediction | None:
         """The Prediction of `layout` if it was costed already, else None."""
@@ -194,10 +279,12 @@ class Estimator:
         return (tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else repr(x) for x in local),
                 self._keep(layout))
 
-    def _trace(self, layout: Layout):
+    def _trace(self, layout: Layout, graph: bool = False):
+        """(key, traced graph, model FLOPs, scaling); a trace kept from a worker has no
+        graph: traced here when `graph` asks for it."""
         key = self._trace_key(layout)
         keep = key[1]
-        if key not in self._traced:
+        if key not in self._traced or (graph and self._traced[key][1] is None):
             local = _local_example(self.example_inputs, layout)
             with reduced(self.model, keep) as stack:
                 traced = trace_train_step(self.model, local, self.loss_fn)
@@ -247,7 +334,7 @@ class Estimator:
     def prepare(self, layout: Layout) -> None:
         """Rewrite the pipeline template `layout` is costed from (if it is), so that
         `pipeline_floors` bounds the pipelines of its fields: at the largest micro-batch
-        among them, it bounds them all (plan.pipeline_preparer). A rewrite that fails is
+        among them, it bounds them all (plan.widest_templates). A rewrite that fails is
         left for `predict` to report."""
         if self._templated(layout):
             with contextlib.suppress(ValueError):
@@ -258,11 +345,15 @@ class Estimator:
         return self.trace_blocks is not None and self._stages(layout) > 1
 
     def _entry(self, layout: Layout) -> tuple:
-        """The key of `layout`'s rewritten graph in `_rewritten`, rewritten if new."""
-        _, traced, _, scaling = self._trace(layout)
+        """The key of `layout`'s rewritten graph in `_rewritten`, rewritten if new (by the
+        worker when its group is the worker's)."""
+        remote = self._remote(layout)
+        if remote is not None:
+            return remote
         key = self._key(layout)
         template = self._template(layout)
         if key not in self._rewritten:
+            _, traced, _, scaling = self._trace(layout, graph=True)
             options, passes_layout = {}, layout
             if template:  # two stages cut between the two traced blocks
                 path, counts = scaling

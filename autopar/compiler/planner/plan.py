@@ -6,6 +6,7 @@ its tensor-parallel placements, the cost of each layer.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,9 +24,13 @@ from autopar.compiler.planner.estimate import Estimator, template_fields
 from autopar.compiler.planner.memory import static_lower_bound
 from autopar.compiler.planner.pipeline_cost import after_schedule_floor, pipeline_time
 from autopar.compiler.planner.search import (PlanError, candidate_layouts, check_constraints,
+                                             costing_order,
                                              refinements, search)
 from autopar.compiler.planner.summary import DTYPE_NAMES
+from autopar.compiler.planner.workers import available as worker_available
 from autopar.layout import Layout, LayoutError, Plan
+
+MAX_WORKERS = 2  # plan(workers=None): a large search rewrites a few groups (one per tp)
 
 # how many times the nodes a model that fits nowhere is tried on, to name a cluster
 LARGER_CLUSTERS = (2, 4, 8)
@@ -35,13 +40,20 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs: Sequence[
          loss_fn: LossFn | None = None, optimizer: str = "adamw",
          efficiency: Efficiency = DEFAULT_EFFICIENCY,
          progress: Callable[[int, int, Layout], None] | None = None,
-         trace_blocks: int | None = None, **constraints: Any) -> Plan:
+         trace_blocks: int | None = None, workers: int | None = None,
+         **constraints: Any) -> Plan:
     """The fastest layout of `model` on `cluster` that fits memory, and every other one
     with why not. Constraints fix Layout fields (tp=2, amp="bf16") or set
     max_memory_fraction (default 0.9). `progress(done, total, layout)` is called
     before each candidate is costed. `trace_blocks=k` traces k of the model's repeated
     blocks (one per stage for a pipeline) and scales their costs to the whole stack
-    (planner/scaled.py): faster for deep models, approximate."""
+    (planner/scaled.py): faster for deep models, approximate. `workers=k` forks k
+    processes that rewrite graphs while the search costs (planner/workers.py: the same
+    plan, sooner on more than one core; only with trace_blocks, on Linux); None: one per
+    CPU up to MAX_WORKERS; 0: none."""
+    if workers is not None and (not isinstance(workers, int) or workers < 0):
+        raise ValueError(f"workers must be a count of processes (0: none) or None, got "
+                         f"{workers!r}")
     if not isinstance(cluster, ClusterSpec):
         raise TypeError(f"cluster must be an autopar.ClusterSpec, got {type(cluster).__name__}")
     fixed, fraction = check_constraints(constraints)
@@ -53,22 +65,34 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs: Sequence[
     costed, pruned = prune_static(candidates, model, cluster, fraction, optimizer)
     step = None if progress is None else _counter(progress, len(costed))
     bound = compute_bound(estimator, costed, efficiency) if costed else None
+    widest = widest_templates(costed)
+    count = _worker_count(workers, trace_blocks)
+    if bound is not None and count:
+        order = sorted(costed, key=lambda lay: (bound(lay), *costing_order(lay)))
+        estimator.start_workers(count, [lay for lay in order
+                                        if lay.pp == 1 and lay.microbatches == 1],
+                                bound, extra=list(widest.values()))
     try:
-        result = search(costed, estimator.predict, cluster, fraction, step, refinements(fixed),
-                        bound, prepare=pipeline_preparer(estimator, costed))
-        result.skipped += pruned
-    except PlanError as exc:
-        if pruned:  # the error names the smallest peak: it may be a pruned layout's
-            floor = _static_bound(model, optimizer)
-            try:
-                search(costed + sorted((lay for lay, _ in pruned), key=floor), estimator.predict,
-                       cluster, fraction, None, refinements(fixed), memory_bound=floor)
-            except PlanError as again:
-                exc = again
-        hint = _larger_cluster_hint(model, cluster, example_inputs, loss_fn, optimizer,
-                                    efficiency, trace_blocks, constraints, exc.smallest)
-        raise PlanError(f"{exc}{hint}") from None
-    result.details = details(estimator, result.layout, cluster, efficiency, optimizer)
+        try:
+            result = search(costed, estimator.predict, cluster, fraction, step,
+                            refinements(fixed), bound, prepare=lambda lay: estimator.prepare(
+                                widest.get(template_fields(lay), lay)))
+            result.skipped += pruned
+        except PlanError as exc:
+            if pruned:  # the error names the smallest peak: it may be a pruned layout's
+                floor = _static_bound(model, optimizer)
+                try:
+                    search(costed + sorted((lay for lay, _ in pruned), key=floor),
+                           estimator.predict, cluster, fraction, None, refinements(fixed),
+                           memory_bound=floor)
+                except PlanError as again:
+                    exc = again
+            hint = _larger_cluster_hint(model, cluster, example_inputs, loss_fn, optimizer,
+                                        efficiency, trace_blocks, constraints, exc.smallest)
+            raise PlanError(f"{exc}{hint}") from None
+        result.details = details(estimator, result.layout, cluster, efficiency, optimizer)
+    finally:
+        estimator.close_workers()
     bounded = sum(why.startswith("not costed") for _, why in result.skipped)
     result.details["search"] = {"candidates": len(candidates), "pruned": len(pruned),
                                 "bounded": bounded, "costed": len(result.alternatives) + 1,
@@ -189,11 +213,11 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
     return bound
 
 
-def pipeline_preparer(estimator: Estimator, candidates: list[Layout]
-                      ) -> Callable[[Layout], None]:
-    """search's `prepare`: before a pipeline is costed, rewrite the template of the
-    candidate with the largest micro-batch among those sharing its template's fields
-    (Estimator.pipeline_floors scales it down to the others, not up)."""
+def widest_templates(candidates: list[Layout]) -> dict[Layout, Layout]:
+    """Template fields -> the pipelined candidate with the largest micro-batch among
+    those costed from it: search's `prepare` rewrites that one's template before the
+    first of them is costed (Estimator.pipeline_floors scales it down to the others,
+    not up)."""
     widest: dict[Layout, Layout] = {}
     for layout in candidates:
         if layout.pp > 1:
@@ -201,7 +225,21 @@ def pipeline_preparer(estimator: Estimator, candidates: list[Layout]
             if fields not in widest or (layout.dp * layout.microbatches
                                         < widest[fields].dp * widest[fields].microbatches):
                 widest[fields] = layout
-    return lambda layout: estimator.prepare(widest.get(template_fields(layout), layout))
+    return widest
+
+
+def _worker_count(workers: int | None, trace_blocks: int | None) -> int:
+    """plan's `workers`: None is one per CPU, at most MAX_WORKERS, and none on one CPU
+    (the parent mostly waits on them, so on two CPUs two workers keep both busy)."""
+    if workers is not None and trace_blocks is None and workers > 0:
+        raise ValueError("workers needs trace_blocks: a worker sends scaled summaries back, "
+                         "not an exact trace's graphs")
+    if trace_blocks is None or not worker_available():
+        return 0
+    if workers is None:
+        cpus = os.cpu_count() or 1
+        return min(cpus, MAX_WORKERS) if cpus > 1 else 0
+    return workers
 
 
 def reference_layout(layout: Layout) -> Layout | None:
@@ -334,7 +372,7 @@ def details(estimator: Estimator, layout: Layout, cluster: ClusterSpec, eff: Eff
             optimizer: str) -> dict[str, Any]:
     return {"timeline": timeline(estimator, layout, cluster, eff, optimizer),
             "tp_placements": estimator.tp_placements(layout) if layout.tp > 1 else None,
-            "layers": layer_costs(estimator.traced(layout), cluster)}
+            "layers": estimator.layer_rows(layout)}
 
 
 def timeline(estimator: Estimator, layout: Layout, cluster: ClusterSpec, eff: Efficiency,

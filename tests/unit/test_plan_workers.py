@@ -1,0 +1,121 @@
+"""Planning with worker processes (planner/workers.py): the forked workers rewrite their
+groups' layouts, the parent costs them, and every prediction, the plan and the search's
+record are what one process computes; a worker's refusal reaches the search as its own
+would, and a dead worker's layouts are rewritten in the parent."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import autopar
+from autopar.compiler.planner import search as S
+from autopar.compiler.planner.cost_model import DEFAULT_EFFICIENCY
+from autopar.compiler.planner.estimate import Estimator
+from autopar.compiler.planner.plan import compute_bound
+from autopar.compiler.planner.workers import available
+from autopar.examples import causal_lm_loss
+from tests.unit.test_cost_model import meta_gpt2
+
+logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
+
+pytestmark = pytest.mark.skipif(not available(), reason="workers fork: Linux only")
+
+CLUSTER = autopar.ClusterSpec.preset("dgx-h100")
+
+
+@pytest.fixture(scope="module")
+def gpt8():
+    return meta_gpt2(layers=8, hidden=256, heads=8, vocab=1000, batch=16, seq=64)
+
+
+@pytest.mark.slow
+def test_a_plan_with_workers_is_the_plan_without(gpt8):
+    model, batch = gpt8
+    alone = autopar.plan(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2, workers=0,
+                         amp="bf16")
+    shared = autopar.plan(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2, workers=2,
+                          amp="bf16")
+    assert (shared.layout, shared.predicted) == (alone.layout, alone.predicted)
+    assert shared.alternatives == alone.alternatives and shared.skipped == alone.skipped
+    for key in ("layers", "tp_placements", "timeline"):
+        assert shared.details[key] == alone.details[key]
+    assert {k: v for k, v in shared.details["search"].items() if k != "seconds"} == \
+        {k: v for k, v in alone.details["search"].items() if k != "seconds"}
+
+
+def test_workers_rewrite_their_groups_and_the_parent_only_costs(gpt8, monkeypatch):
+    model, batch = gpt8
+    candidates = S.candidate_layouts(CLUSTER, 16, 8, {"amp": "bf16"})
+    unpipelined = [lay for lay in candidates if lay.pp == 1 and lay.tp <= 4 and lay.zero in (0, 3)]
+    alone = Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2)
+    est = Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2)
+    bound = compute_bound(est, candidates, DEFAULT_EFFICIENCY)
+    est.start_workers(2, unpipelined, bound)
+    try:
+        workers = set(est.workers.values())
+        assert len(workers) == 2 and all(w.process.is_alive() for w in workers)
+        mine = [lay for lay in unpipelined if est.group_of(lay) not in est.workers]
+        theirs = [lay for lay in unpipelined if est.group_of(lay) in est.workers]
+        assert mine and theirs
+        rewrites = []  # what the parent rewrites from here on (the workers forked before)
+        monkeypatch.setattr(Estimator, "_run_passes", _recording(Estimator._run_passes,
+                                                                 rewrites, est))
+        for lay in unpipelined:
+            assert est.predict(lay) == alone.predict(lay), lay
+        assert rewrites and {est.group_of(lay) for lay in rewrites} <= {
+            est.group_of(lay) for lay in mine}
+        assert est.tp_placements(theirs[-1]) == alone.tp_placements(theirs[-1])
+        assert est.layer_rows(theirs[0]) == alone.layer_rows(theirs[0])
+    finally:
+        est.close_workers()
+    assert not any(w.process.is_alive() for w in workers)
+
+
+def test_a_workers_refusal_is_the_searchs_and_a_dead_workers_layouts_come_home(
+        gpt8, monkeypatch):
+    model, batch = gpt8
+    candidates = S.candidate_layouts(CLUSTER, 16, 8, {"amp": "bf16"})
+    unpipelined = [lay for lay in candidates if lay.pp == 1]
+    est = Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2)
+    bound = compute_bound(est, candidates, DEFAULT_EFFICIENCY)
+    original = Estimator._run_passes
+
+    def refuse(self, traced, trace_key, layout, options):
+        if layout.zero == 1:
+            raise ValueError(f"no placement for {layout}")
+        return original(self, traced, trace_key, layout, options)
+
+    monkeypatch.setattr(Estimator, "_run_passes", refuse)  # the workers fork with it
+    est.start_workers(1, unpipelined, bound)
+    try:
+        theirs = [lay for lay in unpipelined if est.group_of(lay) in est.workers]
+        refused = next(lay for lay in theirs if lay.zero == 1)
+        with pytest.raises(ValueError, match="no placement for"):
+            est.predict(refused)
+        worker = est.workers[est.group_of(refused)]
+        worker.process.kill()
+        worker.process.join()
+        fine = next(lay for lay in theirs if lay.zero == 2)
+        alone = Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2)
+        assert est.predict(fine) == alone.predict(fine)
+        assert not worker.alive
+    finally:
+        est.close_workers()
+
+
+def test_workers_are_refused_without_trace_blocks():
+    model, batch = meta_gpt2(layers=2, hidden=64, heads=4, vocab=100, batch=8, seq=16)
+    with pytest.raises(ValueError, match="workers needs trace_blocks"):
+        autopar.plan(model, CLUSTER, batch, causal_lm_loss, workers=1)
+    with pytest.raises(ValueError, match="workers must be a count"):
+        autopar.plan(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2, workers=-1)
+
+
+def _recording(run, out, mine):
+    def wrapped(self, traced, trace_key, layout, options):
+        if self is mine:
+            out.append(layout)
+        return run(self, traced, trace_key, layout, options)
+    return wrapped
