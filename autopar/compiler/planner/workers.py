@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import highspy
+import torch
 
 from autopar.layout import Layout
 
@@ -40,8 +41,10 @@ AHEAD = 1.5  # groups given to the child: FLOP bound at most this many times the
 
 
 def available() -> bool:
-    """Whether a worker can be forked here (Linux: fork is safe with torch on CPU)."""
-    return sys.platform.startswith("linux")
+    """Whether a worker can be forked here: Linux, and CUDA not started in this process
+    (a forked child cannot use it; the traces run on fake tensors, but a model's real
+    CUDA tensors would be asked for their device)."""
+    return sys.platform.startswith("linux") and not torch.cuda.is_initialized()
 
 
 class RewriteWorker:
@@ -91,7 +94,10 @@ def _serve(estimator, conn, members: dict[tuple, list[Layout]]) -> None:
         if ahead and not conn.poll():
             _payload(estimator, "entry", ahead.pop(0))  # kept in the child's caches
             continue
-        message = conn.recv()
+        try:
+            message = conn.recv()
+        except EOFError:  # the parent is gone
+            return
         if message is None:
             return
         payload = _payload(estimator, *message)
