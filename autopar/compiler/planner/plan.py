@@ -140,10 +140,15 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
     After the schedule, for a pipeline or micro-batched step: each rank sums its
     gradients over dp, runs the optimizer and (ZeRO) gathers its parameters after its
     last action, not overlapped (pipeline_cost.py). The step is at least the mean over
-    the pp ranks of compute plus that, so at least the mean rank's compute (the FLOPs'
-    share or c) plus pipeline_cost.after_schedule_floor / pp, a floor from the
-    parameters' shapes alone. It is what rules out most pipelines of a large model
-    before they are rewritten: their gradient all-reduce over dp is seconds."""
+    the pp ranks of busy time plus that, so at least the mean rank's compute plus
+    pipeline_cost.after_schedule_floor / pp (a floor from the parameters' shapes alone)
+    plus its receives. The mean compute is the FLOPs' share, c, or, once a template of
+    the pipeline's fields is rewritten (the search's `prepare`), m L w / pp with w one
+    block's phase work per micro-batch (replicated.block_work_floor: its exposed
+    tensor-parallel collectives included); the receives, (S - 1) m transfers of what a
+    block sends on and back (Estimator.pipeline_floors, both scaled from the template's
+    micro-batch to the layout's). On the 1T GPT these rule out every pipeline before
+    its own template is rewritten."""
     cluster, model = estimator.cluster, estimator.model
     try:
         total = estimator.step_model_flops(candidates[0]) * BOUND_MARGIN
