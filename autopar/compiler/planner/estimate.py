@@ -81,9 +81,9 @@ class Estimator:
         self._replicas: dict[tuple, tuple] = {}
         self._forward: dict[tuple, TrainGraph] = {}  # graphs after the forward-level passes
         self._predictions: dict[Layout, Prediction] = {}
-        # pipeline templates by the fields their passes read: [(micro-batch size, template)]
-        self._templates: dict[Layout, list[tuple[float, Template]]] = {}
-        self._floors: dict[int, tuple] = {}  # id(template) -> (sends, block work)
+        # pipeline templates' floors by the fields their passes read:
+        # [(micro-batch size, sends across a boundary, one block's work)]
+        self._templates: dict[Layout, list[tuple[float, tuple, float]]] = {}
         self.workers: dict[tuple, RewriteWorker] = {}  # group -> its worker (start_workers)
 
     def predict(self, layout: Layout) -> Prediction:
@@ -143,8 +143,9 @@ class Estimator:
             groups.setdefault(group, []).append(layout)
             least[group] = min(least.get(group, math.inf), bound(layout))
         for layout in extra:
-            if self.group_of(layout) in groups:
-                groups[self.group_of(layout)].append(layout)
+            members = groups.get(self.group_of(layout))
+            if members is not None:
+                members.append(layout)
         for share in child_groups(list(groups), [least[g] for g in groups], count):
             if share:
                 worker = RewriteWorker(self, {g: groups[g] for g in share})
@@ -179,8 +180,7 @@ class Estimator:
             if table is not None:
                 self._tables[key] = table
             if entry[3] is not None:
-                self._templates.setdefault(template_fields(layout), []).append(
-                    (self._micro_batch(layout), entry[3]))
+                self._keep_template(layout, entry[3])
         return key
 
     def layer_rows(self, layout: Layout) -> list[dict[str, Any]]:
@@ -228,16 +228,19 @@ class Estimator:
             return 0.0, 0.0
         size = self._micro_batch(layout)
         received = work = 0.0
-        for b0, t in templates:
-            if id(t) not in self._floors:
-                self._floors[id(t)] = (_boundary_sends(t),
-                                       block_work_floor(t, self.cluster, layout, self.efficiency))
-            sends, block = self._floors[id(t)]
+        for b0, sends, block in templates:
             share = min(1.0, size / b0)
             received = max(received, sum(p2p_time(nbytes * share, values, self.cluster, layout,
                                                   self.efficiency) for nbytes, values in sends))
             work = max(work, block * share)
         return received, work
+
+    def _keep_template(self, layout: Layout, t: Template) -> None:
+        """Keep the floors of `layout`'s template for `pipeline_floors` (its fields fix
+        the tensor-parallel group its block work is costed on)."""
+        self._templates.setdefault(template_fields(layout), []).append(
+            (self._micro_batch(layout), _boundary_sends(t),
+             block_work_floor(t, self.cluster, layout, self.efficiency)))
 
     def _micro_batch(self, layout: Layout) -> float:
         """One rank's micro-batch size (the example's batch when it has no batch dim)."""
@@ -363,8 +366,7 @@ class Estimator:
             if template:
                 pattern = template_of(rewritten, sum(scaling[1]), self.cluster)
                 entry = (None, None, None, pattern)
-                self._templates.setdefault(template_fields(layout), []).append(
-                    (self._micro_batch(layout), pattern))
+                self._keep_template(layout, pattern)
             else:
                 stages = stage_summary(rewritten) if key[1] else None
                 summary = self._scaled(summarize(rewritten), rewritten, scaling)

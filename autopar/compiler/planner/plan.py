@@ -180,25 +180,20 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
         return (max(whole * bubble_factor(layout), in_blocks * fullest) * BOUND_MARGIN,
                 whole * BOUND_MARGIN)
 
-    def tail(layout: Layout) -> float:
-        """The mean pipeline rank's gradient sync, optimizer and ZeRO gather after its
-        last action (none bounded for a step without micro-batches: it overlaps)."""
+    def mean_rank(layout: Layout) -> tuple[float, float]:
+        """(the mean pipeline rank's block work, from its template once one is
+        rewritten; its receives plus its gradient sync, optimizer and ZeRO gather after
+        its last action). (0, 0) for a step without micro-batches: its sync overlaps."""
         if layout.pp == 1 and layout.microbatches == 1:
-            return 0.0
+            return 0.0, 0.0
         key = (layout.dp, layout.tp, layout.zero, layout.grad_comm_dtype)
         if key not in tails:
             tails[key] = after_schedule_floor(params, cluster, layout, estimator.optimizer, eff)
-        boundary, _ = estimator.pipeline_floors(layout)
+        boundary, block = estimator.pipeline_floors(layout)
         received = (layout.pp * layout.virtual_stages - 1) * layout.microbatches * boundary
-        return (tails[key] + received) / layout.pp * BOUND_MARGIN
-
-    def block_work(layout: Layout) -> float:
-        """The mean pipeline rank's block work (phases with their exposed tensor-parallel
-        collectives) from its template, once one is rewritten."""
-        if layout.pp == 1:
-            return 0.0
-        _, block = estimator.pipeline_floors(layout)
-        return layout.microbatches * blocks * block / layout.pp * BOUND_MARGIN
+        work = layout.microbatches * blocks * block if layout.pp > 1 else 0.0
+        return (work / layout.pp * BOUND_MARGIN,
+                (tails[key] + received) / layout.pp * BOUND_MARGIN)
 
     def sibling(layout: Layout) -> float:
         if layout.pp == 1 and layout.microbatches == 1:
@@ -213,7 +208,8 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
         flops = total / cluster.world_size / (max(peaks) * eff.compute) * factor \
             if peaks and total else 0.0
         slowest, mean = reference(layout)
-        return max(slowest, sibling(layout), max(flops, mean, block_work(layout)) + tail(layout))
+        work, tail = mean_rank(layout)
+        return max(slowest, sibling(layout), max(flops, mean, work) + tail)
 
     return bound
 
