@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import autopar
+from autopar.compiler.ir.trace import trace_train_step
 from autopar.cluster import ClusterSpec, LinkSpec
 from autopar.compiler.planner import cost_model as cm
 from autopar.compiler.planner.summary import GraphSummary, OpRecord, summarize
@@ -257,6 +258,38 @@ def test_estimate_costs_zero_and_recompute_memory():
     assert full.peak_memory_bytes < plain.peak_memory_bytes
     assert full.flops_per_step == plain.flops_per_step  # recomputed FLOPs are not model FLOPs
     assert full.breakdown["compute"] > plain.breakdown["compute"]
+
+
+def test_zero_moves_what_its_collectives_move():
+    """ZeRO-2 reduce-scatters the gradients and gathers the updated blocks back: a ring
+    moves as many bytes as plain data parallelism's all-reduce (reduce-scatter plus
+    all-gather is a ring all-reduce; latency aside), ZeRO-1 all-reduces and gathers (1.5x), ZeRO-3
+    gathers the parameters for the forward and again for the backward (1.5x). A
+    reduce-scatter is costed by its input, the whole gradient, not by its output."""
+    from autopar.compiler.planner.cost_model import zero_gather_time
+    from autopar.compiler.planner.summary import summarize
+
+    model, batch = meta_gpt2(layers=2, hidden=1024, heads=8, vocab=32000, batch=16, seq=64)
+    data = ClusterSpec.preset("dgx-h100").to_dict()
+    data["intra_node"]["latency_s"] = 1e-12  # bytes only: ZeRO-1/2 gather a message a tensor
+    c = ClusterSpec.from_dict(data)
+    comm = {z: autopar.estimate(model, c, autopar.Layout(dp=8, zero=z), batch,
+                                causal_lm_loss).breakdown["comm"] for z in range(4)}
+    assert comm[2] == pytest.approx(comm[0], rel=0.05), comm
+    assert comm[1] == pytest.approx(1.5 * comm[0], rel=0.05), comm
+    assert comm[3] == pytest.approx(1.5 * comm[0], rel=0.05), comm
+    moved = {}
+    for z in (0, 2):
+        local = (batch[0][: batch[0].shape[0] // 8],)
+        lay = autopar.Layout(dp=8, zero=z)
+        tg, _ = autopar.api.run_passes(trace_train_step(model, local, causal_lm_loss), lay, c)
+        summary = summarize(tg)
+        moved[z] = sum(op.comm_bytes for op in summary.ops if op.collective and op.comm_bytes > 64)
+        gather = zero_gather_time(summary, c, lay)
+        assert (gather > 0) == (z == 2)
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    # every gradient once (and the gathered embedding rows), blocks' padding rows aside
+    assert grads <= moved[0] <= moved[2] <= moved[0] * 1.01, (grads, moved)
 
 
 def test_estimate_refuses_what_it_cannot_cost():

@@ -205,6 +205,37 @@ def test_compute_bound_is_below_every_prediction_and_prunes_without_changing_the
     assert all(lay.amp == "bf16" for lay, _, _ in pruned.alternatives)
 
 
+def test_whole_step_bound_counts_the_gradient_sync_and_prunes_comm_bound_layouts():
+    """On slow links a whole-graph step is bound by its collectives (one stream) and its
+    optimizer: plan.compute_bound's floor from the parameters' shapes stays below every
+    unpipelined prediction, rules out layouts before they are costed, and the plan is
+    the one costing everything finds."""
+    from autopar.compiler.planner.estimate import Estimator
+    from autopar.compiler.planner.pipeline_cost import after_schedule_floor
+    from autopar.compiler.planner.plan import BOUND_MARGIN, compute_bound
+
+    ex = gpt2(layers=2, hidden=64, heads=4, vocab=256, batch=8, seq=32)
+    c = cluster(per_node=4, intra=(1e8, 1e-5), flops=1e12, bandwidth=1e12)  # comm-bound
+    candidates = [lay for lay in S.candidate_layouts(c, 8, 2, {}) if lay.pp == 1]
+    est = Estimator(ex.model, c, ex.batch, ex.loss_fn)
+    bound = compute_bound(est, candidates, cm.DEFAULT_EFFICIENCY)
+    params = [(tuple(p.shape), p.element_size()) for p in ex.model.parameters()]
+    everything = S.search(candidates, est.predict, c)
+    costed = [(everything.layout, everything.predicted)] + [
+        (lay, p) for lay, p, _ in everything.alternatives]
+    synced = 0
+    for lay, pred in costed:
+        floor = after_schedule_floor(params, c, lay) * BOUND_MARGIN
+        assert floor <= bound(lay) <= pred.step_time_s, lay
+        synced += lay.dp > 1 and floor > 0.5 * pred.step_time_s
+    assert synced >= 3  # the floor is most of these steps
+    fresh = Estimator(ex.model, c, ex.batch, ex.loss_fn)
+    pruned = S.search(candidates, fresh.predict, c,
+                      bound=compute_bound(fresh, candidates, cm.DEFAULT_EFFICIENCY))
+    assert (pruned.layout, pruned.predicted) == (everything.layout, everything.predicted)
+    assert any(why.startswith("not costed") for _, why in pruned.skipped)
+
+
 def test_static_bound_is_below_every_predicted_peak_and_prunes_without_tracing():
     from autopar.compiler.planner.memory import static_lower_bound
     from autopar.compiler.planner.plan import prune_static

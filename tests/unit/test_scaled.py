@@ -47,7 +47,7 @@ def test_reduced_traces_the_first_blocks_and_restores_the_stack():
     assert sum(scaled.param_numel) == whole
 
 
-@pytest.mark.parametrize("fields", [dict(dp=8), dict(dp=4, tp=2),
+@pytest.mark.parametrize("fields", [dict(dp=8), dict(dp=4, tp=2), dict(dp=8, zero=3),
                                     dict(dp=2, pp=4, microbatches=8),
                                     dict(dp=4, pp=2, microbatches=4, schedule="zero-bubble")])
 def test_scaled_predictions_match_exact_ones(fields):
@@ -58,6 +58,8 @@ def test_scaled_predictions_match_exact_ones(fields):
     approx = Estimator(model, c, batch, causal_lm_loss, trace_blocks=2).predict(layout)
     assert approx.flops_per_step == exact.flops_per_step
     assert approx.step_time_s == pytest.approx(exact.step_time_s, rel=0.03)
+    # the collectives too: ZeRO-3's gathers repeat with their blocks
+    assert approx.breakdown["comm"] == pytest.approx(exact.breakdown["comm"], rel=0.05)
     # a pipeline's memory: each rank's schedule replayed over the replicated stages
     # (planner/replicated.py; tests/unit/test_replicated.py has more layouts)
     rel = 0.01 if layout.pp == 1 else 0.03

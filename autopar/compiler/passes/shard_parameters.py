@@ -118,19 +118,23 @@ class ShardParameters(GraphPass):
                 dp: int, tag: str, rows: int) -> None:
         graph = tg.graph
         where = users[0].meta.get(M.MODULE_PATH)
+        # the gather belongs to the repeated block its first reader is in (a deep model
+        # costed from a few traced blocks repeats it with them: planner/scaled.py)
+        layer = {M.LAYER: users[0].meta[M.LAYER]} if M.LAYER in users[0].meta else {}
         with graph.inserting_before(issue_before):
             job = graph.call_function(c10d.all_gather_into_tensor.default, (block, dp, tag))
         job.meta = new_node_meta(c10d.all_gather_into_tensor.default(block.meta[M.VAL], dp, tag),
                                  M.Role.COMM, "shard_parameters", where,
-                                 **{M.COMM_KIND: "param_gather"})
+                                 **{M.COMM_KIND: "param_gather"}, **layer)
         with graph.inserting_before(users[0]):
             whole = graph.call_function(c10d.wait_tensor.default, (job,))
-        whole.meta = new_node_meta(job.meta[M.VAL], M.Role.COMM, "shard_parameters", where)
+        whole.meta = new_node_meta(job.meta[M.VAL], M.Role.COMM, "shard_parameters", where,
+                                   **layer)
         if whole.meta[M.VAL].shape[0] != rows:  # the last block's padding rows
             with graph.inserting_after(whole):
                 trimmed = graph.call_function(torch.ops.aten.slice.Tensor, (whole, 0, 0, rows))
             trimmed.meta = new_node_meta(whole.meta[M.VAL][:rows], M.Role.COMM,
-                                         "shard_parameters", where)
+                                         "shard_parameters", where, **layer)
             whole = trimmed
         for user in users:
             user.replace_input_with(block, whole)

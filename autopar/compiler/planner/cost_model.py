@@ -22,7 +22,8 @@ import math
 from dataclasses import dataclass
 
 from autopar.cluster import ClusterSpec, LinkSpec
-from autopar.compiler.planner.memory import MemoryPrediction, held_parameter_bytes, step_memory
+from autopar.compiler.planner.memory import (MemoryPrediction, held_parameter_bytes,
+                                             outside_graph_blocks, step_memory)
 from autopar.compiler.planner.summary import GraphSummary, OpRecord
 from autopar.layout import Layout, Prediction
 
@@ -248,11 +249,25 @@ def optimizer_time(param_bytes: int, optimizer: str, cluster: ClusterSpec,
     return seconds * cluster.device.op_time_factors.get(f"optimizer.{optimizer}", 1.0)
 
 
+def zero_gather_time(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
+                     eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    """ZeRO: after the optimizer step, the all-gather over dp of each parameter a rank
+    updates a block of outside the graph (runtime/executor.py `_gather_zero_blocks`: one
+    collective per parameter), overlapped with nothing."""
+    size, stride = mesh_dim_sizes(layout)["dp"]
+    spans = group_spans_nodes(size, stride, cluster)
+    return sum(collective_time("all_gather", block * size, size, cluster, spans, eff)
+               for block in outside_graph_blocks(summary, layout) if block)
+
+
 def step_time(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
               optimizer: str = "adamw", eff: Efficiency = DEFAULT_EFFICIENCY) -> StepTime:
+    """One whole-graph step: the graph's streams (simulate_streams), then the optimizer
+    and, under ZeRO-1/2, the gather of the updated blocks (zero_gather_time)."""
     compute, comm, end = simulate_streams(summary, cluster, layout, eff)
     updated = sum(held_parameter_bytes(summary, layout)[1])  # ZeRO: this rank's blocks
-    return StepTime(compute_s=compute, comm_s=comm, exposed_comm_s=end - compute,
+    gather = zero_gather_time(summary, cluster, layout, eff)
+    return StepTime(compute_s=compute, comm_s=comm + gather, exposed_comm_s=end - compute + gather,
                     optimizer_s=optimizer_time(updated, optimizer, cluster, eff))
 
 

@@ -176,18 +176,24 @@ def held_parameter_bytes(summary: GraphSummary, layout: Layout) -> tuple[int, li
     under ZeRO-1/2 a separate dim-0 block of ceil(rows / dp) rows of each parameter
     with at least dp rows (the runtime's `updated`)."""
     held, updated = 0, []
+    for i, block in enumerate(outside_graph_blocks(summary, layout)):
+        nbytes = summary.param_numel[i] * summary.param_itemsize[i]
+        held += nbytes + block
+        updated.append(block or nbytes)
+    return held, updated
+
+
+def outside_graph_blocks(summary: GraphSummary, layout: Layout) -> list[int]:
+    """Per parameter, the bytes of the dim-0 block the runtime updates beside the graph's
+    parameter under ZeRO (ceil(rows / dp) rows of one with at least dp rows, not sharded
+    in the graph by ZeRO-3), and gathers back after the optimizer step; 0 for the others."""
+    blocks = []
     for i, (numel, itemsize) in enumerate(zip(summary.param_numel, summary.param_itemsize)):
-        nbytes = numel * itemsize
-        held += nbytes
         rows = summary.param_rows[i] if summary.param_rows else 0
         in_graph_block = bool(summary.param_blocks) and summary.param_blocks[i] > 1
-        if layout.zero and not in_graph_block and rows >= layout.dp:
-            block = block_nbytes(rows, nbytes, layout.dp)
-            held += block
-            updated.append(block)
-        else:
-            updated.append(nbytes)
-    return held, updated
+        blocks.append(block_nbytes(rows, numel * itemsize, layout.dp)
+                      if layout.zero and not in_graph_block and rows >= layout.dp else 0)
+    return blocks
 
 
 def step_memory(summary: GraphSummary, layout: Layout,

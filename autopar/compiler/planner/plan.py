@@ -148,7 +148,13 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
     tensor-parallel collectives included); the receives, (S - 1) m transfers of what a
     block sends on and back (Estimator.pipeline_floors, both scaled from the template's
     micro-batch to the layout's). On the 1T GPT these rule out every pipeline before
-    its own template is rewritten."""
+    its own template is rewritten.
+
+    A whole-graph step (no pipeline, no micro-batches) queues every collective on one
+    stream and ends with the optimizer and ZeRO-1/2's gather (cost_model.step_time), so
+    it takes at least after_schedule_floor, overlapped or not: on the 1T GPT this rules
+    out the data-parallel layouts whose gradient sync alone is slower than the best
+    step found."""
     cluster, model = estimator.cluster, estimator.model
     try:
         total = estimator.step_model_flops(candidates[0]) * BOUND_MARGIN
@@ -186,14 +192,17 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
         its last action). (0, 0) for a step without micro-batches: its sync overlaps."""
         if layout.pp == 1 and layout.microbatches == 1:
             return 0.0, 0.0
-        key = (layout.dp, layout.tp, layout.zero, layout.grad_comm_dtype)
-        if key not in tails:
-            tails[key] = after_schedule_floor(params, cluster, layout, estimator.optimizer, eff)
         boundary, block = estimator.pipeline_floors(layout)
         received = (layout.pp * layout.virtual_stages - 1) * layout.microbatches * boundary
         work = layout.microbatches * blocks * block if layout.pp > 1 else 0.0
         return (work / layout.pp * BOUND_MARGIN,
-                (tails[key] + received) / layout.pp * BOUND_MARGIN)
+                (tail(layout) + received) / layout.pp * BOUND_MARGIN)
+
+    def tail(layout: Layout) -> float:
+        key = (layout.dp, layout.tp, layout.zero, layout.grad_comm_dtype)
+        if key not in tails:
+            tails[key] = after_schedule_floor(params, cluster, layout, estimator.optimizer, eff)
+        return tails[key]
 
     def sibling(layout: Layout) -> float:
         if layout.pp == 1 and layout.microbatches == 1:
@@ -208,8 +217,9 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
         flops = total / cluster.world_size / (max(peaks) * eff.compute) * factor \
             if peaks and total else 0.0
         slowest, mean = reference(layout)
-        work, tail = mean_rank(layout)
-        return max(slowest, sibling(layout), max(flops, mean, work) + tail)
+        work, after = mean_rank(layout)
+        whole = tail(layout) * BOUND_MARGIN if layout.pp == layout.microbatches == 1 else 0.0
+        return max(slowest, sibling(layout), max(flops, mean, work) + after, whole)
 
     return bound
 

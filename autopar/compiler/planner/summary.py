@@ -64,7 +64,7 @@ class OpRecord:
     storage: int | None = None
     uses: tuple[int, ...] = ()
     collective: str | None = None  # "all_reduce" | "all_gather" | "reduce_scatter"
-    comm_bytes: int = 0  # the collective's full (reduced or gathered) tensor size
+    comm_bytes: int = 0  # the collective's full tensor: reduced, scattered or gathered
     group: str | None = None  # mesh dimension of the collective ("dp")
     waits_on: int | None = None  # a wait: index of the collective it waits for
     repeat: int = 1  # times the op runs back to back (planner/scaled.py: a block's copies)
@@ -181,7 +181,7 @@ def _record(node: fx.Node, index: dict[fx.Node, int], earlier: list[OpRecord]) -
         scratch=node.meta.get(M.FUSED_SCRATCH, 0),
         model_flops=0 if node.meta.get(M.RECOMPUTED) else flops - attention_recompute_flops(node),
         bytes=node.meta.get(M.BYTES, 0), dtype=_dtype_of(node), uses=uses,
-        collective=kind, comm_bytes=tensor_bytes(node.meta.get(M.VAL)) if kind else 0,
+        collective=kind, comm_bytes=_comm_bytes(node, kind),
         group=_mesh_dim(node.args[group_arg]) if kind else None, layer=node.meta.get(M.LAYER))
     if node.target is operator.getitem and _allocates(earlier, index.get(first)):
         # an output of a multi-output op lives on its own (its siblings may die sooner)
@@ -225,6 +225,14 @@ def attention_recompute_flops(node: fx.Node) -> int:
 def _mesh_dim(tag) -> str | None:
     return tag[len(MESH_TAG_PREFIX):] if isinstance(tag, str) and tag.startswith(MESH_TAG_PREFIX) \
         else None
+
+
+def _comm_bytes(node: fx.Node, kind: str | None) -> int:
+    """The full tensor a collective moves (cost_model.collective_time's `nbytes`): a
+    reduce-scatter's input, whose output is one rank's block of it; the others' output."""
+    if kind is None:
+        return 0
+    return tensor_bytes((node.args[0] if kind == "reduce_scatter" else node).meta.get(M.VAL))
 
 
 def _dtype_of(node: fx.Node) -> str | None:
