@@ -66,6 +66,28 @@ class Schedule:
     def rank_of(self, stage: int) -> int:
         return stage % self.pp
 
+    @functools.cached_property
+    def _steps(self) -> tuple[tuple[tuple, ...], tuple[tuple[int, str], ...], int]:
+        """`simulate`'s form of the lists, made once per schedule: per rank, each action as
+        (action, index of its cost key, the send it receives or -1, the send it is or -1,
+        whether it computes); the cost keys (stage, kind); how many sends there are."""
+        sends: dict[tuple[int, str, int], int] = {}
+        keys: dict[tuple[int, str], int] = {}
+        ranks = []
+        for actions in self.ranks:
+            steps = []
+            for a in actions:
+                need = send = -1
+                if a.kind == "RF" or a.kind == "RB":
+                    need = sends.setdefault((a.stage - 1, "SF", a.microbatch) if a.kind == "RF"
+                                            else (a.stage + 1, "SB", a.microbatch), len(sends))
+                elif a.kind == "SF" or a.kind == "SB":
+                    send = sends.setdefault((a.stage, a.kind, a.microbatch), len(sends))
+                steps.append((a, keys.setdefault((a.stage, a.kind), len(keys)), need, send,
+                              a.kind in COMPUTE))
+            ranks.append(tuple(steps))
+        return tuple(ranks), tuple(keys), len(sends)
+
     def __str__(self) -> str:
         return "\n".join(" ".join(str(a) for a in actions) for actions in self.ranks)
 
@@ -224,32 +246,33 @@ def simulate(s: Schedule, cost: dict | None = None) -> Timeline:
     it. Times do not depend on which rank runs first (an action starts at its rank's
     clock or its send's end, whichever is later), so this is one pass over the actions."""
     cost = {**DEFAULT_COST, **(cost or {})}
-    sent: dict[tuple[int, str, int], float] = {}  # (stage, "SF"/"SB", micro-batch) -> time
-    waiting: dict[tuple[int, str, int], int] = {}  # the send a blocked rank waits for
+    ranks, keys, count = s._steps
+    seconds = [cost.get(key, cost.get(key[1], 0.0)) for key in keys]
+    sent: list[float | None] = [None] * count  # when each send ended
+    waiting = [-1] * count  # the rank blocked on each send's receive
     clock = [0.0] * s.pp
     cursor = [0] * s.pp
     spans: list[list[tuple[Action, float, float]]] = [[] for _ in range(s.pp)]
     ready = list(range(s.pp - 1, -1, -1))
     while ready:
         r = ready.pop()
-        actions, k, now, mine = s.ranks[r], cursor[r], clock[r], spans[r]
-        while k < len(actions):
-            a = actions[k]
-            kind = a.kind
-            if kind == "RF" or kind == "RB":
-                need = (a.stage - 1, "SF", a.microbatch) if kind == "RF" \
-                    else (a.stage + 1, "SB", a.microbatch)
-                if need not in sent:
+        steps, k, now, mine = ranks[r], cursor[r], clock[r], spans[r]
+        while k < len(steps):
+            a, key, need, send, computes = steps[k]
+            if need >= 0:
+                when = sent[need]
+                if when is None:
                     waiting[need] = r
                     break
-                now = max(now, sent[need])
-            end = now + cost.get((a.stage, kind), cost.get(kind, 0.0))
-            if kind == "SF" or kind == "SB":
-                sent[a.stage, kind, a.microbatch] = end
-                woken = waiting.pop((a.stage, kind, a.microbatch), None)
-                if woken is not None:
-                    ready.append(woken)
-            elif kind in COMPUTE:
+                if when > now:
+                    now = when
+            end = now + seconds[key]
+            if send >= 0:
+                sent[send] = end
+                if waiting[send] >= 0:
+                    ready.append(waiting[send])
+                    waiting[send] = -1
+            elif computes:
                 mine.append((a, now, end))
             now = end
             k += 1

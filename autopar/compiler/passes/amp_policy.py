@@ -60,13 +60,17 @@ class AmpPolicy:
     device_type: str
     half: torch.dtype
     user: dict[str, str] = field(default_factory=dict)  # op key -> list
+    _probed: dict[tuple[str, str, torch.dtype], str] = field(default_factory=dict)
 
     def classify(self, op, args: tuple, kwargs: dict) -> tuple[str, str]:
         """(list, reason): reason is the list name, or "user" for an override."""
         key = op_key(op)
         if key in self.user:
             return self.user[key], "user"
-        kind = probe(op, args, kwargs, self.device_type, self.half)
+        cache_key = (str(op), self.device_type, self.half)
+        if cache_key not in self._probed:
+            self._probed[cache_key] = probe(op, args, kwargs, self.device_type, self.half)
+        kind = self._probed[cache_key]
         return kind, kind
 
     def promotes(self, op) -> bool:
@@ -86,29 +90,24 @@ def _composite(op) -> bool:
 
 
 def probe(op, args: tuple, kwargs: dict, device_type: str, half: torch.dtype) -> str:
-    """The list autocast puts `op` on, found by running it (see the module doc). What a
-    run finds is the op's, whatever the shapes: it is kept for the process (the planner
-    traces one step under AMP once per tensor-parallel degree)."""
+    """The list autocast puts `op` on, found by running it (see the module doc)."""
     if not isinstance(op, torch._ops.OpOverload):
         return GRAY
     if not has_autocast_kernel(op, device_type) and not _composite(op):
         return GRAY
     if not any(is_castable(x) for x in tree_flatten((args, kwargs))[0]):
-        return GRAY  # autocast leaves such a call alone; the op may be cast elsewhere
-    key = (str(op), device_type, half)
-    if key not in _PROBED:
-        with disable_proxy_modes_tracing():
-            try:
-                from_fp32 = _probe_output_dtype(op, args, kwargs, device_type, half, torch.float32)
-                from_half = _probe_output_dtype(op, args, kwargs, device_type, half, half)
-            except Exception:  # noqa: BLE001 - an op the probe cannot run is left alone
-                return GRAY  # (not kept: other arguments may run)
-        _PROBED[key] = WHITE if from_fp32 == half else BLACK if from_half == torch.float32 \
-            else GRAY
-    return _PROBED[key]
-
-
-_PROBED: dict[tuple[str, str, torch.dtype], str] = {}  # (overload, device type, half) -> list
+        return GRAY
+    with disable_proxy_modes_tracing():
+        try:
+            from_fp32 = _probe_output_dtype(op, args, kwargs, device_type, half, torch.float32)
+            from_half = _probe_output_dtype(op, args, kwargs, device_type, half, half)
+        except Exception:  # noqa: BLE001 - an op the probe cannot run is left alone
+            return GRAY
+    if from_fp32 == half:
+        return WHITE
+    if from_half == torch.float32:
+        return BLACK
+    return GRAY
 
 
 def _probe_output_dtype(op, args, kwargs, device_type, half, input_dtype) -> torch.dtype | None:
