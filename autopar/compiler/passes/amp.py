@@ -70,7 +70,11 @@ class AmpHook:
             self.opaque[node.name] = op.name()
         if not isinstance(op, torch._ops.OpOverload):
             return run(args, kwargs)
-        kind, reason = self.policy.classify(op, args, kwargs)
+        # probed on the exported node's own values: an outer pass's hook (tensor
+        # parallelism) may hand this one arguments that only its own rewrite makes agree
+        probe_args, probe_kwargs = fx.node.map_arg((node.args, node.kwargs),
+                                                   lambda a: a.meta.get("val", a))
+        kind, reason = self.policy.classify(op, probe_args, probe_kwargs)
         target = self._target_dtype(kind, op, args, kwargs)
         if target is not None:
             args, kwargs = tree_map(lambda x: self.cast(x, target) if is_castable(x) else x,
