@@ -145,11 +145,12 @@ def zero_block_bytes(summary: GraphSummary, i: int, layout: Layout) -> int:
 
 
 def grad_sync_time(summary: GraphSummary, stages: StageSummary, cluster: ClusterSpec,
-                   layout: Layout, eff: Efficiency = DEFAULT_EFFICIENCY) -> list[float]:
+                   layout: Layout, eff: Efficiency = DEFAULT_EFFICIENCY,
+                   by_rank: list[list[int]] | None = None) -> list[float]:
     """Per pipeline rank, as runtime/pipeline.py sums gradients: tied-weight all-reduces
     over the ranks sharing them, then over dp (in Layout.grad_comm_dtype when set) one
     flat all-reduce of the gradients it updates whole, and under ZeRO-2/3 a
-    reduce-scatter of each one it updates a block of."""
+    reduce-scatter of each one it updates a block of. `by_rank`: rank_params, if known."""
     out = [0.0] * layout.pp
     pp_spans = group_spans_nodes(layout.pp, layout.tp * layout.dp, cluster)
     dp_spans = group_spans_nodes(layout.dp, layout.tp, cluster)
@@ -159,7 +160,7 @@ def grad_sync_time(summary: GraphSummary, stages: StageSummary, cluster: Cluster
                                   len(ranks), cluster, pp_spans, eff)
         for rank in ranks:
             out[rank] += seconds
-    for rank, params in enumerate(rank_params(stages, layout)):
+    for rank, params in enumerate(by_rank or rank_params(stages, layout)):
         whole = 0
         for i in params:
             block = zero_block_bytes(summary, i, layout) if layout.zero >= 2 else 0
@@ -175,7 +176,8 @@ def grad_sync_time(summary: GraphSummary, stages: StageSummary, cluster: Cluster
 
 
 def param_gather_time(summary: GraphSummary, stages: StageSummary, cluster: ClusterSpec,
-                      layout: Layout, eff: Efficiency = DEFAULT_EFFICIENCY) -> list[float]:
+                      layout: Layout, eff: Efficiency = DEFAULT_EFFICIENCY,
+                      by_rank: list[list[int]] | None = None) -> list[float]:
     """Per pipeline rank: ZeRO's all-gather of each parameter it updates a block of (after
     the optimizer under ZeRO-1/2, before the schedule under ZeRO-3), one per parameter
     as the runtime issues them."""
@@ -183,14 +185,15 @@ def param_gather_time(summary: GraphSummary, stages: StageSummary, cluster: Clus
     return [sum(collective_time("all_gather", block * layout.dp, layout.dp, cluster, dp_spans,
                                 eff)
                 for block in (zero_block_bytes(summary, i, layout) for i in params) if block)
-            for params in rank_params(stages, layout)]
+            for params in by_rank or rank_params(stages, layout)]
 
 
-def updated_bytes(summary: GraphSummary, stages: StageSummary, layout: Layout) -> list[int]:
+def updated_bytes(summary: GraphSummary, stages: StageSummary, layout: Layout,
+                  by_rank: list[list[int]] | None = None) -> list[int]:
     """Per pipeline rank: the bytes its optimizer step updates (ZeRO: its blocks)."""
     return [sum(zero_block_bytes(summary, i, layout)
                 or summary.param_numel[i] * summary.param_itemsize[i] for i in params)
-            for params in rank_params(stages, layout)]
+            for params in by_rank or rank_params(stages, layout)]
 
 
 def _wire(nbytes: int, summary: GraphSummary, layout: Layout) -> float:
@@ -256,10 +259,11 @@ def pipeline_time(summary: GraphSummary, stages: StageSummary, cluster: ClusterS
     schedule = build(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
     timeline = _simulated((layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages),
                           tuple(sorted({**cost, **receives}.items())))
-    sync = grad_sync_time(summary, stages, cluster, layout, eff)
-    gather = param_gather_time(summary, stages, cluster, layout, eff)
+    by_rank = rank_params(stages, layout)
+    sync = grad_sync_time(summary, stages, cluster, layout, eff, by_rank)
+    gather = param_gather_time(summary, stages, cluster, layout, eff, by_rank)
     optim = [optimizer_time(b, optimizer, cluster, eff)
-             for b in updated_bytes(summary, stages, layout)]
+             for b in updated_bytes(summary, stages, layout, by_rank)]
     ends = [max((end for _, _, end in spans), default=0.0) for spans in timeline.spans]
     rank = max(range(layout.pp), key=lambda r: ends[r] + sync[r] + optim[r] + gather[r])
     spans = timeline.spans[rank]

@@ -288,7 +288,8 @@ def pipeline_memory_from_summary(summary: GraphSummary, stages: StageSummary, la
     key = (layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
     if key not in replays:
         schedule = build(*key)
-        replays[key] = [_replay_activity(stages, layout.pp, programs, schedule.ranks[r])
+        across = _across(stages, layout.pp, "dst"), _across(stages, layout.pp, "src")
+        replays[key] = [_replay_activity(across, programs, schedule.ranks[r])
                         for r in range(layout.pp)]
     activity = replays[key]
     inputs = sum(op.allocates for op in summary.ops if op.role == "input")
@@ -333,14 +334,15 @@ class _Activity:
     end: dict[str, int]
 
 
-def _replay_activity(stages: StageSummary, pp: int, programs: dict, actions) -> _Activity:
+def _replay_activity(across: tuple[dict, dict], programs: dict, actions) -> _Activity:
     """One rank's replay, with the rules of pipeline_memory._Replay, without its static
-    memory: a constant under the replay, so the peak is at the same action whatever it is."""
+    memory: a constant under the replay, so the peak is at the same action whatever it is.
+    `across`: what each (stage, phase) receives and sends across ranks (`_across`)."""
     live = dict.fromkeys(CATEGORIES, 0)
     held = 0  # sum(live.values()), kept as it changes
-    peak, at_peak, label = -1, dict(live), ""
-    received = _across(stages, pp, "dst")
-    sent_by = _across(stages, pp, "src")
+    peak, label = -1, ""
+    at_peak = (dict(live), {})  # at the peak: what is live, and the program's transient
+    received, sent_by = across
     env: dict[int, dict[str, int]] = {}
     sent: dict[int, int] = {}
     done = set()
@@ -359,8 +361,7 @@ def _replay_activity(stages: StageSummary, pp: int, programs: dict, actions) -> 
                                  max(liveness.outputs_bytes - grads, 0))
             transient, during, mine, grads, kept = prepared[key]
             if held + during > peak:
-                peak, label = held + during, str(a)
-                at_peak = {c: live[c] + transient.get(c, 0) for c in CATEGORIES}
+                peak, label, at_peak = held + during, a, (dict(live), transient)
             if key not in done:
                 done.add(key)
                 live["gradients"] += grads
@@ -383,7 +384,9 @@ def _replay_activity(stages: StageSummary, pp: int, programs: dict, actions) -> 
             kept_sent = min(sent.get(a.microbatch, 0), freed)
             live["comm_buffers"] += kept_sent
             held += kept_sent - freed
-    return _Activity(max(peak, 0), at_peak, label, dict(live))
+    base, transient = at_peak
+    return _Activity(max(peak, 0), {c: base[c] + transient.get(c, 0) for c in CATEGORIES},
+                     str(label), dict(live))
 
 
 def _replay_rank(summary, layout, optimizer, activity: _Activity, rank_params, inputs
