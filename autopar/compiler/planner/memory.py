@@ -183,17 +183,21 @@ def held_parameter_bytes(summary: GraphSummary, layout: Layout) -> tuple[int, li
     return held, updated
 
 
+def zero_block_bytes(summary: GraphSummary, i: int, layout: Layout) -> int:
+    """Bytes of a rank's dim-0 block of parameter i under ZeRO (runtime/shards.zero_block:
+    ceil(rows / dp) rows), 0 where it is updated whole (no ZeRO, or fewer rows than dp)."""
+    rows = summary.param_rows[i] if summary.param_rows else 0
+    if not layout.zero or layout.dp == 1 or rows < layout.dp:
+        return 0
+    return block_nbytes(rows, summary.param_numel[i] * summary.param_itemsize[i], layout.dp)
+
+
 def outside_graph_blocks(summary: GraphSummary, layout: Layout) -> list[int]:
-    """Per parameter, the bytes of the dim-0 block the runtime updates beside the graph's
-    parameter under ZeRO (ceil(rows / dp) rows of one with at least dp rows, not sharded
-    in the graph by ZeRO-3), and gathers back after the optimizer step; 0 for the others."""
-    blocks = []
-    for i, (numel, itemsize) in enumerate(zip(summary.param_numel, summary.param_itemsize)):
-        rows = summary.param_rows[i] if summary.param_rows else 0
-        in_graph_block = bool(summary.param_blocks) and summary.param_blocks[i] > 1
-        blocks.append(block_nbytes(rows, numel * itemsize, layout.dp)
-                      if layout.zero and not in_graph_block and rows >= layout.dp else 0)
-    return blocks
+    """Per parameter, the bytes of the block the runtime updates beside the graph's
+    parameter under ZeRO (zero_block_bytes, unless ZeRO-3 shards it in the graph), and
+    gathers back after the optimizer step; 0 for the others."""
+    return [0 if summary.param_blocks and summary.param_blocks[i] > 1
+            else zero_block_bytes(summary, i, layout) for i in range(len(summary.param_numel))]
 
 
 def step_memory(summary: GraphSummary, layout: Layout,

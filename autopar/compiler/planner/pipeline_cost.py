@@ -34,10 +34,10 @@ from autopar.cluster import ClusterSpec
 from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, Efficiency, collective_time,
                                                  group_spans_nodes, optimizer_time,
                                                  simulate_streams)
+from autopar.compiler.planner.memory import zero_block_bytes
 from autopar.compiler.planner.stages import StageSummary
 from autopar.compiler.planner.summary import GraphSummary, changed
 from autopar.layout import Layout
-from autopar.runtime.program import block_nbytes
 from autopar.runtime.schedule import Timeline, build, simulate
 
 PHASE_PROGRAMS = {"F": "F", "B": "IW", "I": "I", "W": "W"}
@@ -133,15 +133,6 @@ def rank_params(stages: StageSummary, layout: Layout) -> list[list[int]]:
         for rank in sorted({s % layout.pp for s in readers}):
             held[rank].append(i)
     return held
-
-
-def zero_block_bytes(summary: GraphSummary, i: int, layout: Layout) -> int:
-    """Bytes of a rank's dim-0 block of parameter i under ZeRO (runtime/shards.zero_block:
-    ceil(rows / dp) rows), 0 where it is updated whole (no ZeRO, or fewer rows than dp)."""
-    rows = summary.param_rows[i] if summary.param_rows else 0
-    if not layout.zero or layout.dp == 1 or rows < layout.dp:
-        return 0
-    return block_nbytes(rows, summary.param_numel[i] * summary.param_itemsize[i], layout.dp)
 
 
 def grad_sync_time(summary: GraphSummary, stages: StageSummary, cluster: ClusterSpec,

@@ -42,8 +42,8 @@ from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.planner.cost_model import DEFAULT_EFFICIENCY, Efficiency
 from autopar.compiler.passes.assign_stages import STAGE, balanced_cuts, node_time
 from autopar.compiler.planner.memory import (CATEGORIES, MemoryPrediction, graph_liveness,
-                                             optimizer_memory)
-from autopar.compiler.planner.pipeline_cost import phase_time, zero_block_bytes
+                                             optimizer_memory, zero_block_bytes)
+from autopar.compiler.planner.pipeline_cost import phase_time
 from autopar.compiler.planner.scaled import op_layers, param_layers
 from autopar.compiler.planner.stages import Message, StageSummary, stage_summary
 from autopar.compiler.planner.summary import GraphSummary, OpRecord, changed, summarize
