@@ -33,7 +33,8 @@ def fake_prediction(seconds: float, memory: int) -> Prediction:
        st.data())
 def test_the_chosen_layout_is_the_fastest_that_fits(shape, blocks, bounded, data):
     """With `bounded`, the search gets a lower bound of each step (a random fraction of
-    it): branch and bound must not change the plan."""
+    it) and each step's time before its memory: branch and bound must not change the
+    plan."""
     c = cluster(nodes=shape[0], per_node=shape[1])  # 10 GB devices
     candidates = S.candidate_layouts(c, 16, blocks, {})
     assert candidates and all(lay.world_size == c.world_size for lay in candidates)
@@ -54,11 +55,15 @@ def test_the_chosen_layout_is_the_fastest_that_fits(shape, blocks, bounded, data
             S.search(candidates, costs.__getitem__, c)
         assert str(info.value) == str(unbounded.value)
         return
-    plan = S.search(candidates, costs.__getitem__, c, bound=bound, memory_bound=memory_bound)
+    timed = (lambda lay: costs[lay].step_time_s) if bounded else None
+    plan = S.search(candidates, costs.__getitem__, c, bound=bound, memory_bound=memory_bound,
+                    timed=timed)
     for lay, why in plan.skipped:  # not costed: slower than the plan, or cannot fit
         assert why.startswith("not costed") and bounded
         assert (costs[lay].step_time_s >= below[lay] > plan.predicted.step_time_s
-                or costs[lay].peak_memory_bytes >= held[lay] > capacity)
+                or costs[lay].peak_memory_bytes >= held[lay] > capacity
+                or costs[lay].step_time_s > plan.predicted.step_time_s
+                and "its memory not costed" in why)
     # brute force: the first of the fastest fitting candidates
     best = min(fitting, key=lambda lay: (costs[lay].step_time_s, candidates.index(lay)))
     assert plan.layout == best and plan.predicted.peak_memory_bytes <= capacity
@@ -101,7 +106,13 @@ def test_search_equals_costing_each_candidate_alone():
     c = ClusterSpec.local(nprocs=2)
     plan = autopar.plan(ex.model, c, ex.batch, ex.loss_fn)
     costed = [(plan.layout, plan.predicted)] + [(lay, p) for lay, p, _ in plan.alternatives]
-    assert {lay.tp for lay, _ in costed} == {1, 2} and {lay.pp for lay, _ in costed} == {1, 2}
+    # timed: slower than the plan, their memory not costed
+    timed = [lay for lay, why in plan.skipped if "its memory not costed" in why]
+    seen = [lay for lay, _ in costed] + timed
+    assert {lay.tp for lay in seen} == {1, 2} and {lay.pp for lay in seen} == {1, 2}
+    for lay in timed:
+        alone = autopar.estimate(ex.model, c, lay, ex.batch, ex.loss_fn)
+        assert alone.step_time_s > plan.predicted.step_time_s, lay
     for lay, pred in costed:
         alone = autopar.estimate(ex.model, c, lay, ex.batch, ex.loss_fn)
         assert pred.step_time_s == pytest.approx(alone.step_time_s, rel=1e-9), lay
@@ -169,10 +180,12 @@ def test_bucket_sizes_are_searched_for_the_best_data_parallel_layout():
     base = min((lay for lay in costed if lay.bucket_mb == 25.0),
                key=lambda lay: next(p.step_time_s for l2, p, _ in plan.alternatives if l2 == lay)
                if lay != plan.layout else plan.predicted.step_time_s)
-    assert {base.replace(bucket_mb=mb) for mb in S.BUCKET_MB_CHOICES} <= costed
+    timed = {lay for lay, why in plan.skipped if "its memory not costed" in why}
+    assert {base.replace(bucket_mb=mb) for mb in S.BUCKET_MB_CHOICES} <= costed | timed
     fixed = autopar.plan(ex.model, ClusterSpec.local(nprocs=2), ex.batch, ex.loss_fn, tp=1, pp=1,
                          bucket_mb=25.0)
-    assert {lay.bucket_mb for lay, _, _ in fixed.alternatives} == {25.0}
+    assert {lay.bucket_mb for lay, _, _ in fixed.alternatives} \
+        | {lay.bucket_mb for lay, _ in fixed.skipped} == {25.0}
 
 
 def test_compute_bound_is_below_every_prediction_and_prunes_without_changing_the_plan():
@@ -237,6 +250,7 @@ def test_whole_step_bound_counts_the_gradient_sync_and_prunes_comm_bound_layouts
 
 
 def test_static_bound_is_below_every_predicted_peak_and_prunes_without_tracing():
+    from autopar.compiler.planner.estimate import Estimator
     from autopar.compiler.planner.memory import static_lower_bound
     from autopar.compiler.planner.plan import prune_static
 
@@ -244,7 +258,10 @@ def test_static_bound_is_below_every_predicted_peak_and_prunes_without_tracing()
     c = ClusterSpec.local(nprocs=4)
     param_bytes = sum(p.numel() * p.element_size() for p in ex.model.parameters())
     plan = autopar.plan(ex.model, c, ex.batch, ex.loss_fn)
-    costed = [(plan.layout, plan.predicted)] + [(lay, p) for lay, p, _ in plan.alternatives]
+    estimator = Estimator(ex.model, c, ex.batch, ex.loss_fn)  # the ones timed too
+    costed = [(plan.layout, plan.predicted)] + [(lay, p) for lay, p, _ in plan.alternatives] \
+        + [(lay, estimator.predict(lay)) for lay, why in plan.skipped
+           if "its memory not costed" in why]
     assert {lay.zero for lay, _ in costed} == {0, 1, 2, 3} and {lay.pp for lay, _ in costed} > {1}
     for lay, pred in costed:
         assert static_lower_bound(param_bytes, lay, "adamw") <= pred.peak_memory_bytes, lay
@@ -291,14 +308,43 @@ def test_the_fill_and_drain_bound_is_below_the_simulated_schedule(name, pp, extr
     assert simulate(build(name, pp, m), times).makespan >= floor * (1 - 1e-9)
 
 
-@pytest.mark.parametrize("pp, m", [(2, 2), (4, 4), (4, 8), (8, 8), (3, 7), (16, 32)])
-def test_the_fill_and_drain_bound_is_the_least_makespan_over_stage_times(pp, m):
-    """The closed form is the optimum of min_t max_k (sum_{i<k} t_i + m t_k) with
-    sum t = pp / m (one unit of work per rank), solved as an LP by HiGHS."""
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 8), st.integers(0, 8), st.floats(0.05, 1.0), st.data())
+def test_the_fill_bound_is_below_the_simulated_zero_bubble_schedule(pp, extra, ratio, data):
+    """plan.fill_factor: stages of c_s blocks whose F takes at least f c_s and whose F, I
+    and W at least w c_s give a zero-bubble makespan of at least fill_factor(pp, m, f / w)
+    times the mean rank's m w sum(c) / pp, by our simulator."""
+    from autopar.compiler.planner.plan import fill_factor
+    from autopar.runtime.schedule import build, simulate
+
+    m, w = pp + extra, 1.0
+    f = ratio * w
+    uniform = data.draw(st.booleans())  # balanced stages at their floors: the tight case
+    counts = [1.0 if uniform else data.draw(st.floats(0.0, 4.0)) for _ in range(pp)]
+    more = (lambda: 0.0) if uniform else (lambda: data.draw(st.floats(0.0, 1.0)))
+    times = {}
+    for s, c in enumerate(counts):
+        times[s, "F"] = f * c + more()
+        times[s, "I"] = (0.5 if uniform else data.draw(st.floats(0.0, 1.0))) * (w - f) * c
+        times[s, "W"] = (w - f) * c - times[s, "I"] + more()
+    floor = fill_factor(pp, m, f / w) * m * w * sum(counts) / pp
+    makespan = simulate(build("zero-bubble", pp, m), times).makespan
+    assert makespan >= floor * (1 - 1e-9)
+    if uniform and ratio < 0.5:  # 1F1B's fill and drain would be above it: W fills the drain
+        assert makespan < fill_factor(pp, m, 1.0) * m * w * sum(counts) / pp
+
+
+@pytest.mark.parametrize("pp, m, ratio", [(2, 2, 1.0), (4, 4, 1.0), (4, 8, 1.0), (8, 8, 1.0),
+                                          (3, 7, 1.0), (16, 32, 1.0), (4, 8, 0.3),
+                                          (16, 32, 1 / 3), (6, 12, 0.05)])
+def test_the_fill_and_drain_bound_is_the_least_makespan_over_stage_times(pp, m, ratio):
+    """The closed form is the optimum of min_c max_k (ratio sum_{i<k} c_i + m c_k) with
+    sum c = pp / m (one unit of work per rank), solved as an LP by HiGHS; ratio 1 is
+    1F1B's and GPipe's bubble_factor."""
     import highspy
     import numpy as np
 
-    from autopar.compiler.planner.plan import bubble_factor
+    from autopar.compiler.planner.plan import bubble_factor, fill_factor
 
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
@@ -308,11 +354,14 @@ def test_the_fill_and_drain_bound_is_the_least_makespan_over_stage_times(pp, m):
     h.changeColCost(pp, 1.0)
     for k in range(pp):  # sum_{i<k} t_i + m t_k - L <= 0
         h.addRow(-inf, 0.0, k + 2, np.array([*range(k), k, pp], dtype=np.int32),
-                 np.array([1.0] * k + [float(m), -1.0]))
+                 np.array([ratio] * k + [float(m), -1.0]))
     h.addRow(pp / m, pp / m, pp, np.arange(pp, dtype=np.int32), np.ones(pp))
     h.run()
+    assert h.getInfo().objective_function_value == pytest.approx(fill_factor(pp, m, ratio),
+                                                                 rel=1e-7)
     layout = autopar.Layout(dp=1, pp=pp, microbatches=m)
-    assert h.getInfo().objective_function_value == pytest.approx(bubble_factor(layout), rel=1e-7)
+    if ratio == 1.0:
+        assert bubble_factor(layout) == fill_factor(pp, m, 1.0)
     assert bubble_factor(layout.replace(schedule="zero-bubble")) == 1.0
 
 

@@ -285,7 +285,7 @@ def _check_optimizer(optimizer: str) -> str:
 def predict(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
             optimizer: str = "adamw", eff: Efficiency = DEFAULT_EFFICIENCY,
             model_flops: float | None = None, stages=None,
-            memory: MemoryPrediction | None = None) -> Prediction:
+            memory: MemoryPrediction | None = None, times=None) -> Prediction:
     """The Prediction of DESIGN.md for one rank's `summary` under `layout`.
 
     model_flops: one rank's model FLOPs (forward + backward, no recomputation) of one
@@ -293,9 +293,11 @@ def predict(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
     micro-batches for the global batch. stages: the StageSummary of a pipelined or
     micro-batched step (planner/pipeline_cost.py), None for one whole-graph step.
     memory: the peak the caller predicted (a pipeline's ranks replayed); default:
-    step_memory of the summary.
+    step_memory of the summary. times: step_times of the same arguments, if the caller
+    has it already.
     """
-    times = _times(summary, cluster, layout, optimizer, eff, stages)
+    if times is None:
+        times = step_times(summary, cluster, layout, optimizer, eff, stages)
     flops = ((summary.model_flops if model_flops is None else model_flops)
              * layout.dp * layout.microbatches)
     seconds = times.total_s
@@ -314,9 +316,14 @@ def predict(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
         memory=memory.by_category)
 
 
-def _times(summary, cluster, layout, optimizer, eff, stages):
+def step_times(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
+               optimizer: str = "adamw", eff: Efficiency = DEFAULT_EFFICIENCY, stages=None,
+               run=None):
+    """The step's times without its memory: step_time of a whole-graph step,
+    pipeline_cost.pipeline_time of a pipelined one (`stages` given; `run`: its
+    ScheduleRun, if known)."""
     if stages is None:
         return step_time(summary, cluster, layout, optimizer, eff)
     # NOTE: imported here: the pipeline model builds on this module's functions
     from autopar.compiler.planner.pipeline_cost import pipeline_time
-    return pipeline_time(summary, stages, cluster, layout, optimizer, eff)
+    return pipeline_time(summary, stages, cluster, layout, optimizer, eff, run)

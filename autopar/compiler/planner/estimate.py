@@ -20,12 +20,12 @@ from autopar.compiler.ir.trace import LossFn, batch_dims_of, trace_train_step
 from autopar.compiler.passes.assign_stages import check_stage_count
 from autopar.compiler.passes.base import GraphPass
 from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, OPTIMIZER_STATES,
-                                                 Efficiency, predict)
+                                                 Efficiency, predict, step_times)
 from autopar.compiler.passes.pipeline import (default_passes, forward_level_fields,
                                               forward_level_passes, is_pipelined)
 from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.planner.memory import MemoryPrediction
-from autopar.compiler.planner.pipeline_cost import p2p_time
+from autopar.compiler.planner.pipeline_cost import ScheduleRun, p2p_time, run_schedule
 from autopar.compiler.planner.pipeline_memory import pipeline_memory_per_rank
 from autopar.compiler.planner.replicated import (TEMPLATE_BLOCKS, Template, block_work_floor,
                                                  pipeline_memory_from_summary,
@@ -35,6 +35,9 @@ from autopar.compiler.planner.stages import StageSummary, stage_summary
 from autopar.compiler.planner.summary import GraphSummary, summarize
 from autopar.compiler.planner.workers import RewriteWorker, child_groups
 from autopar.layout import Layout, LayoutError, Prediction
+
+
+RUNS_KEPT = 64  # Estimator._schedule_run: the search times ZeRO siblings close together
 
 
 def estimate(model: torch.nn.Module, cluster: ClusterSpec, layout: Layout,
@@ -81,6 +84,9 @@ class Estimator:
         self._replicas: dict[tuple, tuple] = {}
         self._forward: dict[tuple, TrainGraph] = {}  # graphs after the forward-level passes
         self._predictions: dict[Layout, Prediction] = {}
+        self._last_times: tuple = (None, None)  # (layout, its step_times): predict's next
+        self._schedules: dict[Layout, float] = {}  # schedule_time of the layouts timed
+        self._runs: dict[tuple, ScheduleRun] = {}  # _schedule_run's
         # pipeline templates' floors by the fields their passes read:
         # [(micro-batch size, sends across a boundary, one block's work)]
         self._templates: dict[Layout, list[tuple[float, tuple, float]]] = {}
@@ -94,8 +100,29 @@ class Estimator:
             self._predictions[layout] = predict(
                 summary, self.cluster, layout, self.optimizer, self.efficiency,
                 model_flops=model_flops, stages=stages,
-                memory=self._pipeline_memory(layout, summary, stages))
+                memory=self._pipeline_memory(layout, summary, stages),
+                times=self._step_times(layout, summary, stages))
         return self._predictions[layout]
+
+    def step_time(self, layout: Layout) -> float:
+        """The predicted step time of `layout`, as `predict` gives it, without costing its
+        memory (a pipeline's memory replays every rank's schedule: the search asks this
+        first, and costs the memory only of a layout that could be the plan)."""
+        if layout in self._predictions:
+            return self._predictions[layout].step_time_s
+        summary, stages, _ = self.rewritten(layout)
+        return self._step_times(layout, summary, stages).total_s
+
+    def _step_times(self, layout: Layout, summary: GraphSummary, stages: StageSummary | None):
+        """step_times of `layout`; the last one is kept (the search asks step_time, then
+        predict, of one layout; a pipeline's times hold its whole timeline)."""
+        if self._last_times[0] != layout:
+            run = None if stages is None else self._schedule_run(layout, summary, stages)
+            times = step_times(summary, self.cluster, layout, self.optimizer, self.efficiency,
+                               stages, run)
+            self._last_times = (layout, times)
+            self._schedules[layout] = times.compute_s + times.bubble_s
+        return self._last_times[1]
 
     def _pipeline_memory(self, layout, summary, stages) -> MemoryPrediction | None:
         """The fullest pipeline rank's memory, each rank's schedule replayed (None: the
@@ -210,30 +237,45 @@ class Estimator:
             raise ValueError(data)
         return self.adopt(layout, *data) if status == "ok" else None
 
-    def costed(self, layout: Layout) -> Prediction | None:
-        """The Prediction of `layout` if it was costed already, else None."""
-        return self._predictions.get(layout)
+    def _schedule_run(self, layout: Layout, summary: GraphSummary,
+                      stages: StageSummary) -> ScheduleRun:
+        """pipeline_cost.run_schedule of `layout`, shared by the layouts that differ only
+        in ZeRO (the last RUNS_KEPT: each holds its simulated timeline)."""
+        key = (self._key(layout), self._stages(layout), layout.replace(zero=0))
+        if key not in self._runs:
+            if len(self._runs) >= RUNS_KEPT:
+                del self._runs[next(iter(self._runs))]
+            self._runs[key] = run_schedule(summary, stages, self.cluster, layout,
+                                           self.efficiency)
+        return self._runs[key]
 
-    def pipeline_floors(self, layout: Layout) -> tuple[float, float]:
+    def schedule_time(self, layout: Layout) -> float | None:
+        """The critical rank's compute plus bubble of `layout`'s schedule if its step was
+        timed already (step_time or predict), else None."""
+        return self._schedules.get(layout)
+
+    def pipeline_floors(self, layout: Layout) -> tuple[float, float, float]:
         """(seconds below one stage boundary's receives per micro-batch, below one
-        repeated block's work per micro-batch on any stage: F and B, or F, I and W) for a
+        repeated block's work per micro-batch on any stage: F and B, or F, I and W, below
+        its F alone) for a
         pipelined `layout`, from a template rewritten already with the same fields at
         micro-batch size b0 (replicated.block_work_floor). Scaled to `layout`'s size b by
         min(1, b / b0): each op's and value's FLOPs and bytes are affine in the batch
         with nonnegative terms (b appears once in a shape, or not at all), so each op
         time, collective and transfer at b is at least that share of its time at b0, and
-        so is any replay of them. (0, 0) when no such template was rewritten yet."""
+        so is any replay of them. Zeros when no such template was rewritten yet."""
         templates = self._templates.get(template_fields(layout))
         if not templates or not self._templated(layout):
-            return 0.0, 0.0
+            return 0.0, 0.0, 0.0
         size = self._micro_batch(layout)
-        received = work = 0.0
-        for b0, sends, block in templates:
+        received = work = forward = 0.0
+        for b0, sends, (block, block_forward) in templates:
             share = min(1.0, size / b0)
             received = max(received, sum(p2p_time(nbytes * share, values, self.cluster, layout,
                                                   self.efficiency) for nbytes, values in sends))
             work = max(work, block * share)
-        return received, work
+            forward = max(forward, block_forward * share)
+        return received, work, forward
 
     def _keep_template(self, layout: Layout, t: Template) -> None:
         """Keep the floors of `layout`'s template for `pipeline_floors` (its fields fix

@@ -38,7 +38,7 @@ from autopar.compiler.planner.memory import zero_block_bytes
 from autopar.compiler.planner.stages import StageSummary
 from autopar.compiler.planner.summary import GraphSummary, changed
 from autopar.layout import Layout
-from autopar.runtime.schedule import Timeline, build, simulate
+from autopar.runtime.schedule import Schedule, Timeline, build, simulate
 
 PHASE_PROGRAMS = {"F": "F", "B": "IW", "I": "I", "W": "W"}
 WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -240,22 +240,47 @@ def _simulated(schedule: tuple, cost: tuple) -> Timeline:
     return simulate(build(*schedule), dict(cost))
 
 
-def pipeline_time(summary: GraphSummary, stages: StageSummary, cluster: ClusterSpec,
-                  layout: Layout, optimizer: str = "adamw",
-                  eff: Efficiency = DEFAULT_EFFICIENCY) -> PipelineTime:
-    """The predicted step of `layout`'s schedule over `stages` (see the module docstring)."""
+@dataclass(frozen=True)
+class ScheduleRun:
+    """Steps 1 and 2 of the module docstring for one layout: its stages' phase times,
+    receives and simulated schedule, each rank's end of schedule and parameters. The
+    same for layouts that differ only in their ZeRO stage (it acts before the first
+    action or after the last): pipeline_time takes it to cost them once."""
+    phases: dict[tuple[int, str], PhaseTime]
+    receives: dict[tuple[int, str], float]
+    schedule: Schedule
+    timeline: Timeline
+    ends: tuple[float, ...]
+    by_rank: list[list[int]]  # rank_params
+
+
+def run_schedule(summary: GraphSummary, stages: StageSummary, cluster: ClusterSpec,
+                 layout: Layout, eff: Efficiency = DEFAULT_EFFICIENCY) -> ScheduleRun:
     phases = stage_phase_times(summary, stages, cluster, layout, eff)
     receives = receive_costs(stages, cluster, layout, eff)
     cost = {key: phase.total_s for key, phase in phases.items()}
     schedule = build(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
     timeline = _simulated((layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages),
                           tuple(sorted({**cost, **receives}.items())))
-    by_rank = rank_params(stages, layout)
+    ends = tuple(max((end for _, _, end in spans), default=0.0) for spans in timeline.spans)
+    return ScheduleRun(phases, receives, schedule, timeline, ends, rank_params(stages, layout))
+
+
+def pipeline_time(summary: GraphSummary, stages: StageSummary, cluster: ClusterSpec,
+                  layout: Layout, optimizer: str = "adamw",
+                  eff: Efficiency = DEFAULT_EFFICIENCY,
+                  run: ScheduleRun | None = None) -> PipelineTime:
+    """The predicted step of `layout`'s schedule over `stages` (see the module docstring).
+    `run`: run_schedule of these arguments, or of a layout that differs only in ZeRO."""
+    if run is None:
+        run = run_schedule(summary, stages, cluster, layout, eff)
+    phases, receives, schedule, timeline, ends = (run.phases, run.receives, run.schedule,
+                                                  run.timeline, run.ends)
+    by_rank = run.by_rank
     sync = grad_sync_time(summary, stages, cluster, layout, eff, by_rank)
     gather = param_gather_time(summary, stages, cluster, layout, eff, by_rank)
     optim = [optimizer_time(b, optimizer, cluster, eff)
              for b in updated_bytes(summary, stages, layout, by_rank)]
-    ends = [max((end for _, _, end in spans), default=0.0) for spans in timeline.spans]
     rank = max(range(layout.pp), key=lambda r: ends[r] + sync[r] + optim[r] + gather[r])
     spans = timeline.spans[rank]
     compute = sum(phases[(a.stage, a.kind)].compute_s for a, _, _ in spans)

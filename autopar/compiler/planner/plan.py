@@ -76,7 +76,8 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs: Sequence[
         try:
             result = search(costed, estimator.predict, cluster, fraction, step,
                             refinements(fixed), bound, prepare=lambda lay: estimator.prepare(
-                                widest.get(template_fields(lay), lay)))
+                                widest.get(template_fields(lay), lay)),
+                            timed=estimator.step_time)
             result.skipped += pruned
         except PlanError as exc:
             if pruned:  # the error names the smallest peak: it may be a pruned layout's
@@ -132,7 +133,7 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
     repeated blocks, so some rank holds ceil(L / pp) of the L blocks, at least
     ceil(L / pp) * pp / L of the blocks' share of pp * c.
 
-    From a costed sibling: a pipeline that differs only in its ZeRO stage runs the same
+    From a timed sibling: a pipeline that differs only in its ZeRO stage runs the same
     schedule with the same stage times (ZeRO acts after the last action, or before the
     first), so its step is at least the sibling's critical rank's compute plus bubble
     (both inside that rank's end of schedule).
@@ -186,17 +187,23 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
         return (max(whole * bubble_factor(layout), in_blocks * fullest) * BOUND_MARGIN,
                 whole * BOUND_MARGIN)
 
-    def mean_rank(layout: Layout) -> tuple[float, float]:
+    def mean_rank(layout: Layout) -> tuple[float, float, float]:
         """(the mean pipeline rank's block work, from its template once one is
         rewritten; its receives plus its gradient sync, optimizer and ZeRO gather after
-        its last action). (0, 0) for a step without micro-batches: its sync overlaps."""
+        its last action; the slowest rank's block work with the fill and drain, or the
+        fullest rank's). Zeros for a step without micro-batches: its sync overlaps."""
         if layout.pp == 1 and layout.microbatches == 1:
-            return 0.0, 0.0
-        boundary, block = estimator.pipeline_floors(layout)
-        received = (layout.pp * layout.virtual_stages - 1) * layout.microbatches * boundary
-        work = layout.microbatches * blocks * block if layout.pp > 1 else 0.0
-        return (work / layout.pp * BOUND_MARGIN,
-                (tail(layout) + received) / layout.pp * BOUND_MARGIN)
+            return 0.0, 0.0, 0.0
+        boundary, block, forward = estimator.pipeline_floors(layout)
+        pp, m = layout.pp, layout.microbatches
+        received = (pp * layout.virtual_stages - 1) * m * boundary
+        work = m * blocks * block / pp if pp > 1 else 0.0
+        slowest = m * math.ceil(blocks / pp) * block if pp > 1 else 0.0
+        if pp > 1 and layout.virtual_stages == 1 and block > 0:
+            ratio = 1.0 if layout.schedule in ("1f1b", "gpipe") else forward / block
+            slowest = max(slowest, work * fill_factor(pp, m, ratio))
+        return (work * BOUND_MARGIN, (tail(layout) + received) / pp * BOUND_MARGIN,
+                slowest * BOUND_MARGIN)
 
     def tail(layout: Layout) -> float:
         key = (layout.dp, layout.tp, layout.zero, layout.grad_comm_dtype)
@@ -207,19 +214,18 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
     def sibling(layout: Layout) -> float:
         if layout.pp == 1 and layout.microbatches == 1:
             return 0.0
-        costed = (estimator.costed(layout.replace(zero=z)) for z in range(4) if z != layout.zero
-                  and (z == 0 or layout.dp > 1))
-        return max((p.breakdown["compute"] + p.breakdown["bubble"] for p in costed
-                    if p is not None), default=0.0) * BOUND_MARGIN
+        timed = (estimator.schedule_time(layout.replace(zero=z)) for z in range(4)
+                 if z != layout.zero and (z == 0 or layout.dp > 1))
+        return max((t for t in timed if t is not None), default=0.0) * BOUND_MARGIN
 
     def bound(layout: Layout) -> float:
         peaks = [listed[d] for d in dtypes | {layout.amp} if d in listed]
         flops = total / cluster.world_size / (max(peaks) * eff.compute) * factor \
             if peaks and total else 0.0
         slowest, mean = reference(layout)
-        work, after = mean_rank(layout)
+        work, after, fill = mean_rank(layout)
         whole = tail(layout) * BOUND_MARGIN if layout.pp == layout.microbatches == 1 else 0.0
-        return max(slowest, sibling(layout), max(flops, mean, work) + after, whole)
+        return max(slowest, sibling(layout), max(flops, mean, work) + after, whole, fill)
 
     return bound
 
@@ -272,10 +278,22 @@ def reference_layout(layout: Layout) -> Layout | None:
 def bubble_factor(layout: Layout) -> float:
     """compute_bound's factor over the slowest rank's share for the fill and drain of
     1F1B and GPipe: pp / (m (1 - (1 - 1/m)^pp)); 1 for other schedules."""
-    pp, m = layout.pp, layout.microbatches
-    if pp == 1 or layout.schedule not in ("1f1b", "gpipe"):
+    if layout.pp == 1 or layout.schedule not in ("1f1b", "gpipe"):
         return 1.0
-    return pp / (m * (1 - (1 - 1 / m) ** pp))
+    return fill_factor(layout.pp, layout.microbatches, 1.0)
+
+
+def fill_factor(pp: int, m: int, ratio: float) -> float:
+    """The least makespan over the mean rank's work when rank k cannot end before
+    `ratio` times the per-micro-batch work of the ranks before it plus its own m
+    micro-batches: min over c >= 0 of max_k (ratio sum_{i<k} c_i + m c_k) with
+    sum c = pp / m, which is ratio pp / (m (1 - (1 - ratio / m)^pp)) (equalising every
+    term; a test solves the LP). Ratio 1 is 1F1B's and GPipe's fill and drain
+    (bubble_factor); a schedule whose W fills the drain (zero-bubble) still waits for
+    the forwards before it: the ratio of a block's F to its work."""
+    if pp == 1 or ratio <= 0:
+        return 1.0
+    return ratio * pp / (m * (1 - (1 - ratio / m) ** pp))
 
 
 def prune_static(candidates: list[Layout], model: torch.nn.Module, cluster: ClusterSpec,

@@ -187,9 +187,10 @@ def replicate(t: Template, n_stages: int) -> tuple[GraphSummary, StageSummary]:
 
 
 def block_work_floor(t: Template, cluster: ClusterSpec, layout: Layout,
-                     eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
-    """Seconds below one repeated block's work per micro-batch on any stage of a pipeline
-    replicated from `t`: its F phase plus its B phase, or I plus W (whichever is less).
+                     eff: Efficiency = DEFAULT_EFFICIENCY) -> tuple[float, float]:
+    """(seconds below one repeated block's work per micro-batch on any stage of a pipeline
+    replicated from `t`: its F phase plus its B phase, or I plus W, whichever is less;
+    seconds below its F phase alone).
 
     Stage s runs c_s blocks as the template's block ops of its role (stage 0's, or stage
     1's), each `repeat`ed c_s times (`replicate`). A phase replay (pipeline_cost.
@@ -205,8 +206,8 @@ def block_work_floor(t: Template, cluster: ClusterSpec, layout: Layout,
                  if s == stage and t.op_layer[i] is not None]
         phase = {kind: phase_time(summary, [i for i in block if t.stages.program_of[i] in kind],
                                   cluster, layout, eff).total_s for kind in ("F", "IW", "I", "W")}
-        roles.append(phase["F"] + min(phase["IW"], phase["I"] + phase["W"]))
-    return min(roles)
+        roles.append((phase["F"] + min(phase["IW"], phase["I"] + phase["W"]), phase["F"]))
+    return min(work for work, _ in roles), min(forward for _, forward in roles)
 
 
 def _copy(op: OpRecord, where: dict[int, int], count: int | None, kept: bool,

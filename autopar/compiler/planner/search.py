@@ -11,7 +11,10 @@ field. Layouts that compile or the cost model refuse are kept aside with the rea
 `search` costs every candidate with one `predict(layout)` callable (the Estimator's,
 which shares traces and rewritten graphs between candidates), keeps those whose
 predicted peak memory fits `max_memory_fraction` of the device, and ranks them by
-step time; every other candidate says why it lost (`why_not`).
+step time; every other candidate says why it lost (`why_not`). Branch and bound
+leaves out, with the figures, a candidate whose lower bound (`bound`) or whose step
+time costed without its memory (`timed`: a pipeline's memory replays every rank's
+schedule) is above the fastest fitting step costed so far: it cannot be the plan.
 
 Then `refinements` add layouts worth costing given what was learnt, each round
 ranked with the rest: a layout over memory that is faster than the fastest fitting
@@ -214,7 +217,8 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
            refine: Iterable[Refinement] = (),
            bound: Callable[[Layout], float] | None = None,
            memory_bound: Callable[[Layout], float] | None = None,
-           prepare: Callable[[Layout], None] | None = None) -> Plan:
+           prepare: Callable[[Layout], None] | None = None,
+           timed: Callable[[Layout], float] | None = None) -> Plan:
     """Cost every candidate, then each round of `refine`; keep the fastest that fits
     (see the module docstring). `bound(layout)`: seconds the layout's step cannot beat
     (planner/plan.py); candidates are costed lowest bound first (then `costing_order`),
@@ -227,7 +231,10 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
     names (give the candidates smallest bound first for this to prune).
     `prepare(layout)`: called before a layout that the bounds did not rule out is
     costed (the planner rewrites its pipeline template there); its bound is then asked
-    once more."""
+    once more.
+    `timed(layout)`: the step time `predict` would give, without costing the memory
+    (cheaper); a layout whose step is slower than the fastest fitting one costed so
+    far cannot be the plan whatever its memory, and is skipped with both figures."""
     capacity = cluster.device.memory_bytes * max_memory_fraction
     candidates = list(candidates)
     order = {lay: k for k, lay in enumerate(candidates)}
@@ -244,6 +251,14 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
                                     f"(plan.compute_bound), slower than the fastest fitting "
                                     f"layout costed ({best[0] * 1e3:.4g} ms)"))
         return least > best[0]
+
+    def slower(layout: Layout, seconds: float) -> bool:
+        """Skip `layout` (recorded with why) if its step time is above the best so far."""
+        if seconds > best[0]:
+            skipped.append((layout, f"not costed: its step takes {seconds * 1e3:.4g} ms "
+                                    f"(its memory not costed), slower than the fastest fitting "
+                                    f"layout costed ({best[0] * 1e3:.4g} ms)"))
+        return seconds > best[0]
 
     def cost(layouts: Iterable[Layout], show: bool) -> None:
         seen = {lay for lay, _ in costed} | {lay for lay, _ in skipped}
@@ -270,6 +285,8 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
                 if bounded(layout):
                     continue
             try:
+                if timed is not None and best[0] < math.inf and slower(layout, timed(layout)):
+                    continue
                 pred = predict(layout)
             except ValueError as exc:  # a cut or a tp placement the model cannot take
                 skipped.append((layout, str(exc).splitlines()[0]))
