@@ -168,13 +168,21 @@ def test_the_pipeline_bounds_are_below_every_pipelines_prediction(gpt8, where):
     assert any(est.pipeline_floors(lay)[1] > 0 and est._micro_batch(lay) < 16 / lay.dp / lay.pp
                for lay in pipes)
     params = [(tuple(p.shape), p.element_size()) for p in model.parameters()]
+    in_blocks = [(tuple(p.shape), p.element_size()) for p in model.transformer.h.parameters()]
     for lay in pipes:
         pred = est.predict(lay)
         assert early[lay] <= pred.step_time_s, (lay, early[lay], pred.step_time_s)
         summary, stages, _ = est.rewritten(lay)
         pt = pipeline_time(summary, stages, cluster, lay)
-        after = sum(pt.grad_sync_s) + sum(pt.optimizer_per_rank_s) + sum(pt.param_gather_s)
-        assert after_schedule_floor(params, cluster, lay) <= after * (1 + 1e-9), lay
+        ranks = [pt.grad_sync_s[r] + pt.optimizer_per_rank_s[r] + pt.param_gather_s[r]
+                 for r in range(lay.pp)]
+        assert after_schedule_floor(params, cluster, lay) <= sum(ranks) * (1 + 1e-9), lay
+        # per block a rank holds: at least 1 / L of all blocks' floor (compute_bound)
+        per_block = after_schedule_floor(in_blocks, cluster, lay) / 8
+        held = [sum(count for s, (_, count) in enumerate(stages.kinds) if s % lay.pp == r)
+                for r in range(lay.pp)]
+        assert sum(held) == 8 and all(c * per_block <= after * (1 + 1e-9)
+                                      for c, after in zip(held, ranks)), lay
     for lay in pipes:  # every template rewritten now: the tightest floors
         assert 0 < bound(lay) <= est.predict(lay).step_time_s, lay
     everything = S.search(candidates, est.predict, cluster)

@@ -148,8 +148,18 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
     block's phase work per micro-batch (replicated.block_work_floor: its exposed
     tensor-parallel collectives included); the receives, (S - 1) m transfers of what a
     block sends on and back (Estimator.pipeline_floors, both scaled from the template's
-    micro-batch to the layout's). On the 1T GPT these rule out every pipeline before
-    its own template is rewritten.
+    micro-batch to the layout's).
+
+    The slowest rank, from the same template: rank k holds c_k blocks and runs at
+    least m w c_k of work and a c_k / L share of all blocks' after_schedule_floor
+    (that floor is concave in a scaling of the parameters and 0 at none), W c_k in all;
+    some rank holds ceil(L / pp) blocks. With one chunk per rank (virtual_stages=1),
+    rank k starts no earlier than micro-batch 0's forward through the stages before it,
+    f sum_{i<k} c_i with f one block's F floor, so the step is at least
+    min over c of max_k (f sum_{i<k} c_i + W c_k) = L W / pp * fill_factor(pp, m, m f / W)
+    (any schedule: a zero-bubble W fills the drain, not the fill); under 1F1B and GPipe the
+    drain adds the backwards before it too: fill_factor(pp, m, 1) over m L w / pp
+    (bubble_factor's argument, from the template rather than the reference).
 
     A whole-graph step (no pipeline, no micro-batches) queues every collective on one
     stream and ends with the optimizer and ZeRO-1/2's gather (cost_model.step_time), so
@@ -171,6 +181,21 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
 
     params = [(tuple(p.shape), p.element_size()) for p in model.parameters() if p.requires_grad]
     tails: dict[tuple, float] = {}
+    in_block = [(tuple(p.shape), p.element_size())
+                for p in model.get_submodule(stack[0]).parameters() if p.requires_grad] \
+        if stack else []
+    per_block: dict[tuple, float] = {}
+
+    def block_after(layout: Layout) -> float:
+        """Seconds below what a pipeline rank runs after its last action per block it
+        holds: the floor of all blocks' parameters over L (the floor is concave in a
+        scaling of the parameters and 0 at none, so c blocks' floor is at least c / L of
+        L blocks')."""
+        key = (layout.dp, layout.tp, layout.zero, layout.grad_comm_dtype)
+        if key not in per_block:
+            per_block[key] = after_schedule_floor(in_block, cluster, layout, estimator.optimizer,
+                                                  eff) / blocks if blocks else 0.0
+        return per_block[key]
 
     def reference(layout: Layout) -> tuple[float, float]:
         """(the slowest pipeline rank's compute, the mean rank's) from the reference."""
@@ -197,11 +222,15 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
         boundary, block, forward = estimator.pipeline_floors(layout)
         pp, m = layout.pp, layout.microbatches
         received = (pp * layout.virtual_stages - 1) * m * boundary
-        work = m * blocks * block / pp if pp > 1 else 0.0
-        slowest = m * math.ceil(blocks / pp) * block if pp > 1 else 0.0
-        if pp > 1 and layout.virtual_stages == 1 and block > 0:
-            ratio = 1.0 if layout.schedule in ("1f1b", "gpipe") else forward / block
-            slowest = max(slowest, work * fill_factor(pp, m, ratio))
+        if pp == 1:
+            return 0.0, (tail(layout) + received) * BOUND_MARGIN, 0.0
+        work = m * blocks * block / pp
+        own = m * block + block_after(layout)  # a rank's, per block it holds
+        slowest = math.ceil(blocks / pp) * own
+        if layout.virtual_stages == 1 and block > 0:
+            slowest = max(slowest, blocks * own / pp * fill_factor(pp, m, m * forward / own))
+            if layout.schedule in ("1f1b", "gpipe"):
+                slowest = max(slowest, work * fill_factor(pp, m, 1.0))
         return (work * BOUND_MARGIN, (tail(layout) + received) / pp * BOUND_MARGIN,
                 slowest * BOUND_MARGIN)
 
