@@ -83,7 +83,8 @@ def run_trillion(name: str, memory_gb: float | None, dropout: float = 0.1,
     seconds = time.perf_counter() - start
     search = plan.details["search"]
     pred = plan.predicted
-    return (f"| {fixed} | {search['candidates']} | {search['pruned']} / {search['bounded']} | "
+    return (f"| {fixed} | {search['candidates']} | {search['pruned']} / {search['bounded']} / "
+            f"{search['timed']} | "
             f"{search['costed']} | {search['traces']} | {search['rewrites']} | "
             f"{seconds:.1f} ({built:.1f}) | {plan.layout} | {pred.step_time_s:.1f} s | {pred.mfu:.1%} | "
             f"{pred.peak_memory_bytes / 1e9:.1f} GB |")
@@ -108,7 +109,7 @@ def main() -> None:
     # the tensor-parallel rules probe strategies on fake tensors; their refusals are noise
     logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
     if args.trillion:
-        print("| constraints | candidates | not costed: memory / bound | costed | traces | "
+        print("| constraints | candidates | not costed: memory / bound / time | costed | traces | "
               "rewrites | seconds (build) | chosen | predicted step | MFU | peak memory |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for name in args.trillion:

@@ -38,8 +38,14 @@ def test_markdown_has_every_section(plan, tmp_path):
     plan.save_report(tmp_path / "plan.md")
     text = (tmp_path / "plan.md").read_text()
     for title in ("Step time", "Memory per device", "Tensor-parallel placements", "Alternatives",
-                  "Refused layouts", "Per-layer cost", "Predicted timeline"):
+                  "Layouts not costed or refused, by reason", "Per-layer cost",
+                  "Predicted timeline"):
         assert f"## {title}" in text
+    # skipped layouts group by their reason without its figures, and every one is counted
+    section = text.split("## Layouts not costed or refused, by reason")[1].split("\n## ")[0]
+    counts = [int(line.split("|")[1]) for line in section.splitlines()
+              if re.match(r"\| \d+ \|", line)]
+    assert sum(counts) == len(plan.skipped) and 0 < len(counts) < len(plan.skipped)
     assert str(plan.layout) in text and "transformer.h.0.attn.c_attn.weight | S(" in text
     rows = [line for line in text.splitlines() if line.startswith("| Layout(")]
     assert len(rows) == len(plan.alternatives)

@@ -63,7 +63,7 @@ def test_the_chosen_layout_is_the_fastest_that_fits(shape, blocks, bounded, data
         assert (costs[lay].step_time_s >= below[lay] > plan.predicted.step_time_s
                 or costs[lay].peak_memory_bytes >= held[lay] > capacity
                 or costs[lay].step_time_s > plan.predicted.step_time_s
-                and "its memory not costed" in why)
+                and S.TIMED_ONLY in why)
     # brute force: the first of the fastest fitting candidates
     best = min(fitting, key=lambda lay: (costs[lay].step_time_s, candidates.index(lay)))
     assert plan.layout == best and plan.predicted.peak_memory_bytes <= capacity
@@ -107,7 +107,7 @@ def test_search_equals_costing_each_candidate_alone():
     plan = autopar.plan(ex.model, c, ex.batch, ex.loss_fn)
     costed = [(plan.layout, plan.predicted)] + [(lay, p) for lay, p, _ in plan.alternatives]
     # timed: slower than the plan, their memory not costed
-    timed = [lay for lay, why in plan.skipped if "its memory not costed" in why]
+    timed = [lay for lay, why in plan.skipped if S.TIMED_ONLY in why]
     seen = [lay for lay, _ in costed] + timed
     assert {lay.tp for lay in seen} == {1, 2} and {lay.pp for lay in seen} == {1, 2}
     for lay in timed:
@@ -180,7 +180,7 @@ def test_bucket_sizes_are_searched_for_the_best_data_parallel_layout():
     base = min((lay for lay in costed if lay.bucket_mb == 25.0),
                key=lambda lay: next(p.step_time_s for l2, p, _ in plan.alternatives if l2 == lay)
                if lay != plan.layout else plan.predicted.step_time_s)
-    timed = {lay for lay, why in plan.skipped if "its memory not costed" in why}
+    timed = {lay for lay, why in plan.skipped if S.TIMED_ONLY in why}
     assert {base.replace(bucket_mb=mb) for mb in S.BUCKET_MB_CHOICES} <= costed | timed
     fixed = autopar.plan(ex.model, ClusterSpec.local(nprocs=2), ex.batch, ex.loss_fn, tp=1, pp=1,
                          bucket_mb=25.0)
@@ -261,7 +261,7 @@ def test_static_bound_is_below_every_predicted_peak_and_prunes_without_tracing()
     estimator = Estimator(ex.model, c, ex.batch, ex.loss_fn)  # the ones timed too
     costed = [(plan.layout, plan.predicted)] + [(lay, p) for lay, p, _ in plan.alternatives] \
         + [(lay, estimator.predict(lay)) for lay, why in plan.skipped
-           if "its memory not costed" in why]
+           if S.TIMED_ONLY in why]
     assert {lay.zero for lay, _ in costed} == {0, 1, 2, 3} and {lay.pp for lay, _ in costed} > {1}
     for lay, pred in costed:
         assert static_lower_bound(param_bytes, lay, "adamw") <= pred.peak_memory_bytes, lay

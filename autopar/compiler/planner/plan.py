@@ -23,9 +23,9 @@ from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, Efficiency,
 from autopar.compiler.planner.estimate import Estimator, template_fields
 from autopar.compiler.planner.memory import static_lower_bound
 from autopar.compiler.planner.pipeline_cost import after_schedule_floor, pipeline_time
-from autopar.compiler.planner.search import (PlanError, candidate_layouts, check_constraints,
-                                             costing_order,
-                                             refinements, search)
+from autopar.compiler.planner.search import (TIMED_ONLY, PlanError, candidate_layouts,
+                                             check_constraints, costing_order, refinements,
+                                             search)
 from autopar.compiler.planner.summary import DTYPE_NAMES
 from autopar.compiler.planner.workers import available as worker_available
 from autopar.layout import Layout, LayoutError, Plan
@@ -94,9 +94,11 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs: Sequence[
         result.details = details(estimator, result.layout, cluster, efficiency, optimizer)
     finally:
         estimator.close_workers()
-    bounded = sum(why.startswith("not costed") for _, why in result.skipped)
+    timed = sum(TIMED_ONLY in why for _, why in result.skipped)
+    bounded = sum(why.startswith("not costed") for _, why in result.skipped) - timed
     result.details["search"] = {"candidates": len(candidates), "pruned": len(pruned),
-                                "bounded": bounded, "costed": len(result.alternatives) + 1,
+                                "bounded": bounded, "timed": timed,
+                                "costed": len(result.alternatives) + 1,
                                 **estimator.counts(),
                                 "seconds": time.perf_counter() - start}
     return result

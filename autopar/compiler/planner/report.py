@@ -12,6 +12,7 @@ costs.
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from html import escape
 from pathlib import Path
@@ -95,14 +96,23 @@ def tables(plan: Plan) -> list[tuple[str, list[str], list[list[str]]]]:
                 ["layout", "step ms", "peak GB", "why not"],
                 [[str(lay), _ms(pr.step_time_s), _gb(pr.peak_memory_bytes), why]
                  for lay, pr, why in alts]))
-    refused = Counter(why for _, why in plan.skipped)
-    out.append(("Refused layouts", ["layouts", "reason"],
-                [[str(n), why] for why, n in refused.most_common()]))
+    kinds = Counter(_reason_kind(why) for _, why in plan.skipped)
+    first = {}
+    for lay, why in plan.skipped:
+        first.setdefault(_reason_kind(why), f"{lay}: {why}")
+    out.append(("Layouts not costed or refused, by reason", ["layouts", "reason", "first"],
+                [[str(n), kind, first[kind]] for kind, n in kinds.most_common()]))
     out.append(("Per-layer cost (one rank's micro-batch, forward + backward)",
                 ["layer", "GFLOP", "roofline ms"],
                 [[row["name"], f"{row['flops'] / 1e9:.4g}", _ms(row["seconds"])]
                  for row in plan.details.get("layers", [])]))
     return out
+
+
+def _reason_kind(why: str) -> str:
+    """A skipped layout's reason with its figures left out: the reasons of a large
+    search (each with its own bound or step time) group into a few rows."""
+    return re.sub(r"\d+(\.\d+)?(e[+-]?\d+)?", "#", why)
 
 
 # -- renderings ----------------------------------------------------------------------------

@@ -41,6 +41,7 @@ PARTS = ("compute", "exposed_comm", "bubble", "optimizer")
 PART_NAMES = {"compute": "compute", "exposed_comm": "exposed communication",
               "bubble": "pipeline bubble", "optimizer": "optimizer step"}
 LAYOUT_FIELDS = tuple(f.name for f in dataclasses.fields(Layout))
+TIMED_ONLY = "its memory not costed"  # in the reason of a layout skipped on its step time
 
 
 class PlanError(ValueError):
@@ -256,7 +257,7 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
         """Skip `layout` (recorded with why) if its step time is above the best so far."""
         if seconds > best[0]:
             skipped.append((layout, f"not costed: its step takes {seconds * 1e3:.4g} ms "
-                                    f"(its memory not costed), slower than the fastest fitting "
+                                    f"({TIMED_ONLY}), slower than the fastest fitting "
                                     f"layout costed ({best[0] * 1e3:.4g} ms)"))
         return seconds > best[0]
 
