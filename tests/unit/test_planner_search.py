@@ -458,3 +458,28 @@ def test_equal_bounds_cost_unpipelined_layouts_then_the_shortest_fill_first():
     seen.clear()
     S.search(candidates, predict, c)
     assert seen == candidates
+
+
+def test_the_search_pauses_the_garbage_collector_and_restores_it():
+    """plan() runs with Python's cyclic collector off (its millions of acyclic tuples
+    would trigger full collections over everything torch holds) and leaves it as found."""
+    import gc
+
+    from autopar.compiler.planner.plan import collector_paused
+
+    seen = []
+    ex = gpt2(layers=2, hidden=64, heads=4, vocab=256, batch=8, seq=32)
+    assert gc.isenabled()
+    autopar.plan(ex.model, ClusterSpec.local(nprocs=2), ex.batch, ex.loss_fn, tp=1, pp=1,
+                 progress=lambda *_: seen.append(gc.isenabled()))
+    assert seen and not any(seen) and gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # off before: off after
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError), collector_paused():
+        raise RuntimeError("an error inside")
+    assert gc.isenabled()

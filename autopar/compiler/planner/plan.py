@@ -5,10 +5,12 @@ its tensor-parallel placements, the cost of each layer.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -57,7 +59,29 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs: Sequence[
     if not isinstance(cluster, ClusterSpec):
         raise TypeError(f"cluster must be an autopar.ClusterSpec, got {type(cluster).__name__}")
     fixed, fraction = check_constraints(constraints)
-    example_inputs = tuple(example_inputs)
+    with collector_paused():
+        return _search(model, cluster, tuple(example_inputs), loss_fn, optimizer, efficiency,
+                       progress, trace_blocks, workers, constraints, fixed, fraction)
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside (as it was after). A search makes
+    millions of small acyclic tuples (schedules, their simulations, memory replays), and
+    each full collection they trigger also walks every object torch and the model
+    hold: on the 1T GPT that was a quarter of the search (docs/benchmarks.md). The few
+    cycles a search leaves (rewritten graphs) are collected once it is back on."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _search(model, cluster, example_inputs, loss_fn, optimizer, efficiency, progress,
+            trace_blocks, workers, constraints, fixed, fraction) -> Plan:
     estimator = Estimator(model, cluster, example_inputs, loss_fn, optimizer, efficiency,
                           trace_blocks=trace_blocks)
     candidates = _candidates(model, cluster, example_inputs, fixed)
