@@ -272,21 +272,18 @@ def pipeline_time(summary: GraphSummary, stages: StageSummary, cluster: ClusterS
                   run: ScheduleRun | None = None) -> PipelineTime:
     """The predicted step of `layout`'s schedule over `stages` (see the module docstring).
     `run`: run_schedule of these arguments, or of a layout that differs only in ZeRO."""
-    if run is None:
-        run = run_schedule(summary, stages, cluster, layout, eff)
-    phases, receives, schedule, timeline, ends = (run.phases, run.receives, run.schedule,
-                                                  run.timeline, run.ends)
-    by_rank = run.by_rank
-    sync = grad_sync_time(summary, stages, cluster, layout, eff, by_rank)
-    gather = param_gather_time(summary, stages, cluster, layout, eff, by_rank)
+    run = run or run_schedule(summary, stages, cluster, layout, eff)
+    phases, receives, timeline, ends = run.phases, run.receives, run.timeline, run.ends
+    sync = grad_sync_time(summary, stages, cluster, layout, eff, run.by_rank)
+    gather = param_gather_time(summary, stages, cluster, layout, eff, run.by_rank)
     optim = [optimizer_time(b, optimizer, cluster, eff)
-             for b in updated_bytes(summary, stages, layout, by_rank)]
+             for b in updated_bytes(summary, stages, layout, run.by_rank)]
     rank = max(range(layout.pp), key=lambda r: ends[r] + sync[r] + optim[r] + gather[r])
     spans = timeline.spans[rank]
     compute = sum(phases[(a.stage, a.kind)].compute_s for a, _, _ in spans)
     inside_comm = sum(phases[(a.stage, a.kind)].comm_s for a, _, _ in spans)
     inside_exposed = sum(end - start for _, start, end in spans) - compute
-    received = sum(receives.get((a.stage, a.kind), 0.0) for a in schedule.ranks[rank])
+    received = sum(receives.get((a.stage, a.kind), 0.0) for a in run.schedule.ranks[rank])
     bubble = max(0.0, ends[rank] - compute - inside_exposed - received)
     return PipelineTime(
         total_s=ends[rank] + sync[rank] + optim[rank] + gather[rank], compute_s=compute,

@@ -238,7 +238,7 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
         return (max(whole * bubble_factor(layout), in_blocks * fullest) * BOUND_MARGIN,
                 whole * BOUND_MARGIN)
 
-    def mean_rank(layout: Layout) -> tuple[float, float, float]:
+    def from_template(layout: Layout) -> tuple[float, float, float]:
         """(the mean pipeline rank's block work, from its template once one is
         rewritten; its receives plus its gradient sync, optimizer and ZeRO gather after
         its last action; the slowest rank's block work with the fill and drain, or the
@@ -278,7 +278,7 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
         flops = total / cluster.world_size / (max(peaks) * eff.compute) * factor \
             if peaks and total else 0.0
         slowest, mean = reference(layout)
-        work, after, fill = mean_rank(layout)
+        work, after, fill = from_template(layout)
         whole = tail(layout) * BOUND_MARGIN if layout.pp == layout.microbatches == 1 else 0.0
         return max(slowest, sibling(layout), max(flops, mean, work) + after, whole, fill)
 

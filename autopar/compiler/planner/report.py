@@ -96,10 +96,12 @@ def tables(plan: Plan) -> list[tuple[str, list[str], list[list[str]]]]:
                 ["layout", "step ms", "peak GB", "why not"],
                 [[str(lay), _ms(pr.step_time_s), _gb(pr.peak_memory_bytes), why]
                  for lay, pr, why in alts]))
-    kinds = Counter(_reason_kind(why) for _, why in plan.skipped)
-    first = {}
+    kinds: Counter[str] = Counter()
+    first: dict[str, str] = {}  # each kind's first layout, with its whole reason
     for lay, why in plan.skipped:
-        first.setdefault(_reason_kind(why), f"{lay}: {why}")
+        kind = _reason_kind(why)
+        kinds[kind] += 1
+        first.setdefault(kind, f"{lay}: {why}")
     out.append(("Layouts not costed or refused, by reason", ["layouts", "reason", "first"],
                 [[str(n), kind, first[kind]] for kind, n in kinds.most_common()]))
     out.append(("Per-layer cost (one rank's micro-batch, forward + backward)",
