@@ -46,15 +46,17 @@ def causal_lm_loss(output, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def gpt2(layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 256, batch: int = 8,
-         seq: int = 32, seed: int = 0, dropout: float = 0.0) -> Example:
+         seq: int = 32, seed: int = 0, dropout: float = 0.0, attention: str = "sdpa") -> Example:
     """`dropout`: the embedding, residual and attention dropout probabilities (0: none, so
-    parity with eager PyTorch does not depend on random draws)."""
+    parity with eager PyTorch does not depend on random draws). `attention`: transformers'
+    attn_implementation ("sdpa", its default, or "eager": matmul, softmax, matmul)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
     config = GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab,
                         n_positions=max(seq, 64), use_cache=False, resid_pdrop=dropout,
-                        embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0, eos_token_id=0)
+                        embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0, eos_token_id=0,
+                        attn_implementation=attention)
     model = GPT2LMHeadModel(config)
     ids = torch.randint(0, vocab, (batch, seq))
     return Example(model, (ids,), causal_lm_loss,
@@ -118,9 +120,11 @@ _TINY_HF = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_
                 attn_pdrop=0.0)
 
 
-def hf_tiny(model_type: str, batch: int = 8, seq: int = 32, seed: int = 0) -> Example:
+def hf_tiny(model_type: str, batch: int = 8, seq: int = 32, seed: int = 0,
+            attention: str | None = None) -> Example:
     """A tiny randomly initialised model of any transformers architecture, by its config
-    name ("qwen2", "mistral", "gpt_neox", "bert", ...), trained as a causal LM."""
+    name ("qwen2", "mistral", "gpt_neox", "bert", ...), trained as a causal LM.
+    `attention`: transformers' attn_implementation (None: the architecture's default)."""
     import transformers
 
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
@@ -136,7 +140,8 @@ def hf_tiny(model_type: str, batch: int = 8, seq: int = 32, seed: int = 0) -> Ex
     torch.manual_seed(seed)
     for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM):
         if type(config) in auto._model_mapping:
-            model = auto.from_config(config)
+            model = auto.from_config(config, **({} if attention is None else
+                                                {"attn_implementation": attention}))
             break
     else:
         raise KeyError(f"transformers has no causal or masked LM head for {model_type!r}")

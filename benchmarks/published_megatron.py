@@ -2,14 +2,15 @@
 Large-Scale Language Model Training on GPU Clusters Using Megatron-LM" (SC'21,
 arXiv 2104.04473), Table 1 (docs/published_results.md has the results and caveats).
 
-Each row is a GPT of the paper's shape (transformers' GPT-2 on the meta device:
-nothing is allocated) on DGX A100 80GB nodes (`dgx-a100-80gb`), under the paper's
+Each row is a GPT of the paper's shape (transformers' GPT-2, or with `--arch neox`
+GPT-NeoX, on the meta device: nothing is allocated) on DGX A100 80GB nodes (`dgx-a100-80gb`), under the paper's
 tp and pp, fp16 AMP and full recomputation. The prediction is converted to achieved
 TFLOP/s per GPU the paper's way: its FLOP count of an iteration (which includes the
 recomputed forward) over the predicted step time and the GPU count.
 
     python benchmarks/published_megatron.py                       # the default rows
     python benchmarks/published_megatron.py --rows 1.7 39.1 --attention eager
+    python benchmarks/published_megatron.py --arch neox --attention eager
 """
 
 from __future__ import annotations
@@ -88,19 +89,36 @@ def layout_of(row: Row, micro_batch: int, schedule: str) -> autopar.Layout:
                           amp="fp16", recompute="full")
 
 
-def gpt(row: Row, attention: str):
-    from transformers import GPT2Config, GPT2LMHeadModel
+def gpt(row: Row, attention: str, arch: str = "gpt2"):
+    """The row's GPT on the meta device: transformers' GPT-2, or GPT-NeoX configured as
+    the same sequential pre-norm block (`use_parallel_residual=False`, GELU MLP of 4h,
+    tied embeddings, dropout 0.1) whose fused q/k/v is laid out per head as
+    Megatron-LM's is; it differs from the paper's model in its rotary embedding on a
+    quarter of each head (elementwise work) instead of learned positions."""
+    if arch == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=row.layers, n_embd=row.hidden, n_head=row.heads,
-                        vocab_size=VOCAB, n_positions=SEQ, use_cache=False,
-                        attn_implementation=attention)
+        config = GPT2Config(n_layer=row.layers, n_embd=row.hidden, n_head=row.heads,
+                            vocab_size=VOCAB, n_positions=SEQ, use_cache=False,
+                            attn_implementation=attention)
+        with torch.device("meta"):
+            return GPT2LMHeadModel(config), (torch.randint(0, VOCAB, (row.batch, SEQ)),)
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    config = GPTNeoXConfig(hidden_size=row.hidden, num_attention_heads=row.heads,
+                           num_hidden_layers=row.layers, intermediate_size=4 * row.hidden,
+                           vocab_size=VOCAB, max_position_embeddings=SEQ,
+                           use_parallel_residual=False, hidden_act="gelu",
+                           attention_dropout=0.1, hidden_dropout=0.1, tie_word_embeddings=True,
+                           use_cache=False, attn_implementation=attention)
     with torch.device("meta"):
-        return GPT2LMHeadModel(config), (torch.randint(0, VOCAB, (row.batch, SEQ)),)
+        return GPTNeoXForCausalLM(config), (torch.empty((row.batch, SEQ), dtype=torch.long,
+                                                        device="meta"),)
 
 
 def predict(row: Row, layout: autopar.Layout, attention: str,
-            trace_blocks: int | None = 2) -> autopar.Prediction:
-    model, batch = gpt(row, attention)
+            trace_blocks: int | None = 2, arch: str = "gpt2") -> autopar.Prediction:
+    model, batch = gpt(row, attention, arch)
     cluster = autopar.ClusterSpec.preset("dgx-a100-80gb", nodes=row.gpus // 8)
     return Estimator(model, cluster, batch, causal_lm_loss,
                      trace_blocks=trace_blocks).predict(layout)
@@ -117,11 +135,15 @@ def main() -> None:
     p.add_argument("--trace-blocks", type=int, default=2,
                    help="blocks traced and scaled (0: the whole model)")
     p.add_argument("--schedule", default="1f1b", choices=["1f1b", "interleaved"])
+    p.add_argument("--arch", default="gpt2", choices=["gpt2", "neox"],
+                   help="transformers' GPT-2, or GPT-NeoX (q/k/v laid out per head, as "
+                        "Megatron-LM's)")
     args = p.parse_args()
     # the tensor-parallel rules probe strategies on fake tensors; their refusals are noise
     logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
     rows = {row.billions: row for row in TABLE_1}
-    print(f"attention={args.attention} micro_batch={args.micro_batch} schedule={args.schedule}")
+    print(f"arch={args.arch} attention={args.attention} micro_batch={args.micro_batch} "
+          f"schedule={args.schedule}")
     print("| row | layout | paper TFLOP/s/GPU | predicted (paper's FLOPs) | error | autopar "
           "TFLOP/s/GPU | MFU | bubble | step s | estimate s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -133,7 +155,7 @@ def main() -> None:
                  + (f" v={layout.virtual_stages}" if layout.virtual_stages > 1 else ""))
         start = time.perf_counter()
         try:
-            pred = predict(row, layout, args.attention, args.trace_blocks or None)
+            pred = predict(row, layout, args.attention, args.trace_blocks or None, args.arch)
         except Exception as exc:  # report the failing layout, do not hide it
             print(f"| {billions}B | {brief} | {row.tflops:.0f} | error: "
                   f"{type(exc).__name__}: {exc} | | | | | | |", flush=True)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import autopar
 from autopar.compiler.passes import tp_comm
 from autopar.compiler.passes.tp_rules import P, R
-from autopar.examples import gpt2, llama, mlp
+from autopar.examples import Example, causal_lm_loss, gpt2, llama, mlp
 from autopar.testing import make_batches
 from tests.dist.cases_dp import adamw, check_parity, sgd
 from tests.dist.registry import case
@@ -56,6 +56,55 @@ tp_case("tp2_sequence_parallel_parity_llama_gqa_adamw", llama, adamw, tp=2, sequ
 tp_case("tp2_sequence_parallel_parity_gpt2_tied_sgd", gpt2, sgd, tp=2, sequence_parallel=True)
 tp_case("dp2_tp2_sequence_parallel_parity_gpt2_tied_adamw", gpt2, adamw, world=4, dp=2, tp=2,
         sequence_parallel=True)
+
+
+def neox_eager(batch: int = 4, seq: int = 64) -> Example:
+    """GPT-NeoX (transformers) with eager attention (torch.matmul, softmax, torch.matmul)
+    and per-head fused q/k/v, Megatron-LM's layout: large enough that the solver splits
+    the attention by heads (tests/unit/test_tensor_parallel.py checks the plan)."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(hidden_size=256, num_attention_heads=8, num_hidden_layers=2,
+                           intermediate_size=1024, vocab_size=1024, use_cache=False,
+                           use_parallel_residual=False, attn_implementation="eager")
+    ids = torch.randint(0, 1024, (batch, seq))
+    return Example(GPTNeoXForCausalLM(config), (ids,), causal_lm_loss, "GPT-NeoX, eager")
+
+
+def _scores_split(step, batch: int, heads: int, seq: int, tp: int) -> None:
+    """The program's attention scores are (batch * heads / tp, seq, seq): this rank's heads."""
+    shapes = [tuple(n.meta["val"].shape) for n in step.program.gm.graph.nodes
+              if n.target == torch.ops.aten.bmm.default and "val" in n.meta]
+    scores = [s for s in shapes if s[-2:] == (seq, seq)]
+    assert scores and all(s[0] == batch * heads // tp for s in scores), shapes
+
+
+def adamw_eps6(params):
+    """AdamW with eps 1e-6. On this GPT-NeoX some weights' first gradient is ~1e-8
+    (1e-6 of the largest): with eps 1e-8 Adam's first update g / (|g| + eps) turns the
+    fp32 rounding of tensor parallelism's other summation order into ~0.1 lr there
+    (1.2e-4 on a weight that moves 1.5e-3; the same with sdpa attention, not with dp=2).
+    eps 1e-6 leaves every other update as it was and those near-zero ones near zero."""
+    return torch.optim.AdamW(params, lr=1e-3, eps=1e-6)
+
+
+for _opt in (adamw_eps6, sgd):
+    def _neox_case(opt=_opt):
+        step = check_parity(neox_eager(), opt, autopar.Layout(tp=2))
+        _check_sharded(step, 2)
+        _scores_split(step, batch=4, heads=8, seq=64, tp=2)
+    _neox_case.__name__ = f"tp2_parity_neox_eager_attention_{_opt.__name__}"
+    case(world=2)(_neox_case)
+
+
+for _opt in (adamw, sgd):
+    def _gpt2_case(opt=_opt):
+        step = check_parity(gpt2(hidden=256, heads=8, vocab=1024, batch=8, seq=256,
+                                 attention="eager"), opt, autopar.Layout(tp=2))
+        _scores_split(step, batch=8, heads=8, seq=256, tp=2)
+    _gpt2_case.__name__ = f"tp2_parity_gpt2_eager_attention_{_opt.__name__}"
+    case(world=2)(_gpt2_case)
 
 
 @st.composite

@@ -19,7 +19,7 @@ from autopar.compiler.ir.trace import trace_train_step
 from autopar.compiler.passes.tensor_parallel import (REPLICATED_ALLOWANCE, format_placements,
                                                      plan_tensor_parallel)
 from autopar.compiler.passes.tp_rules import R
-from autopar.examples import llama
+from autopar.examples import causal_lm_loss, llama
 
 c10d = torch.ops._c10d_functional
 DGX = autopar.ClusterSpec.preset("dgx-a100-80gb")
@@ -110,6 +110,77 @@ def test_llama_attention_by_heads_and_vocabulary_parallel_loss():
             assert 8192 not in node.meta[M.VAL].shape, node.name
     table = format_placements(out.attrs["tp"])
     assert "model.layers.0.self_attn.q_proj.weight" in table and "S(0)" in table
+
+
+def _split_by_heads(out, seq: int) -> list[tuple[int, ...]]:
+    """Every matmul of the attention runs on a block of heads and the scores (..., seq,
+    seq) are never gathered. Returns the shapes of the tp all-gathers."""
+    rows = [r for r in out.attrs["tp"]["ops"] if r["op"] == "aten.matmul.default"]
+    assert rows and all(r["strategy"] == "S(1), S(1) -> S(1)" for r in rows), rows
+    gathered = [tuple(n.meta[M.VAL].shape) for n in out.call_nodes()
+                if n.target == c10d.all_gather_into_tensor.default]
+    assert not [s for s in gathered if s[-2:] == (seq, seq)], gathered
+    return gathered
+
+
+def test_eager_attention_split_by_heads_in_megatron_layout():
+    """GPT-NeoX's eager attention (torch.matmul, softmax, torch.matmul; per-head fused
+    q/k/v, as Megatron-LM lays it out): column-parallel q/k/v and MLP up projection,
+    row-parallel output and down projections, heads split through rotary embedding,
+    the 4-D matmuls, mask and softmax; one all-reduce per block each way, as Megatron."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(hidden_size=256, num_attention_heads=8, num_hidden_layers=2,
+                           intermediate_size=1024, vocab_size=1024, use_cache=False,
+                           use_parallel_residual=False, attn_implementation="eager")
+    model = GPTNeoXForCausalLM(config)
+    out, _ = tp_graph(model, (torch.randint(0, 1024, (4, 64)),), causal_lm_loss)
+    placed = params(out)
+    for layer in range(2):
+        block = f"gpt_neox.layers.{layer}"
+        assert placed[f"{block}.attention.query_key_value.weight"] == 0
+        assert placed[f"{block}.attention.dense.weight"] == 1
+        assert placed[f"{block}.mlp.dense_h_to_4h.weight"] == 0
+        assert placed[f"{block}.mlp.dense_4h_to_h.weight"] == 1
+    # nothing 4-D (q, k, v, their gradients) is gathered: only around the linears
+    assert all(len(shape) < 4 for shape in _split_by_heads(out, 64))
+    # Megatron's two all-reduces per block each way, less any the solver turned into a
+    # reduce-scatter + all-gather pair (same bytes); none of the 4-D attention tensors
+    forward = collectives(out, backward=False)
+    assert forward["all_reduce"] + forward["reduce_scatter_tensor"] <= 2 * 2 + 2, forward
+
+
+def test_gpt2_eager_attention_split_by_heads():
+    """GPT-2's eager attention: q @ k^T and scores @ v on blocks of heads (its fused
+    q/k/v projection then splits by q/k/v first, so it cannot be column-parallel
+    without a strided placement: docs/tensor_parallel.md)."""
+    # (at seq 64 the solver keeps this small attention whole: splitting saves less)
+    ex = autopar.examples.gpt2(layers=2, hidden=256, heads=8, vocab=1024, batch=8, seq=256,
+                               attention="eager")
+    out, _ = tp_graph(ex.model, ex.batch, ex.loss_fn)
+    _split_by_heads(out, 256)
+    assert params(out)["transformer.h.0.attn.c_proj.weight"] == 0  # Conv1D: row-parallel
+
+
+def test_matmul_rule_broadcasts_batch_dims():
+    """torch.matmul's strategies: a batch dim is split where an operand has it and the
+    operand that broadcasts it stays whole; m, n split one operand; k is a partial sum."""
+    from autopar.compiler.passes.tp_rules import P, strategies
+
+    class Matmuls(torch.nn.Module):
+        def forward(self, x, y, w):
+            return torch.matmul(torch.matmul(x, y), w).sum()
+
+    x, y, w = torch.randn(2, 4, 6, 8), torch.randn(4, 8, 6), torch.randn(6, 10)
+    ep = torch.export.export(Matmuls(), (x, y, w), strict=False)
+    nodes = [n for n in ep.graph.nodes if n.target == torch.ops.aten.matmul.default]
+    first = {(s.inputs, s.output) for s in strategies(nodes[0], 2)}
+    # out (2, 4, 6, 6): dim 0 only x has, dim 1 both; m from x, n from y, k contracted
+    assert first == {((R, R), R), ((0, R), 0), ((1, 0), 1), ((2, R), 2), ((R, 2), 3),
+                     ((3, 1), P)}
+    second = {(s.inputs, s.output) for s in strategies(nodes[1], 2)}
+    assert ((0, R), 0) in second and ((1, R), 1) in second and ((3, 0), P) in second
 
 
 def test_ranks_hold_their_own_vocabulary_rows():

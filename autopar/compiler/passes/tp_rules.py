@@ -19,7 +19,8 @@ Where the rules come from:
   splitting;
 - pointwise ops are recognised by PyTorch's own `pointwise` op tag, with
   broadcasting;
-- contractions (linear, mm, addmm, bmm) by their einsum form: shard any index;
+- contractions (linear, mm, addmm, bmm, and matmul with broadcast batch dims) by their
+  einsum form: shard any index;
   an index the output keeps gives a sharded output, a contracted one a partial sum;
 - a handful of ops have their own rule (attention, embedding, cross-entropy,
   layer norm, softmax, reductions, slice/cat/split/select).
@@ -279,6 +280,28 @@ def _addmm_rule(node: fx.Node, tp: int) -> list[Strategy]:
     return _einsum_strategies([bias_spec, "mk", "kn"], "mn", tp, node)
 
 
+@_rule(aten.matmul.default)
+def _matmul_rule(node: fx.Node, tp: int) -> list[Strategy]:
+    """torch.matmul of two operands of 2+ dims (eager attention's q @ k^T, scores @ v):
+    "...mk,...kn->...mn" with the leading (batch) dims broadcast; a batch dim of the output
+    is split where an operand has it, the operand that broadcasts it stays whole."""
+    x, w = (a.meta["val"] for a in tensor_inputs(node))
+    if x.dim() < 2 or w.dim() < 2:
+        return []  # a vector operand: matmul is then a dot or matrix-vector product
+    out = node.meta["val"]
+    batch = out.dim() - 2
+    options = []
+    for d in range(batch):
+        placements = []
+        for v in (x, w):
+            aligned = d - (batch - (v.dim() - 2))
+            placements.append(aligned if aligned >= 0 and v.shape[aligned] != 1 else R)
+        options.append(Strategy(tuple(placements), d, 1 / tp))
+    return options + [Strategy((x.dim() - 2, R), batch, 1 / tp),
+                      Strategy((R, w.dim() - 1), batch + 1, 1 / tp),
+                      Strategy((x.dim() - 1, w.dim() - 2), P, 1 / tp)]
+
+
 def _attention_options(node: fx.Node, tp: int, n_outputs: int) -> list[Strategy]:
     """Batch (dim 0) or heads (dim 1) of q, k, v split; a mask follows where it is not
     broadcast. Grouped-query attention: contiguous head blocks of q map to contiguous
@@ -405,10 +428,12 @@ def _cat_rule(node: fx.Node, tp: int) -> list[Strategy]:
     return [Strategy(tuple(d for _ in range(n)), d, 1 / tp) for d in _other_dims(out, dim)]
 
 
-@_rule(aten.split.Tensor, aten.split_with_sizes.default)
+@_rule(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
 def _split_rule(node: fx.Node, tp: int) -> list[Strategy]:
+    """Split or chunk along one dim: any other dim may be split across ranks (the pieces
+    are then split on it too)."""
     x = node.args[0].meta["val"]
-    dim = node.args[2] if len(node.args) > 2 else 0
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
     n = len(output_vals(node))
     return [Strategy((d,), tuple(d for _ in range(n)), 1 / tp) for d in _other_dims(x, dim)]
 
