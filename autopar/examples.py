@@ -82,6 +82,27 @@ def llama(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, 
                    lambda step: (progression_tokens(batch, seq, vocab, seed + 1 + step),))
 
 
+def neox(layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 256, batch: int = 8,
+         seq: int = 32, seed: int = 0, attention: str = "eager") -> Example:
+    """GPT-NeoX (transformers) as a sequential pre-norm GPT (`use_parallel_residual=False`,
+    MLP of 4 x hidden): its fused q/k/v is laid out per head, as Megatron-LM's is.
+    `attention`: "eager" (matmul, softmax, matmul) or "sdpa"."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(seed)
+    config = GPTNeoXConfig(hidden_size=hidden, num_attention_heads=heads,
+                           num_hidden_layers=layers, intermediate_size=4 * hidden,
+                           vocab_size=vocab, max_position_embeddings=max(seq, 64),
+                           use_parallel_residual=False, use_cache=False,
+                           attn_implementation=attention, bos_token_id=0, eos_token_id=0)
+    model = GPTNeoXForCausalLM(config)
+    ids = torch.randint(0, vocab, (batch, seq))
+    return Example(model, (ids,), causal_lm_loss,
+                   f"GPT-NeoX (transformers), {layers} layers, hidden {hidden}, {attention} "
+                   "attention",
+                   lambda step: (progression_tokens(batch, seq, vocab, seed + 1 + step),))
+
+
 class MLP(torch.nn.Module):
     def __init__(self, sizes: tuple[int, ...] = (32, 64, 64, 8)):
         super().__init__()
@@ -159,6 +180,8 @@ EXAMPLES: dict[str, Callable[..., Example]] = {
     "llama-tiny": llama,
     "llama-small4": lambda **kw: llama(**{"layers": 4, "hidden": 256, "heads": 8, "kv_heads": 4,
                                           "vocab": 32000, "batch": 16, "seq": 128, **kw}),
+    "neox-small4": lambda **kw: neox(**{"layers": 4, "hidden": 256, "heads": 8, "vocab": 32000,
+                                        "batch": 16, "seq": 128, **kw}),
     "mlp": mlp,
 }
 

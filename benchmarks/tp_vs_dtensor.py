@@ -5,12 +5,15 @@ Same Llama (transformers; 4 layers, hidden 256, 8 heads, 4 key/value heads, voca
 process group, one thread per process. DTensor gets the standard plan:
 ColwiseParallel on q/k/v/gate/up and RowwiseParallel on o/down in every layer
 (embedding and head replicated); autopar gets Layout(tp=2) and its solver's plan.
+`--model neox-small4`: GPT-NeoX with eager attention (same sizes), DTensor's plan
+ColwiseParallel on query_key_value/dense_h_to_4h, RowwiseParallel on
+dense/dense_4h_to_h.
 Rounds alternate between the two. Prints the median step time of each, the ratio
 autopar / DTensor (target <= 0.9), and the parameter + optimizer-state elements one
 rank holds against the unsharded model's (target <= 0.55).
 
     OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 2 \\
-        benchmarks/tp_vs_dtensor.py --rounds 5 --steps 3
+        benchmarks/tp_vs_dtensor.py --rounds 5 --steps 3 [--model neox-small4]
 """
 
 from __future__ import annotations
@@ -34,10 +37,18 @@ def adamw(params):
 
 def dtensor_step_fn(model, loss_fn, world):
     mesh = init_device_mesh("cpu", (world,))
-    for layer in model.model.layers:
-        plan = {f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")}
-        plan.update({f"mlp.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj")})
-        plan.update({"self_attn.o_proj": RowwiseParallel(), "mlp.down_proj": RowwiseParallel()})
+    if hasattr(model, "gpt_neox"):  # per-head fused q/k/v: column-parallel as it is
+        layers = model.gpt_neox.layers
+        column = ("attention.query_key_value", "mlp.dense_h_to_4h")
+        row = ("attention.dense", "mlp.dense_4h_to_h")
+    else:
+        layers = model.model.layers
+        column = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                  "mlp.up_proj")
+        row = ("self_attn.o_proj", "mlp.down_proj")
+    for layer in layers:
+        plan = {name: ColwiseParallel() for name in column}
+        plan.update({name: RowwiseParallel() for name in row})
         parallelize_module(layer, mesh, plan)
     opt = adamw([p for p in model.parameters() if p.requires_grad])
     return common.eager_step(model, loss_fn, opt), model, opt

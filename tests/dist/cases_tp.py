@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import autopar
 from autopar.compiler.passes import tp_comm
 from autopar.compiler.passes.tp_rules import P, R
-from autopar.examples import Example, causal_lm_loss, gpt2, llama, mlp
+from autopar.examples import Example, gpt2, llama, mlp, neox
 from autopar.testing import make_batches
 from tests.dist.cases_dp import adamw, check_parity, sgd
 from tests.dist.registry import case
@@ -58,18 +58,11 @@ tp_case("dp2_tp2_sequence_parallel_parity_gpt2_tied_adamw", gpt2, adamw, world=4
         sequence_parallel=True)
 
 
-def neox_eager(batch: int = 4, seq: int = 64) -> Example:
-    """GPT-NeoX (transformers) with eager attention (torch.matmul, softmax, torch.matmul)
-    and per-head fused q/k/v, Megatron-LM's layout: large enough that the solver splits
-    the attention by heads (tests/unit/test_tensor_parallel.py checks the plan)."""
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
-
-    torch.manual_seed(0)
-    config = GPTNeoXConfig(hidden_size=256, num_attention_heads=8, num_hidden_layers=2,
-                           intermediate_size=1024, vocab_size=1024, use_cache=False,
-                           use_parallel_residual=False, attn_implementation="eager")
-    ids = torch.randint(0, 1024, (batch, seq))
-    return Example(GPTNeoXForCausalLM(config), (ids,), causal_lm_loss, "GPT-NeoX, eager")
+def neox_eager() -> Example:
+    """GPT-NeoX with eager attention (per-head fused q/k/v, Megatron-LM's layout), large
+    enough that the solver splits the attention by heads (tests/unit/
+    test_tensor_parallel.py checks the plan)."""
+    return neox(hidden=256, heads=8, vocab=1024, batch=4, seq=64)
 
 
 def _scores_split(step, batch: int, heads: int, seq: int, tp: int) -> None:

@@ -19,7 +19,7 @@ from autopar.compiler.ir.trace import trace_train_step
 from autopar.compiler.passes.tensor_parallel import (REPLICATED_ALLOWANCE, format_placements,
                                                      plan_tensor_parallel)
 from autopar.compiler.passes.tp_rules import R
-from autopar.examples import causal_lm_loss, llama
+from autopar.examples import llama, neox
 
 c10d = torch.ops._c10d_functional
 DGX = autopar.ClusterSpec.preset("dgx-a100-80gb")
@@ -128,14 +128,8 @@ def test_eager_attention_split_by_heads_in_megatron_layout():
     q/k/v, as Megatron-LM lays it out): column-parallel q/k/v and MLP up projection,
     row-parallel output and down projections, heads split through rotary embedding,
     the 4-D matmuls, mask and softmax; one all-reduce per block each way, as Megatron."""
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
-
-    torch.manual_seed(0)
-    config = GPTNeoXConfig(hidden_size=256, num_attention_heads=8, num_hidden_layers=2,
-                           intermediate_size=1024, vocab_size=1024, use_cache=False,
-                           use_parallel_residual=False, attn_implementation="eager")
-    model = GPTNeoXForCausalLM(config)
-    out, _ = tp_graph(model, (torch.randint(0, 1024, (4, 64)),), causal_lm_loss)
+    ex = neox(hidden=256, heads=8, vocab=1024, batch=4, seq=64)
+    out, _ = tp_graph(ex.model, ex.batch, ex.loss_fn)
     placed = params(out)
     for layer in range(2):
         block = f"gpt_neox.layers.{layer}"
