@@ -141,11 +141,9 @@ _TINY_HF = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_
                 attn_pdrop=0.0)
 
 
-def hf_tiny(model_type: str, batch: int = 8, seq: int = 32, seed: int = 0,
-            attention: str | None = None) -> Example:
+def hf_tiny(model_type: str, batch: int = 8, seq: int = 32, seed: int = 0) -> Example:
     """A tiny randomly initialised model of any transformers architecture, by its config
-    name ("qwen2", "mistral", "gpt_neox", "bert", ...), trained as a causal LM.
-    `attention`: transformers' attn_implementation (None: the architecture's default)."""
+    name ("qwen2", "mistral", "gpt_neox", "bert", ...), trained as a causal LM."""
     import transformers
 
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
@@ -161,8 +159,7 @@ def hf_tiny(model_type: str, batch: int = 8, seq: int = 32, seed: int = 0,
     torch.manual_seed(seed)
     for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM):
         if type(config) in auto._model_mapping:
-            model = auto.from_config(config, **({} if attention is None else
-                                                {"attn_implementation": attention}))
+            model = auto.from_config(config)
             break
     else:
         raise KeyError(f"transformers has no causal or masked LM head for {model_type!r}")
