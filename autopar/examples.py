@@ -82,20 +82,29 @@ def llama(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, 
                    lambda step: (progression_tokens(batch, seq, vocab, seed + 1 + step),))
 
 
+def neox_config(layers: int, hidden: int, heads: int, vocab: int, positions: int,
+                attention: str = "eager", dropout: float = 0.0, tied: bool = False):
+    """GPT-NeoX (transformers) as a sequential pre-norm GPT (`use_parallel_residual=False`,
+    GELU MLP of 4 x hidden): its fused q/k/v is laid out per head, as Megatron-LM's is.
+    `attention`: "eager" (matmul, softmax, matmul) or "sdpa"; `dropout`: attention and
+    residual; `tied`: input and output embeddings shared."""
+    from transformers import GPTNeoXConfig
+
+    return GPTNeoXConfig(hidden_size=hidden, num_attention_heads=heads, num_hidden_layers=layers,
+                         intermediate_size=4 * hidden, vocab_size=vocab,
+                         max_position_embeddings=positions, use_parallel_residual=False,
+                         attention_dropout=dropout, hidden_dropout=dropout,
+                         tie_word_embeddings=tied, use_cache=False,
+                         attn_implementation=attention, bos_token_id=0, eos_token_id=0)
+
+
 def neox(layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 256, batch: int = 8,
          seq: int = 32, seed: int = 0, attention: str = "eager") -> Example:
-    """GPT-NeoX (transformers) as a sequential pre-norm GPT (`use_parallel_residual=False`,
-    MLP of 4 x hidden): its fused q/k/v is laid out per head, as Megatron-LM's is.
-    `attention`: "eager" (matmul, softmax, matmul) or "sdpa"."""
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    """A GPT-NeoX of `neox_config` (dropout off, untied embeddings)."""
+    from transformers import GPTNeoXForCausalLM
 
     torch.manual_seed(seed)
-    config = GPTNeoXConfig(hidden_size=hidden, num_attention_heads=heads,
-                           num_hidden_layers=layers, intermediate_size=4 * hidden,
-                           vocab_size=vocab, max_position_embeddings=max(seq, 64),
-                           use_parallel_residual=False, use_cache=False,
-                           attn_implementation=attention, bos_token_id=0, eos_token_id=0)
-    model = GPTNeoXForCausalLM(config)
+    model = GPTNeoXForCausalLM(neox_config(layers, hidden, heads, vocab, max(seq, 64), attention))
     ids = torch.randint(0, vocab, (batch, seq))
     return Example(model, (ids,), causal_lm_loss,
                    f"GPT-NeoX (transformers), {layers} layers, hidden {hidden}, {attention} "

@@ -25,7 +25,7 @@ import torch
 
 import autopar
 from autopar.compiler.planner.estimate import Estimator
-from autopar.examples import causal_lm_loss
+from autopar.examples import causal_lm_loss, neox_config
 
 SEQ = 2048
 VOCAB = 51_200
@@ -103,14 +103,10 @@ def gpt(row: Row, attention: str, arch: str = "gpt2"):
                             attn_implementation=attention)
         with torch.device("meta"):
             return GPT2LMHeadModel(config), (torch.randint(0, VOCAB, (row.batch, SEQ)),)
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    from transformers import GPTNeoXForCausalLM
 
-    config = GPTNeoXConfig(hidden_size=row.hidden, num_attention_heads=row.heads,
-                           num_hidden_layers=row.layers, intermediate_size=4 * row.hidden,
-                           vocab_size=VOCAB, max_position_embeddings=SEQ,
-                           use_parallel_residual=False, hidden_act="gelu",
-                           attention_dropout=0.1, hidden_dropout=0.1, tie_word_embeddings=True,
-                           use_cache=False, attn_implementation=attention)
+    config = neox_config(row.layers, row.hidden, row.heads, VOCAB, SEQ, attention,
+                         dropout=0.1, tied=True)
     with torch.device("meta"):
         return GPTNeoXForCausalLM(config), (torch.empty((row.batch, SEQ), dtype=torch.long,
                                                         device="meta"),)
