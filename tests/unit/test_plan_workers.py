@@ -115,3 +115,28 @@ def _recording(run, out, mine):
             out.append(layout)
         return run(self, traced, trace_key, layout, options)
     return wrapped
+
+
+def test_the_rewrites_asked_put_each_pipelines_widest_template_before_it():
+    from autopar.compiler.planner.plan import rewrites_asked, widest_templates
+
+    narrow = autopar.Layout(dp=2, pp=4, microbatches=8)  # micro-batch of 1/16 of the batch
+    wide = autopar.Layout(dp=1, pp=4, microbatches=4, schedule="zero-bubble")  # 1/4: widest
+    accumulated = autopar.Layout(dp=8, microbatches=2)  # traced whole: never sent
+    flat = autopar.Layout(dp=8)
+    order = [narrow, flat, accumulated, wide]
+    asked = rewrites_asked(order, widest_templates(order))
+    assert asked == [wide, narrow, flat]
+
+
+def test_children_get_every_near_group_but_the_first_and_rewrite_its_firsts_ahead():
+    from autopar.compiler.planner.workers import _firsts, child_groups
+
+    groups = ["a", "b", "c", "d", "e"]
+    bounds = [1.0, 1.1, 9.0, 1.2, 1.4]  # c is far above the least: left to the parent
+    assert child_groups(groups, bounds, 1) == [["b", "d", "e"]]
+    assert child_groups(groups, bounds, 2) == [["b", "e"], ["d"]]
+    template = autopar.Layout(dp=2, pp=4, microbatches=4)
+    flat, zero1 = autopar.Layout(dp=8), autopar.Layout(dp=8, zero=1)
+    later = autopar.Layout(dp=2, pp=4, microbatches=4, schedule="gpipe")
+    assert _firsts([flat, template, zero1, later]) == [flat, template]

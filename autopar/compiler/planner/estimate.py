@@ -158,21 +158,17 @@ class Estimator:
     # -- a worker process (workers.py) ------------------------------------------------------
 
     def start_workers(self, count: int, order: Sequence[Layout],
-                      bound: Callable[[Layout], float], extra: Sequence[Layout] = ()) -> None:
+                      bound: Callable[[Layout], float]) -> None:
         """Fork `count` RewriteWorkers for the groups of `order` (the layouts in the order
         the search asks for them, `bound` their FLOP bounds) that workers.child_groups
-        gives them; each rewrites its members ahead, `extra` ones too (pipeline
-        templates)."""
+        gives them; each rewrites the first of its groups' members ahead
+        (workers._firsts)."""
         groups: dict[tuple, list[Layout]] = {}
         least: dict[tuple, float] = {}
         for layout in order:
             group = self.group_of(layout)
             groups.setdefault(group, []).append(layout)
             least[group] = min(least.get(group, math.inf), bound(layout))
-        for layout in extra:
-            members = groups.get(self.group_of(layout))
-            if members is not None:
-                members.append(layout)
         for share in child_groups(list(groups), [least[g] for g in groups], count):
             if share:
                 worker = RewriteWorker(self, {g: groups[g] for g in share})

@@ -93,9 +93,7 @@ def _search(model, cluster, example_inputs, loss_fn, optimizer, efficiency, prog
     count = _worker_count(workers, trace_blocks)
     if bound is not None and count:
         order = sorted(costed, key=lambda lay: (bound(lay), *costing_order(lay)))
-        estimator.start_workers(count, [lay for lay in order
-                                        if lay.pp == 1 and lay.microbatches == 1],
-                                bound, extra=list(widest.values()))
+        estimator.start_workers(count, rewrites_asked(order, widest), bound)
     try:
         try:
             result = search(costed, estimator.predict, cluster, fraction, step,
@@ -285,6 +283,20 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
     return bound
 
 
+def rewrites_asked(order: list[Layout], widest: dict[Layout, Layout]) -> list[Layout]:
+    """The layouts whose rewrites the search asks for, in the order it asks (`order`: the
+    candidates by their bound): a pipeline's widest template (`prepare`), then its own
+    (its micro-batch's). Micro-batches without a pipeline are left out: they are traced
+    whole (Estimator._keep), and a worker sends only scaled summaries."""
+    asked = []
+    for layout in order:
+        if layout.pp > 1:
+            asked.append(widest.get(template_fields(layout), layout))
+        if layout.pp > 1 or layout.microbatches == 1:
+            asked.append(layout)
+    return list(dict.fromkeys(asked))
+
+
 def widest_templates(candidates: list[Layout]) -> dict[Layout, Layout]:
     """Template fields -> the pipelined candidate with the largest micro-batch among
     those costed from it: search's `prepare` rewrites that one's template before the
@@ -301,8 +313,9 @@ def widest_templates(candidates: list[Layout]) -> dict[Layout, Layout]:
 
 
 def _worker_count(workers: int | None, trace_blocks: int | None) -> int:
-    """plan's `workers`: None is one per CPU, at most MAX_WORKERS, and none on one CPU
-    (the parent mostly waits on them, so on two CPUs two workers keep both busy)."""
+    """plan's `workers`: None is one per CPU besides the parent's, at most MAX_WORKERS
+    (the parent costs while they rewrite: on two CPUs one worker keeps both busy, a
+    second takes time from the parent)."""
     if workers is not None and trace_blocks is None and workers > 0:
         raise ValueError("workers needs trace_blocks: a worker sends scaled summaries back, "
                          "not an exact trace's graphs")
@@ -310,7 +323,7 @@ def _worker_count(workers: int | None, trace_blocks: int | None) -> int:
         return 0
     if workers is None:
         cpus = os.cpu_count() or 1
-        return min(cpus, MAX_WORKERS) if cpus > 1 else 0
+        return min(cpus - 1, MAX_WORKERS)
     return workers
 
 

@@ -4,9 +4,12 @@ Most of a deep model's planning time is tracing and rewriting (export, the joint
 the tensor-parallel and AMP re-trace, fusion), once per *group* of layouts that share a
 trace and the forward-level passes (`Estimator.group_of`). Groups are independent of
 one another, so `RewriteWorker` forks the Estimator once the search knows the order it
-will ask for them in, and gives each child its share of that order, round robin (the
-first stays with the parent, which needs it at once). The child rewrites its groups' member
-layouts ahead, one at a time, and answers the parent's requests between them with
+will ask for them in (pipeline templates included: plan.rewrites_asked), keeps the
+first group for the parent, which needs it at once, and gives the children the others,
+round robin: the parent then costs (schedules, replicated pipelines) while they
+rewrite. A child rewrites ahead, one at a time, the first template and the first
+layout without one of each of its groups (the trace and forward-level passes they
+share are the costly part), and answers the parent's requests between them with
 what the search reads: the summaries, the pipeline template, the tensor-parallel table
 and the trace's FLOPs (plain data; graphs stay in the process that made them).
 
@@ -89,7 +92,7 @@ def _serve(estimator, conn, members: dict[tuple, list[Layout]]) -> None:
     # HiGHS's task scheduler (the tensor-parallel integer programs) keeps worker threads
     # that a fork does not copy: a solve in the child would wait on them forever
     highspy.Highs.resetGlobalScheduler(False)
-    ahead = [layout for group in members.values() for layout in group]
+    ahead = [layout for group in members.values() for layout in _firsts(group)]
     while True:
         if ahead and not conn.poll():
             _payload(estimator, "entry", ahead.pop(0))  # kept in the child's caches
@@ -107,6 +110,16 @@ def _serve(estimator, conn, members: dict[tuple, list[Layout]]) -> None:
             conn.send(("local", None))  # the parent rewrites what cannot be sent
 
 
+def _firsts(group: list[Layout]) -> list[Layout]:
+    """What the child rewrites ahead of a group: its first pipeline template and its first
+    layout without one (the trace and the forward-level passes they share are the costly
+    part); the others (ZeRO stages, bucket sizes) only when the parent asks."""
+    first: dict[bool, Layout] = {}
+    for layout in group:
+        first.setdefault(layout.pp > 1, layout)
+    return list(first.values())
+
+
 def _payload(estimator, kind: str, layout: Layout) -> tuple[str, Any]:
     try:
         if kind == "layers":
@@ -122,7 +135,7 @@ def child_groups(order: Sequence[tuple], bounds: Sequence[float], children: int
                  ) -> list[list[tuple]]:
     """Of the groups in the search's order (with each one's least FLOP bound), those each
     of `children` children rewrites: among those within AHEAD, round robin from the
-    second (the first, and every children + 1-th after it, stay with the parent)."""
+    second (the first stays with the parent, and so do those outside AHEAD)."""
     least = min(bounds, default=0.0)
     near = [g for g, b in zip(order, bounds) if b <= least * AHEAD]
-    return [near[k::children + 1] for k in range(1, children + 1)]
+    return [near[1 + k::children] for k in range(children)]
