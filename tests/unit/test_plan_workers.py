@@ -12,7 +12,7 @@ import pytest
 import autopar
 from autopar.compiler.planner import search as S
 from autopar.compiler.planner.estimate import Estimator
-from autopar.compiler.planner.workers import available
+from autopar.compiler.planner.workers import CHILD, PARENT, available
 from autopar.examples import causal_lm_loss
 from tests.unit.test_cost_model import meta_gpt2
 
@@ -61,13 +61,40 @@ def test_workers_rewrite_their_groups_and_the_parent_only_costs(gpt8, monkeypatc
                                                                  rewrites, est))
         for lay in unpipelined:
             assert est.predict(lay) == alone.predict(lay), lay
-        assert rewrites and {est.group_of(lay) for lay in rewrites} <= {
-            est.group_of(lay) for lay in mine}
+        # the parent rewrote its own groups and those it took back before a worker
+        # started them (RewriteWorker.take_back), never one a worker rewrote
+        taken = {g for w in workers for g, k in w.slots.items() if w.claims[k] == PARENT}
+        by_child = {g for w in workers for g, k in w.slots.items() if w.claims[k] == CHILD}
+        assert by_child and rewrites
+        assert {est.group_of(lay) for lay in rewrites} <= {
+            est.group_of(lay) for lay in mine} | taken
         assert est.tp_placements(theirs[-1]) == alone.tp_placements(theirs[-1])
         assert est.layer_rows(theirs[0]) == alone.layer_rows(theirs[0])
     finally:
         est.close_workers()
     assert not any(w.process.is_alive() for w in workers)
+
+
+def test_a_group_no_worker_has_started_is_taken_back_and_rewritten_here(gpt8):
+    from autopar.compiler.planner.workers import PENDING, RewriteWorker
+
+    model, batch = gpt8
+    candidates = S.candidate_layouts(CLUSTER, 16, 8, {"amp": "bf16"})
+    unpipelined = [lay for lay in candidates if lay.pp == 1 and lay.zero == 0]
+    alone = Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2)
+    est = Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2)
+    groups = list(dict.fromkeys(est.group_of(lay) for lay in unpipelined))
+    assert len(groups) > 2
+    worker = RewriteWorker(est, [], groups[1:])  # nothing ahead: it starts none of them
+    est.workers = dict.fromkeys(groups[1:], worker)
+    try:
+        assert all(worker.claims[k] == PENDING for k in worker.slots.values())
+        for lay in unpipelined:
+            assert est.predict(lay) == alone.predict(lay), lay
+        assert not est.workers and all(worker.claims[k] == PARENT for k in worker.slots.values())
+    finally:
+        worker.close()
+    assert not worker.process.is_alive()
 
 
 def test_a_workers_refusal_is_the_searchs_and_a_dead_workers_layouts_come_home(
@@ -130,7 +157,7 @@ def test_the_rewrites_asked_put_each_pipelines_widest_template_before_it():
 
 
 def test_children_get_every_near_group_but_the_first_and_rewrite_its_firsts_ahead():
-    from autopar.compiler.planner.workers import _firsts, child_groups
+    from autopar.compiler.planner.workers import child_groups, firsts
 
     groups = ["a", "b", "c", "d", "e"]
     bounds = [1.0, 1.1, 9.0, 1.2, 1.4]  # c is far above the least: left to the parent
@@ -139,4 +166,6 @@ def test_children_get_every_near_group_but_the_first_and_rewrite_its_firsts_ahea
     template = autopar.Layout(dp=2, pp=4, microbatches=4)
     flat, zero1 = autopar.Layout(dp=8), autopar.Layout(dp=8, zero=1)
     later = autopar.Layout(dp=2, pp=4, microbatches=4, schedule="gpipe")
-    assert _firsts([flat, template, zero1, later]) == [flat, template]
+    other = autopar.Layout(dp=4, tp=2)
+    group_of = lambda lay: lay.tp  # noqa: E731 - the groups of this test: by tp
+    assert firsts([flat, template, zero1, other, later], group_of) == [flat, template, other]

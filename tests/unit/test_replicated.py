@@ -116,6 +116,32 @@ def test_schedule_replays_kept_for_other_dp_and_zero_equal_fresh_ones(scaled):
     assert len(kept) == 1
 
 
+@pytest.mark.parametrize("fields", [
+    dict(dp=1, pp=8, microbatches=8, schedule="zero-bubble"),
+    dict(dp=2, pp=4, microbatches=4, schedule="interleaved", virtual_stages=2, zero=1),
+    dict(dp=2, pp=3, microbatches=4, schedule="gpipe", zero=2),
+])
+def test_a_step_timed_on_one_stage_of_each_kind_is_the_whole_pipelines(scaled, fields):
+    """rewritten(timing=True) copies the ops of the first stage of each kind only
+    (replicate's `representatives`): the step time, its timeline and every figure of
+    it are those of the whole replicated pipeline."""
+    from autopar.compiler.planner.cost_model import step_times
+    from autopar.compiler.planner.pipeline_cost import run_schedule
+
+    layout = autopar.Layout(**fields)
+    est = Estimator(scaled.model, CLUSTER, scaled.example_inputs, causal_lm_loss, trace_blocks=2)
+    few, few_stages, _ = est.rewritten(layout, timing=True)
+    whole, stages, _ = est.rewritten(layout)
+    assert few_stages.kinds == stages.kinds
+    repeated = len(set(stages.kinds)) < len(stages.kinds)  # pp=3: first, middle, last
+    assert len(few.ops) < len(whole.ops) if repeated else len(few.ops) == len(whole.ops)
+    times = [step_times(s, CLUSTER, layout, "adamw", est.efficiency, st,
+                        run_schedule(s, st, CLUSTER, layout, est.efficiency))
+             for s, st in ((few, few_stages), (whole, stages))]
+    assert times[0] == times[1]
+    assert est.step_time(layout) == est.predict(layout).step_time_s == times[1].total_s
+
+
 def test_changed_copies_a_record_as_replace_would_and_refuses_unknown_fields():
     """summary.changed skips OpRecord's __init__ for speed: it must give what
     dataclasses.replace gives, refuse a misspelt field, and OpRecord must stay without

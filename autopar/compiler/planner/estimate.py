@@ -33,7 +33,7 @@ from autopar.compiler.planner.replicated import (TEMPLATE_BLOCKS, Template, bloc
 from autopar.compiler.planner.scaled import multiplicities, reduced, scale_summary
 from autopar.compiler.planner.stages import StageSummary, stage_summary
 from autopar.compiler.planner.summary import GraphSummary, summarize
-from autopar.compiler.planner.workers import RewriteWorker, child_groups
+from autopar.compiler.planner.workers import RewriteWorker, child_groups, firsts
 from autopar.layout import Layout, LayoutError, Prediction
 
 
@@ -82,6 +82,7 @@ class Estimator:
         self._rewritten: dict[tuple, tuple] = {}
         self._tables: dict[tuple, dict] = {}
         self._replicas: dict[tuple, tuple] = {}
+        self._timing_replicas: dict[tuple, tuple] = {}  # rewritten(timing=True)'s
         self._forward: dict[tuple, TrainGraph] = {}  # graphs after the forward-level passes
         self._predictions: dict[Layout, Prediction] = {}
         self._last_times: tuple = (None, None)  # (layout, its step_times): predict's next
@@ -110,7 +111,7 @@ class Estimator:
         first, and costs the memory only of a layout that could be the plan)."""
         if layout in self._predictions:
             return self._predictions[layout].step_time_s
-        summary, stages, _ = self.rewritten(layout)
+        summary, stages, _ = self.rewritten(layout, timing=True)
         return self._step_times(layout, summary, stages).total_s
 
     def _step_times(self, layout: Layout, summary: GraphSummary, stages: StageSummary | None):
@@ -161,17 +162,20 @@ class Estimator:
                       bound: Callable[[Layout], float]) -> None:
         """Fork `count` RewriteWorkers for the groups of `order` (the layouts in the order
         the search asks for them, `bound` their FLOP bounds) that workers.child_groups
-        gives them; each rewrites the first of its groups' members ahead
-        (workers._firsts)."""
-        groups: dict[tuple, list[Layout]] = {}
+        gives them; each rewrites ahead, in that order, the first template and the first
+        layout without one of each of its groups (workers.firsts)."""
+        groups: dict[tuple, None] = {}
         least: dict[tuple, float] = {}
         for layout in order:
             group = self.group_of(layout)
-            groups.setdefault(group, []).append(layout)
+            groups[group] = None
             least[group] = min(least.get(group, math.inf), bound(layout))
         for share in child_groups(list(groups), [least[g] for g in groups], count):
             if share:
-                worker = RewriteWorker(self, {g: groups[g] for g in share})
+                mine = set(share)
+                ahead = firsts([lay for lay in order if self.group_of(lay) in mine],
+                               self.group_of)
+                worker = RewriteWorker(self, ahead, share)
                 self.workers.update(dict.fromkeys(share, worker))
 
     def close_workers(self) -> None:
@@ -223,6 +227,9 @@ class Estimator:
         group = self.group_of(layout)
         worker = self.workers.get(group)
         if worker is None or not worker.alive:
+            return None
+        if worker.take_back(group):  # not started there: rewritten here, not waited for
+            del self.workers[group]
             return None
         if group[0] in self._traced:
             key = self._key(layout)
@@ -356,20 +363,29 @@ class Estimator:
         stages)."""
         return self._trace(layout)[3] is not None and self._stages(layout) > 1
 
-    def rewritten(self, layout: Layout) -> tuple[GraphSummary, StageSummary | None, int]:
+    def rewritten(self, layout: Layout, timing: bool = False
+                  ) -> tuple[GraphSummary, StageSummary | None, int]:
         """(summary of the rewritten graph, its stages when pipelined, model FLOPs of
-        one rank's micro-batch) for `layout`."""
+        one rank's micro-batch) for `layout`. `timing`: a pipeline replicated from a
+        template has the ops of one stage per kind only (replicate's `representatives`:
+        its step time, not its memory)."""
         model_flops = self._trace(layout)[2]
         key = self._entry(layout)
         summary, stages, _, pattern = self._rewritten[key]
         if pattern is not None:
             depth = self._stages(layout)
             check_stage_count(layout, pattern.blocks)
-            if (key, depth) not in self._replicas:
+            if (key, depth) in self._replicas:
+                summary, stages = self._replicas[key, depth][:2]
+            elif timing:
+                if (key, depth) not in self._timing_replicas:
+                    self._timing_replicas[key, depth] = replicate(pattern, depth,
+                                                                  representatives=True)
+                summary, stages = self._timing_replicas[key, depth]
+            else:
                 summary, stages = replicate(pattern, depth)
                 self._replicas[key, depth] = (summary, stages, stage_programs(summary, stages),
                                               {})
-            summary, stages = self._replicas[key, depth][:2]
         return summary, stages, model_flops
 
     def prepare(self, layout: Layout) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
-
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -216,9 +216,10 @@ def after_schedule_floor(params: Sequence[tuple[tuple[int, ...], int]], cluster:
     if not params:
         return 0.0
     held, gathered = 0.0, 0.0
-    for shape, itemsize in params:
+    # a deep model's parameters are a few shapes repeated once per block: each costed once
+    for (shape, itemsize), count in Counter(params).items():
         numel = math.prod(shape)
-        piece = numel * min([1.0, *((d // layout.tp) / d for d in shape if d)]) * itemsize
+        piece = numel * min([1.0, *((d // layout.tp) / d for d in shape if d)]) * itemsize * count
         held += piece
         if layout.zero and layout.dp > 1 and shape and shape[0] // layout.tp >= layout.dp:
             gathered += piece

@@ -155,8 +155,16 @@ def _kept_storages(t: Template) -> frozenset[int]:
     return frozenset(kept)
 
 
-def replicate(t: Template, n_stages: int) -> tuple[GraphSummary, StageSummary]:
-    """The summaries of an `n_stages`-stage pipeline of the whole model (module docstring)."""
+def replicate(t: Template, n_stages: int, representatives: bool = False
+              ) -> tuple[GraphSummary, StageSummary]:
+    """The summaries of an `n_stages`-stage pipeline of the whole model (module docstring).
+
+    `representatives`: only the first stage of each kind has its ops in the summary (the
+    others of that kind run the same ops: `StageSummary.kinds`); the parameters, the
+    messages and the stages' parameters are the whole pipeline's. Enough for its step
+    time (pipeline_cost.run_schedule replays one stage of each kind; the stages 64 and
+    128 deep of a large search then copy 4 stages' ops instead of all), not for its
+    memory (stage_programs reads every stage's ops and their uses)."""
     counts = t.blocks_per_stage(n_stages)
     kept = _kept_storages(t)
     n_inputs = sum(1 for s in t.stages.stage_of if s is None)
@@ -166,6 +174,10 @@ def replicate(t: Template, n_stages: int) -> tuple[GraphSummary, StageSummary]:
     outputs: set[int] = set()
     kinds = []
     for s in range(n_stages):
+        role = "first" if s == 0 else "last" if s == n_stages - 1 else "middle"
+        kinds.append((role, counts[s]))
+        if representatives and kinds[-1] in kinds[:-1]:  # a few kinds: first, last, middles
+            continue
         _, chosen = _selection(t, s, n_stages, counts[s])
         where = {i: i for i in range(n_inputs)}
         where.update({i: len(ops) + k for k, i in enumerate(chosen)})
@@ -175,8 +187,6 @@ def replicate(t: Template, n_stages: int) -> tuple[GraphSummary, StageSummary]:
             stage_of.append(s)
             program_of.append(t.stages.program_of[i])
         outputs.update(where[i] for i in t.summary.output_storages if i in where and i >= n_inputs)
-        role = "first" if s == 0 else "last" if s == n_stages - 1 else "middle"
-        kinds.append((role, counts[s]))
     summary = replace(t.summary, ops=tuple(ops), output_storages=frozenset(outputs),
                       **_params(t, counts))
     messages = _messages(t, counts)

@@ -50,17 +50,37 @@ def available() -> bool:
     return sys.platform.startswith("linux") and not torch.cuda.is_initialized()
 
 
-class RewriteWorker:
-    """The parent's end of the pipe, and which groups the child rewrites."""
+PENDING, CHILD, PARENT = 0, 1, 2  # who rewrites a child's group (RewriteWorker.claims)
 
-    def __init__(self, estimator, members: dict[tuple, list[Layout]]):
+
+class RewriteWorker:
+    """The parent's end of the pipe, and which groups the child rewrites.
+
+    `claims` (shared memory, one slot per group given to the child) says who rewrites
+    each: a group the child has not started yet when the parent first needs it is
+    taken back (`take_back`) rather than waited for, so a slow child never holds up a
+    parent that is free to rewrite it; either way one process rewrites a group."""
+
+    def __init__(self, estimator, ahead: list[Layout], groups: Sequence[tuple]):
         ctx = multiprocessing.get_context("fork")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(estimator, child, members),
+        self.slots = {group: k for k, group in enumerate(groups)}
+        self.claims = ctx.Array("b", len(groups))
+        self.process = ctx.Process(target=_serve,
+                                   args=(estimator, child, ahead, self.slots, self.claims),
                                    daemon=True)
         self.process.start()
         child.close()
         self.alive = True
+
+    def take_back(self, group: tuple) -> bool:
+        """Whether the parent takes `group` back: the child has not started it, and now
+        never will (False: the child has it, the parent asks for its results)."""
+        with self.claims.get_lock():
+            slot = self.slots[group]
+            if self.claims[slot] == PENDING:
+                self.claims[slot] = PARENT
+            return self.claims[slot] == PARENT
 
     def result(self, kind: str, layout: Layout) -> tuple[str, Any]:
         """("ok", data) | ("error", message) | ("local", None): `kind` "entry"
@@ -86,16 +106,23 @@ class RewriteWorker:
         self.conn.close()
 
 
-def _serve(estimator, conn, members: dict[tuple, list[Layout]]) -> None:
-    """The child: answer each request as it comes; between them, rewrite ahead."""
+def _serve(estimator, conn, ahead: list[Layout], slots: dict, claims) -> None:
+    """The child: answer each request as it comes; between them, rewrite ahead the
+    groups the parent has not taken back."""
     estimator.workers = {}  # the child rewrites all it is asked itself
     # HiGHS's task scheduler (the tensor-parallel integer programs) keeps worker threads
     # that a fork does not copy: a solve in the child would wait on them forever
     highspy.Highs.resetGlobalScheduler(False)
-    ahead = [layout for group in members.values() for layout in _firsts(group)]
+    ahead = list(ahead)
     while True:
         if ahead and not conn.poll():
-            _payload(estimator, "entry", ahead.pop(0))  # kept in the child's caches
+            layout = ahead.pop(0)
+            with claims.get_lock():
+                slot = slots[estimator.group_of(layout)]
+                if claims[slot] == PARENT:
+                    continue
+                claims[slot] = CHILD
+            _payload(estimator, "entry", layout)  # kept in the child's caches
             continue
         try:
             message = conn.recv()
@@ -110,14 +137,18 @@ def _serve(estimator, conn, members: dict[tuple, list[Layout]]) -> None:
             conn.send(("local", None))  # the parent rewrites what cannot be sent
 
 
-def _firsts(group: list[Layout]) -> list[Layout]:
-    """What the child rewrites ahead of a group: its first pipeline template and its first
-    layout without one (the trace and the forward-level passes they share are the costly
-    part); the others (ZeRO stages, bucket sizes) only when the parent asks."""
-    first: dict[bool, Layout] = {}
-    for layout in group:
-        first.setdefault(layout.pp > 1, layout)
-    return list(first.values())
+def firsts(order: Sequence[Layout], group_of) -> list[Layout]:
+    """What a child rewrites ahead, in the order the search will ask: of each group, its
+    first pipeline template and its first layout without one (the trace and the
+    forward-level passes they share are the costly part); the others (ZeRO stages,
+    bucket sizes) only when the parent asks."""
+    seen, out = set(), []
+    for layout in order:
+        key = (group_of(layout), layout.pp > 1)
+        if key not in seen:
+            seen.add(key)
+            out.append(layout)
+    return out
 
 
 def _payload(estimator, kind: str, layout: Layout) -> tuple[str, Any]:
