@@ -84,7 +84,7 @@ def run_trillion(name: str, memory_gb: float | None, dropout: float = 0.1,
     search = plan.details["search"]
     pred = plan.predicted
     return (f"| {fixed} | {search['candidates']} | {search['pruned']} / {search['bounded']} / "
-            f"{search['timed']} | "
+            f"{search['floored']} / {search['timed']} | "
             f"{search['costed']} | {search['traces']} | {search['rewrites']} | "
             f"{seconds:.1f} ({built:.1f}) | {plan.layout} | {pred.step_time_s:.1f} s | {pred.mfu:.1%} | "
             f"{pred.peak_memory_bytes / 1e9:.1f} GB |")
@@ -109,7 +109,7 @@ def main() -> None:
     # the tensor-parallel rules probe strategies on fake tensors; their refusals are noise
     logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
     if args.trillion:
-        print("| constraints | candidates | not costed: memory / bound / time | costed | traces | "
+        print("| constraints | candidates | not costed: memory / bound / floor / time | costed | traces | "
               "rewrites | seconds (build) | chosen | predicted step | MFU | peak memory |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for name in args.trillion:

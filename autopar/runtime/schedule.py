@@ -288,6 +288,38 @@ def simulate(s: Schedule, cost: dict | None = None) -> Timeline:
     return Timeline(spans, max(clock))
 
 
+def rank_floors(name: str, pp: int, microbatches: int, virtual_stages: int = 1,
+                cost: dict | None = None) -> list[float]:
+    """Per rank of `build(name, pp, microbatches, virtual_stages)`: seconds its last
+    compute action cannot end before, in `simulate` with `cost`, without building it.
+
+    Every schedule here runs, for each micro-batch, each stage's F and its B (I and W
+    under zero-bubble) once, with a receive before each F but the first stage's and
+    before each B or I but the last stage's (`_with_comm`; tests hold the count to the
+    built lists). A rank runs its actions one after another, so it is busy for at least
+    the sum of their costs (sends left out: they may come after its last compute), from
+    no earlier than its first action: for rank r > 0, the receive of micro-batch 0's
+    forward input, which comes once micro-batch 0 went forward through stages 0..r-1
+    with their receives. Far cheaper than simulating: no waits after the first action."""
+    cost = {**DEFAULT_COST, **(cost or {})}
+    stages = pp * virtual_stages
+    backward = ("I", "W") if name == "zero-bubble" else ("B",)
+
+    def at(stage: int, kind: str) -> float:
+        return cost.get((stage, kind), cost.get(kind, 0.0))
+
+    busy = [0.0] * pp
+    for stage in range(stages):
+        kinds = ["F", *backward] + (["RF"] if stage else []) + \
+            (["RB"] if stage < stages - 1 else [])
+        busy[stage % pp] += microbatches * sum(at(stage, kind) for kind in kinds)
+    out, fill = [], 0.0
+    for r in range(pp):
+        out.append(fill + busy[r])
+        fill += (at(r, "RF") if r else 0.0) + at(r, "F")  # micro-batch 0 through stage r
+    return out
+
+
 def validate(s: Schedule) -> None:
     """Raise ScheduleError unless the schedule can run and computes the full step."""
     for r, actions in enumerate(s.ranks):

@@ -106,11 +106,13 @@ def test_search_equals_costing_each_candidate_alone():
     c = ClusterSpec.local(nprocs=2)
     plan = autopar.plan(ex.model, c, ex.batch, ex.loss_fn)
     costed = [(plan.layout, plan.predicted)] + [(lay, p) for lay, p, _ in plan.alternatives]
-    # timed: slower than the plan, their memory not costed
+    # timed: slower than the plan, their memory not costed; floored: a pipeline's busiest
+    # rank alone slower than the plan, its schedule not simulated
     timed = [lay for lay, why in plan.skipped if S.TIMED_ONLY in why]
-    seen = [lay for lay, _ in costed] + timed
+    floored = [lay for lay, why in plan.skipped if S.FLOOR_ONLY in why]
+    seen = [lay for lay, _ in costed] + timed + floored
     assert {lay.tp for lay in seen} == {1, 2} and {lay.pp for lay in seen} == {1, 2}
-    for lay in timed:
+    for lay in timed + floored:
         alone = autopar.estimate(ex.model, c, lay, ex.batch, ex.loss_fn)
         assert alone.step_time_s > plan.predicted.step_time_s, lay
     for lay, pred in costed:
@@ -261,7 +263,7 @@ def test_static_bound_is_below_every_predicted_peak_and_prunes_without_tracing()
     estimator = Estimator(ex.model, c, ex.batch, ex.loss_fn)  # the ones timed too
     costed = [(plan.layout, plan.predicted)] + [(lay, p) for lay, p, _ in plan.alternatives] \
         + [(lay, estimator.predict(lay)) for lay, why in plan.skipped
-           if S.TIMED_ONLY in why]
+           if S.TIMED_ONLY in why or S.FLOOR_ONLY in why]
     assert {lay.zero for lay, _ in costed} == {0, 1, 2, 3} and {lay.pp for lay, _ in costed} > {1}
     for lay, pred in costed:
         assert static_lower_bound(param_bytes, lay, "adamw") <= pred.peak_memory_bytes, lay

@@ -165,7 +165,8 @@ def test_the_pipeline_bounds_are_below_every_pipelines_prediction(gpt8, where):
     (Estimator.pipeline_floors), also scaled from the largest micro-batch's template to
     smaller ones before theirs is rewritten. Each stays below every pipelined
     candidate's prediction, the first below the sum of the ranks' sync, optimizer and
-    gather; and the search bounded by them chooses what costing everything chooses."""
+    gather; so does the schedule floor (Estimator.schedule_floor); and the search bounded
+    by them chooses what costing everything chooses."""
     from autopar.compiler.planner import search as S
     from autopar.compiler.planner.cost_model import DEFAULT_EFFICIENCY
     from autopar.compiler.planner.estimate import template_fields
@@ -211,9 +212,12 @@ def test_the_pipeline_bounds_are_below_every_pipelines_prediction(gpt8, where):
                                       for c, after in zip(held, ranks)), lay
     for lay in pipes:  # every template rewritten now: the tightest floors
         assert 0 < bound(lay) <= est.predict(lay).step_time_s, lay
+        # the busiest rank without its schedule simulated (pipeline_cost.schedule_floor)
+        assert 0 < est.schedule_floor(lay) <= est.step_time(lay), lay
     everything = S.search(candidates, est.predict, cluster)
     fresh = Estimator(model, cluster, batch, causal_lm_loss, trace_blocks=2)
     pruned = S.search(candidates, fresh.predict, cluster,
                       bound=compute_bound(fresh, candidates, DEFAULT_EFFICIENCY),
-                      prepare=lambda lay: fresh.prepare(widest.get(template_fields(lay), lay)))
+                      prepare=lambda lay: fresh.prepare(widest.get(template_fields(lay), lay)),
+                      timed=fresh.step_time, floor=fresh.schedule_floor)
     assert (pruned.layout, pruned.predicted) == (everything.layout, everything.predicted)

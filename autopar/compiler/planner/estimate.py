@@ -25,7 +25,8 @@ from autopar.compiler.passes.pipeline import (default_passes, forward_level_fiel
                                               forward_level_passes, is_pipelined)
 from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.planner.memory import MemoryPrediction
-from autopar.compiler.planner.pipeline_cost import ScheduleRun, p2p_time, run_schedule
+from autopar.compiler.planner.pipeline_cost import (ScheduleRun, StagePhases, p2p_time,
+                                                    run_schedule, schedule_floor, stage_phases)
 from autopar.compiler.planner.pipeline_memory import pipeline_memory_per_rank
 from autopar.compiler.planner.replicated import (TEMPLATE_BLOCKS, Template, block_work_floor,
                                                  pipeline_memory_from_summary,
@@ -88,6 +89,7 @@ class Estimator:
         self._last_times: tuple = (None, None)  # (layout, its step_times): predict's next
         self._schedules: dict[Layout, float] = {}  # schedule_time of the layouts timed
         self._runs: dict[tuple, ScheduleRun] = {}  # _schedule_run's
+        self._phases: dict[tuple, StagePhases] = {}  # _stage_phases'
         # pipeline templates' floors by the fields their passes read:
         # [(micro-batch size, sends across a boundary, one block's work)]
         self._templates: dict[Layout, list[tuple[float, tuple, float]]] = {}
@@ -249,8 +251,31 @@ class Estimator:
             if len(self._runs) >= RUNS_KEPT:
                 del self._runs[next(iter(self._runs))]
             self._runs[key] = run_schedule(summary, stages, self.cluster, layout,
-                                           self.efficiency)
+                                           self.efficiency,
+                                           self._stage_phases(layout, summary, stages))
         return self._runs[key]
+
+    def _stage_phases(self, layout: Layout, summary: GraphSummary,
+                      stages: StageSummary) -> StagePhases:
+        """pipeline_cost.stage_phases of `layout`, shared by the layouts that differ only
+        in ZeRO (the floor and the schedule's run of a layout read the same)."""
+        key = (self._key(layout), self._stages(layout), layout.replace(zero=0))
+        if key not in self._phases:
+            self._phases[key] = stage_phases(summary, stages, self.cluster, layout,
+                                             self.efficiency)
+        return self._phases[key]
+
+    def schedule_floor(self, layout: Layout) -> float:
+        """Seconds below `layout`'s predicted step from its stages' phase times, without
+        simulating its schedule (pipeline_cost.schedule_floor); 0 for a step without a
+        pipeline. The search asks it before `step_time`."""
+        if not is_pipelined(layout):
+            return 0.0
+        summary, stages, _ = self.rewritten(layout, timing=True)
+        if stages is None:
+            return 0.0
+        return schedule_floor(summary, stages, self.cluster, layout, self.optimizer,
+                              self.efficiency, self._stage_phases(layout, summary, stages))
 
     def schedule_time(self, layout: Layout) -> float | None:
         """The critical rank's compute plus bubble of `layout`'s schedule if its step was

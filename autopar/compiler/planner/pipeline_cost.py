@@ -38,7 +38,7 @@ from autopar.compiler.planner.memory import zero_block_bytes
 from autopar.compiler.planner.stages import StageSummary
 from autopar.compiler.planner.summary import GraphSummary, changed
 from autopar.layout import Layout
-from autopar.runtime.schedule import Schedule, Timeline, build, simulate
+from autopar.runtime.schedule import Schedule, Timeline, build, rank_floors, simulate
 
 PHASE_PROGRAMS = {"F": "F", "B": "IW", "I": "I", "W": "W"}
 WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -146,19 +146,24 @@ def grad_sync_time(summary: GraphSummary, stages: StageSummary, cluster: Cluster
     pp_spans = group_spans_nodes(layout.pp, layout.tp * layout.dp, cluster)
     dp_spans = group_spans_nodes(layout.dp, layout.tp, cluster)
     for i, readers in enumerate(stages.param_stages):
-        ranks = {s % layout.pp for s in readers}
+        ranks = {s % layout.pp for s in readers} if len(readers) > 1 else ()
+        if len(ranks) < 2:  # read on one rank: nothing to reduce across the pipeline
+            continue
         seconds = collective_time("all_reduce", summary.param_numel[i] * summary.param_itemsize[i],
                                   len(ranks), cluster, pp_spans, eff)
         for rank in ranks:
             out[rank] += seconds
+    scatter: dict[int, float] = {}  # block bytes -> its reduce-scatter (blocks repeat)
     for rank, params in enumerate(by_rank or rank_params(stages, layout)):
         whole = 0
         for i in params:
             block = zero_block_bytes(summary, i, layout) if layout.zero >= 2 else 0
             if block:
-                out[rank] += collective_time("reduce_scatter",
-                                             _wire(block * layout.dp, summary, layout),
-                                             layout.dp, cluster, dp_spans, eff)
+                if block not in scatter:
+                    scatter[block] = collective_time("reduce_scatter",
+                                                     _wire(block * layout.dp, summary, layout),
+                                                     layout.dp, cluster, dp_spans, eff)
+                out[rank] += scatter[block]
             else:
                 whole += summary.param_numel[i] * summary.param_itemsize[i]
         out[rank] += collective_time("all_reduce", _wire(whole, summary, layout), layout.dp,
@@ -173,8 +178,17 @@ def param_gather_time(summary: GraphSummary, stages: StageSummary, cluster: Clus
     the optimizer under ZeRO-1/2, before the schedule under ZeRO-3), one per parameter
     as the runtime issues them."""
     dp_spans = group_spans_nodes(layout.dp, layout.tp, cluster)
-    return [sum(collective_time("all_gather", block * layout.dp, layout.dp, cluster, dp_spans,
-                                eff)
+    if not layout.zero or layout.dp == 1:  # zero_block_bytes is 0 for every parameter
+        return [0.0] * len(by_rank or rank_params(stages, layout))
+    gathers: dict[int, float] = {}  # block bytes -> its all-gather (blocks repeat)
+
+    def gather(block: int) -> float:
+        if block not in gathers:
+            gathers[block] = collective_time("all_gather", block * layout.dp, layout.dp,
+                                             cluster, dp_spans, eff)
+        return gathers[block]
+
+    return [sum(gather(block)
                 for block in (zero_block_bytes(summary, i, layout) for i in params) if block)
             for params in by_rank or rank_params(stages, layout)]
 
@@ -255,16 +269,63 @@ class ScheduleRun:
     by_rank: list[list[int]]  # rank_params
 
 
+@dataclass(frozen=True)
+class StagePhases:
+    """What a schedule's simulation takes: each stage's phase times and receives (the
+    same for layouts that differ only in ZeRO), and the parameters of each rank."""
+    phases: dict[tuple[int, str], PhaseTime]
+    receives: dict[tuple[int, str], float]
+    by_rank: list[list[int]]  # rank_params
+
+    @property
+    def cost(self) -> dict[tuple[int, str], float]:
+        """runtime.schedule.simulate's cost of each (stage, kind)."""
+        return {**{key: phase.total_s for key, phase in self.phases.items()}, **self.receives}
+
+
+def stage_phases(summary: GraphSummary, stages: StageSummary, cluster: ClusterSpec,
+                 layout: Layout, eff: Efficiency = DEFAULT_EFFICIENCY) -> StagePhases:
+    return StagePhases(stage_phase_times(summary, stages, cluster, layout, eff),
+                       receive_costs(stages, cluster, layout, eff), rank_params(stages, layout))
+
+
 def run_schedule(summary: GraphSummary, stages: StageSummary, cluster: ClusterSpec,
-                 layout: Layout, eff: Efficiency = DEFAULT_EFFICIENCY) -> ScheduleRun:
-    phases = stage_phase_times(summary, stages, cluster, layout, eff)
-    receives = receive_costs(stages, cluster, layout, eff)
-    cost = {key: phase.total_s for key, phase in phases.items()}
+                 layout: Layout, eff: Efficiency = DEFAULT_EFFICIENCY,
+                 known: StagePhases | None = None) -> ScheduleRun:
+    """Steps 1 and 2 of the module docstring (`known`: stage_phases of these arguments)."""
+    known = known or stage_phases(summary, stages, cluster, layout, eff)
     schedule = build(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
     timeline = _simulated((layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages),
-                          tuple(sorted({**cost, **receives}.items())))
+                          tuple(sorted(known.cost.items())))
     ends = tuple(max((end for _, _, end in spans), default=0.0) for spans in timeline.spans)
-    return ScheduleRun(phases, receives, schedule, timeline, ends, rank_params(stages, layout))
+    return ScheduleRun(known.phases, known.receives, schedule, timeline, ends, known.by_rank)
+
+
+def after_schedule(summary: GraphSummary, stages: StageSummary, cluster: ClusterSpec,
+                   layout: Layout, optimizer: str, eff: Efficiency,
+                   by_rank: list[list[int]]) -> tuple[list[float], list[float], list[float]]:
+    """Per pipeline rank, after its last action: (gradient sync, ZeRO's parameter
+    gather, optimizer step) seconds."""
+    sync = grad_sync_time(summary, stages, cluster, layout, eff, by_rank)
+    gather = param_gather_time(summary, stages, cluster, layout, eff, by_rank)
+    optim = [optimizer_time(b, optimizer, cluster, eff)
+             for b in updated_bytes(summary, stages, layout, by_rank)]
+    return sync, gather, optim
+
+
+def schedule_floor(summary: GraphSummary, stages: StageSummary, cluster: ClusterSpec,
+                   layout: Layout, optimizer: str = "adamw",
+                   eff: Efficiency = DEFAULT_EFFICIENCY,
+                   known: StagePhases | None = None) -> float:
+    """Seconds below pipeline_time's step, without simulating the schedule: each rank's
+    runtime.schedule.rank_floors (its busy time, after micro-batch 0's forward reaches
+    it) plus what it runs after its last action; the step is the largest such end."""
+    known = known or stage_phases(summary, stages, cluster, layout, eff)
+    floors = rank_floors(layout.schedule, layout.pp, layout.microbatches,
+                         layout.virtual_stages, known.cost)
+    sync, gather, optim = after_schedule(summary, stages, cluster, layout, optimizer, eff,
+                                         known.by_rank)
+    return max(floors[r] + sync[r] + optim[r] + gather[r] for r in range(layout.pp))
 
 
 def pipeline_time(summary: GraphSummary, stages: StageSummary, cluster: ClusterSpec,
@@ -275,10 +336,8 @@ def pipeline_time(summary: GraphSummary, stages: StageSummary, cluster: ClusterS
     `run`: run_schedule of these arguments, or of a layout that differs only in ZeRO."""
     run = run or run_schedule(summary, stages, cluster, layout, eff)
     phases, receives, timeline, ends = run.phases, run.receives, run.timeline, run.ends
-    sync = grad_sync_time(summary, stages, cluster, layout, eff, run.by_rank)
-    gather = param_gather_time(summary, stages, cluster, layout, eff, run.by_rank)
-    optim = [optimizer_time(b, optimizer, cluster, eff)
-             for b in updated_bytes(summary, stages, layout, run.by_rank)]
+    sync, gather, optim = after_schedule(summary, stages, cluster, layout, optimizer, eff,
+                                         run.by_rank)
     rank = max(range(layout.pp), key=lambda r: ends[r] + sync[r] + optim[r] + gather[r])
     spans = timeline.spans[rank]
     compute = sum(phases[(a.stage, a.kind)].compute_s for a, _, _ in spans)

@@ -25,7 +25,7 @@ from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, Efficiency,
 from autopar.compiler.planner.estimate import Estimator, template_fields
 from autopar.compiler.planner.memory import static_lower_bound
 from autopar.compiler.planner.pipeline_cost import after_schedule_floor, pipeline_time
-from autopar.compiler.planner.search import (TIMED_ONLY, PlanError, candidate_layouts,
+from autopar.compiler.planner.search import (FLOOR_ONLY, TIMED_ONLY, PlanError, candidate_layouts,
                                              check_constraints, costing_order, refinements,
                                              search)
 from autopar.compiler.planner.summary import DTYPE_NAMES
@@ -99,7 +99,7 @@ def _search(model, cluster, example_inputs, loss_fn, optimizer, efficiency, prog
             result = search(costed, estimator.predict, cluster, fraction, step,
                             refinements(fixed), bound, prepare=lambda lay: estimator.prepare(
                                 widest.get(template_fields(lay), lay)),
-                            timed=estimator.step_time)
+                            timed=estimator.step_time, floor=estimator.schedule_floor)
             result.skipped += pruned
         except PlanError as exc:
             if pruned:  # the error names the smallest peak: it may be a pruned layout's
@@ -117,9 +117,10 @@ def _search(model, cluster, example_inputs, loss_fn, optimizer, efficiency, prog
     finally:
         estimator.close_workers()
     timed = sum(TIMED_ONLY in why for _, why in result.skipped)
-    bounded = sum(why.startswith("not costed") for _, why in result.skipped) - timed
+    floored = sum(FLOOR_ONLY in why for _, why in result.skipped)
+    bounded = sum(why.startswith("not costed") for _, why in result.skipped) - timed - floored
     result.details["search"] = {"candidates": len(candidates), "pruned": len(pruned),
-                                "bounded": bounded, "timed": timed,
+                                "bounded": bounded, "floored": floored, "timed": timed,
                                 "costed": len(result.alternatives) + 1,
                                 **estimator.counts(),
                                 "seconds": time.perf_counter() - start}

@@ -42,6 +42,7 @@ PART_NAMES = {"compute": "compute", "exposed_comm": "exposed communication",
               "bubble": "pipeline bubble", "optimizer": "optimizer step"}
 LAYOUT_FIELDS = tuple(f.name for f in dataclasses.fields(Layout))
 TIMED_ONLY = "its memory not costed"  # in the reason of a layout skipped on its step time
+FLOOR_ONLY = "no schedule simulated"  # in the reason of one skipped on its schedule's floor
 
 
 class PlanError(ValueError):
@@ -219,7 +220,8 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
            bound: Callable[[Layout], float] | None = None,
            memory_bound: Callable[[Layout], float] | None = None,
            prepare: Callable[[Layout], None] | None = None,
-           timed: Callable[[Layout], float] | None = None) -> Plan:
+           timed: Callable[[Layout], float] | None = None,
+           floor: Callable[[Layout], float] | None = None) -> Plan:
     """Cost every candidate, then each round of `refine`; keep the fastest that fits
     (see the module docstring). `bound(layout)`: seconds the layout's step cannot beat
     (planner/plan.py); candidates are costed lowest bound first (then `costing_order`),
@@ -235,7 +237,10 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
     once more.
     `timed(layout)`: the step time `predict` would give, without costing the memory
     (cheaper); a layout whose step is slower than the fastest fitting one costed so
-    far cannot be the plan whatever its memory, and is skipped with both figures."""
+    far cannot be the plan whatever its memory, and is skipped with both figures.
+    `floor(layout)`: seconds below that step time, cheaper still (a pipeline's busiest
+    rank without its schedule simulated); asked before `timed`, a layout whose floor is
+    above the fastest fitting step is skipped with both figures."""
     capacity = cluster.device.memory_bytes * max_memory_fraction
     candidates = list(candidates)
     order = {lay: k for k, lay in enumerate(candidates)}
@@ -261,11 +266,19 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
                                     f"layout costed ({best[0] * 1e3:.4g} ms)"))
         return seconds > best[0]
 
+    def beyond(layout: Layout, seconds: float) -> bool:
+        """Skip `layout` (recorded with why) if its floor is above the best so far."""
+        if seconds > best[0]:
+            skipped.append((layout, f"not costed: its busiest pipeline rank alone takes "
+                                    f"{seconds * 1e3:.4g} ms ({FLOOR_ONLY}), slower than the "
+                                    f"fastest fitting layout costed ({best[0] * 1e3:.4g} ms)"))
+        return seconds > best[0]
+
     def cost(layouts: Iterable[Layout], show: bool) -> None:
         seen = {lay for lay, _ in costed} | {lay for lay, _ in skipped}
         layouts = [lay for lay in layouts if lay not in seen]
-        floor = {lay: bound(lay) for lay in layouts} if bound is not None else {}
-        first = (lambda lay: (floor[lay], *costing_order(lay))) if bound is not None \
+        bounds = {lay: bound(lay) for lay in layouts} if bound is not None else {}
+        first = (lambda lay: (bounds[lay], *costing_order(lay))) if bound is not None \
             else (lambda lay: 0)  # as given: a memory bound prunes them smallest first
         for layout in sorted(layouts, key=first):
             if layout in seen:
@@ -286,7 +299,9 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
                 if bounded(layout):
                     continue
             try:
-                if timed is not None and best[0] < math.inf and slower(layout, timed(layout)):
+                if timed is not None and best[0] < math.inf and (
+                        (floor is not None and beyond(layout, floor(layout)))
+                        or slower(layout, timed(layout))):
                     continue
                 pred = predict(layout)
             except ValueError as exc:  # a cut or a tp placement the model cannot take
