@@ -166,13 +166,11 @@ class Estimator:
         the search asks for them, `bound` their FLOP bounds) that workers.child_groups
         gives them; each rewrites ahead, in that order, the first template and the first
         layout without one of each of its groups (workers.firsts)."""
-        groups: dict[tuple, None] = {}
-        least: dict[tuple, float] = {}
+        least: dict[tuple, float] = {}  # group -> its least bound, in the search's order
         for layout in order:
             group = self.group_of(layout)
-            groups[group] = None
             least[group] = min(least.get(group, math.inf), bound(layout))
-        for share in child_groups(list(groups), [least[g] for g in groups], count):
+        for share in child_groups(list(least), list(least.values()), count):
             if share:
                 mine = set(share)
                 ahead = firsts([lay for lay in order if self.group_of(lay) in mine],

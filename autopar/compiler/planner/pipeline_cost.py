@@ -146,24 +146,25 @@ def grad_sync_time(summary: GraphSummary, stages: StageSummary, cluster: Cluster
     pp_spans = group_spans_nodes(layout.pp, layout.tp * layout.dp, cluster)
     dp_spans = group_spans_nodes(layout.dp, layout.tp, cluster)
     for i, readers in enumerate(stages.param_stages):
-        ranks = {s % layout.pp for s in readers} if len(readers) > 1 else ()
+        ranks = {s % layout.pp for s in readers}
         if len(ranks) < 2:  # read on one rank: nothing to reduce across the pipeline
             continue
         seconds = collective_time("all_reduce", summary.param_numel[i] * summary.param_itemsize[i],
                                   len(ranks), cluster, pp_spans, eff)
         for rank in ranks:
             out[rank] += seconds
-    scatter: dict[int, float] = {}  # block bytes -> its reduce-scatter (blocks repeat)
+
+    @functools.cache  # blocks repeat: one per parameter shape
+    def scatter(block: int) -> float:
+        return collective_time("reduce_scatter", _wire(block * layout.dp, summary, layout),
+                               layout.dp, cluster, dp_spans, eff)
+
     for rank, params in enumerate(by_rank or rank_params(stages, layout)):
         whole = 0
         for i in params:
             block = zero_block_bytes(summary, i, layout) if layout.zero >= 2 else 0
             if block:
-                if block not in scatter:
-                    scatter[block] = collective_time("reduce_scatter",
-                                                     _wire(block * layout.dp, summary, layout),
-                                                     layout.dp, cluster, dp_spans, eff)
-                out[rank] += scatter[block]
+                out[rank] += scatter(block)
             else:
                 whole += summary.param_numel[i] * summary.param_itemsize[i]
         out[rank] += collective_time("all_reduce", _wire(whole, summary, layout), layout.dp,
@@ -179,14 +180,11 @@ def param_gather_time(summary: GraphSummary, stages: StageSummary, cluster: Clus
     as the runtime issues them."""
     dp_spans = group_spans_nodes(layout.dp, layout.tp, cluster)
     if not layout.zero or layout.dp == 1:  # zero_block_bytes is 0 for every parameter
-        return [0.0] * len(by_rank or rank_params(stages, layout))
-    gathers: dict[int, float] = {}  # block bytes -> its all-gather (blocks repeat)
+        return [0.0] * layout.pp
 
+    @functools.cache  # blocks repeat: one per parameter shape
     def gather(block: int) -> float:
-        if block not in gathers:
-            gathers[block] = collective_time("all_gather", block * layout.dp, layout.dp,
-                                             cluster, dp_spans, eff)
-        return gathers[block]
+        return collective_time("all_gather", block * layout.dp, layout.dp, cluster, dp_spans, eff)
 
     return [sum(gather(block)
                 for block in (zero_block_bytes(summary, i, layout) for i in params) if block)

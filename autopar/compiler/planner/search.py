@@ -249,30 +249,18 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
     best = [math.inf]  # the fastest fitting step so far
     smallest = [math.inf]  # the smallest peak so far
 
+    def over_best(layout: Layout, seconds: float, what: str) -> bool:
+        """Skip `layout` (recorded with why: `what` takes `seconds`) if `seconds` is above
+        the fastest fitting step costed so far."""
+        if seconds > best[0]:
+            skipped.append((layout, f"not costed: {what.format(ms=f'{seconds * 1e3:.4g}')}, "
+                                    f"slower than the fastest fitting layout costed "
+                                    f"({best[0] * 1e3:.4g} ms)"))
+        return seconds > best[0]
+
     def bounded(layout: Layout) -> bool:
-        """Skip `layout` (recorded with why) if its bound is above the best so far."""
         least = bound(layout) if bound is not None and best[0] < math.inf else 0.0
-        if least > best[0]:
-            skipped.append((layout, f"not costed: it cannot take less than {least * 1e3:.4g} ms "
-                                    f"(plan.compute_bound), slower than the fastest fitting "
-                                    f"layout costed ({best[0] * 1e3:.4g} ms)"))
-        return least > best[0]
-
-    def slower(layout: Layout, seconds: float) -> bool:
-        """Skip `layout` (recorded with why) if its step time is above the best so far."""
-        if seconds > best[0]:
-            skipped.append((layout, f"not costed: its step takes {seconds * 1e3:.4g} ms "
-                                    f"({TIMED_ONLY}), slower than the fastest fitting "
-                                    f"layout costed ({best[0] * 1e3:.4g} ms)"))
-        return seconds > best[0]
-
-    def beyond(layout: Layout, seconds: float) -> bool:
-        """Skip `layout` (recorded with why) if its floor is above the best so far."""
-        if seconds > best[0]:
-            skipped.append((layout, f"not costed: its busiest pipeline rank alone takes "
-                                    f"{seconds * 1e3:.4g} ms ({FLOOR_ONLY}), slower than the "
-                                    f"fastest fitting layout costed ({best[0] * 1e3:.4g} ms)"))
-        return seconds > best[0]
+        return over_best(layout, least, "it cannot take less than {ms} ms (plan.compute_bound)")
 
     def cost(layouts: Iterable[Layout], show: bool) -> None:
         seen = {lay for lay, _ in costed} | {lay for lay, _ in skipped}
@@ -300,8 +288,11 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
                     continue
             try:
                 if timed is not None and best[0] < math.inf and (
-                        (floor is not None and beyond(layout, floor(layout)))
-                        or slower(layout, timed(layout))):
+                        (floor is not None and over_best(
+                            layout, floor(layout),
+                            f"its busiest pipeline rank alone takes {{ms}} ms ({FLOOR_ONLY})"))
+                        or over_best(layout, timed(layout),
+                                     f"its step takes {{ms}} ms ({TIMED_ONLY})")):
                     continue
                 pred = predict(layout)
             except ValueError as exc:  # a cut or a tp placement the model cannot take
