@@ -53,6 +53,11 @@ def op_key(op) -> str:
     return f"{op.namespace}.{op._opname}"
 
 
+# op overload, device type, half dtype -> the list autocast puts it on: the same in every
+# trace of this process (autocast's kernels are registered once), so probed once
+_PROBED: dict[tuple[torch._ops.OpOverload, str, torch.dtype], str] = {}
+
+
 @dataclass
 class AmpPolicy:
     """Which list an op is on, for one device type and half dtype."""
@@ -60,17 +65,18 @@ class AmpPolicy:
     device_type: str
     half: torch.dtype
     user: dict[str, str] = field(default_factory=dict)  # op key -> list
-    _probed: dict[tuple[str, str, torch.dtype], str] = field(default_factory=dict)
 
     def classify(self, op, args: tuple, kwargs: dict) -> tuple[str, str]:
         """(list, reason): reason is the list name, or "user" for an override."""
         key = op_key(op)
         if key in self.user:
             return self.user[key], "user"
-        cache_key = (str(op), self.device_type, self.half)
-        if cache_key not in self._probed:
-            self._probed[cache_key] = probe(op, args, kwargs, self.device_type, self.half)
-        kind = self._probed[cache_key]
+        if not any(is_castable(x) for x in tree_flatten((args, kwargs))[0]):
+            return GRAY, GRAY  # nothing to cast here; the op's next call may have (not cached)
+        cache_key = (op, self.device_type, self.half)
+        if cache_key not in _PROBED:
+            _PROBED[cache_key] = probe(op, args, kwargs, self.device_type, self.half)
+        kind = _PROBED[cache_key]
         return kind, kind
 
     def promotes(self, op) -> bool:
