@@ -6,13 +6,14 @@ would, and a dead worker's layouts are rewritten in the parent."""
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
 import autopar
 from autopar.compiler.planner import search as S
 from autopar.compiler.planner.estimate import Estimator
-from autopar.compiler.planner.workers import CHILD, PARENT, available
+from autopar.compiler.planner.workers import CHILD, PARENT, PENDING, available
 from autopar.examples import causal_lm_loss
 from tests.unit.test_cost_model import meta_gpt2
 
@@ -76,7 +77,7 @@ def test_workers_rewrite_their_groups_and_the_parent_only_costs(gpt8, monkeypatc
 
 
 def test_a_group_no_worker_has_started_is_taken_back_and_rewritten_here(gpt8):
-    from autopar.compiler.planner.workers import PENDING, RewriteWorker
+    from autopar.compiler.planner.workers import RewriteWorker
 
     model, batch = gpt8
     candidates = S.candidate_layouts(CLUSTER, 16, 8, {"amp": "bf16"})
@@ -115,9 +116,10 @@ def test_a_workers_refusal_is_the_searchs_and_a_dead_workers_layouts_come_home(
     try:
         theirs = [lay for lay in unpipelined if est.group_of(lay) in est.workers]
         refused = next(lay for lay in theirs if lay.zero == 1)
+        worker = est.workers[est.group_of(refused)]
+        _wait_for_child(worker, est.group_of(refused))  # else the parent takes it back
         with pytest.raises(ValueError, match="no placement for"):
             est.predict(refused)
-        worker = est.workers[est.group_of(refused)]
         worker.process.kill()
         worker.process.join()
         fine = next(lay for lay in theirs if lay.zero == 2)
@@ -134,6 +136,14 @@ def test_workers_are_refused_without_trace_blocks():
         autopar.plan(model, CLUSTER, batch, causal_lm_loss, workers=1)
     with pytest.raises(ValueError, match="workers must be a count"):
         autopar.plan(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2, workers=-1)
+
+
+def _wait_for_child(worker, group, seconds: float = 300.0) -> None:
+    """Until the child has started rewriting `group` (it claims its groups in order)."""
+    deadline = time.monotonic() + seconds
+    while worker.claims[worker.slots[group]] == PENDING and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert worker.claims[worker.slots[group]] == CHILD
 
 
 def _recording(run, out, mine):
@@ -169,3 +179,62 @@ def test_children_get_every_near_group_but_the_first_and_rewrite_its_firsts_ahea
     other = autopar.Layout(dp=4, tp=2)
     group_of = lambda lay: lay.tp  # noqa: E731 - the groups of this test: by tp
     assert firsts([flat, template, zero1, other, later], group_of) == [flat, template, other]
+
+
+def test_what_a_child_rewrote_ahead_is_taken_without_asking(gpt8, monkeypatch):
+    from autopar.compiler.planner.workers import RewriteWorker
+
+    model, batch = gpt8
+    candidates = S.candidate_layouts(CLUSTER, 16, 8, {"amp": "bf16"})
+    flat = [lay for lay in candidates if lay.pp == 1 and lay.microbatches == 1 and lay.zero == 0]
+    alone = Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2)
+    est = Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2)
+    groups = list(dict.fromkeys(est.group_of(lay) for lay in flat))[:2]
+    ahead = [next(lay for lay in flat if est.group_of(lay) == g) for g in groups]
+    worker = RewriteWorker(est, ahead, groups)
+    est.workers = dict.fromkeys(groups, worker)
+    try:
+        deadline = time.monotonic() + 300
+        while len(worker.ready) < len(ahead) and time.monotonic() < deadline:
+            worker.collect()
+            time.sleep(0.02)
+        assert len(worker.ready) == len(ahead)  # sent as each was done
+        asked = []
+        monkeypatch.setattr(worker, "result", lambda kind, lay: asked.append(lay))
+        for lay in ahead:
+            assert est.predict(lay) == alone.predict(lay), lay
+        assert not asked and not worker.ready
+    finally:
+        worker.close()
+
+
+def test_the_parent_rewrites_a_group_the_child_has_not_started_instead_of_waiting(
+        gpt8, monkeypatch):
+    from autopar.compiler.planner.workers import RewriteWorker
+
+    model, batch = gpt8
+    candidates = S.candidate_layouts(CLUSTER, 16, 8, {"amp": "bf16"})
+    flat = [lay for lay in candidates if lay.pp == 1 and lay.microbatches == 1 and lay.zero == 0]
+    alone = Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2)
+    est = Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2)
+    slow, later = list(dict.fromkeys(est.group_of(lay) for lay in flat))[:2]
+    original = Estimator._run_passes
+
+    def slow_child(self, traced, trace_key, layout, options):
+        if self.group_of(layout) == slow:  # only the child rewrites it: long enough for
+            time.sleep(3)                  # the parent to ask while it is at it
+        return original(self, traced, trace_key, layout, options)
+
+    monkeypatch.setattr(Estimator, "_run_passes", slow_child)  # the child forks with it
+    first = next(lay for lay in flat if est.group_of(lay) == slow)
+    second = next(lay for lay in flat if est.group_of(lay) == later)
+    worker = RewriteWorker(est, [first, second], [slow, later])
+    est.workers = dict.fromkeys([slow, later], worker)
+    try:
+        _wait_for_child(worker, slow)
+        assert est.predict(first) == alone.predict(first)
+        # while the child was at `slow`, the parent took `later` and rewrote it itself
+        assert worker.claims[worker.slots[later]] == PARENT and later not in est.workers
+        assert est.predict(second) == alone.predict(second)
+    finally:
+        worker.close()

@@ -231,10 +231,24 @@ class Estimator:
         if worker.take_back(group):  # not started there: rewritten here, not waited for
             del self.workers[group]
             return None
-        if group[0] in self._traced:
-            key = self._key(layout)
-            if key in self._rewritten:
-                return key
+        while True:
+            worker.collect()
+            if group[0] in worker.traces:  # the trace the search needs now, from the child
+                self._traced.setdefault(group[0], worker.traces[group[0]])
+            if group[0] in self._traced:
+                key = self._key(layout)
+                if key in self._rewritten:
+                    return key
+                if key in worker.ready:
+                    return self.adopt(layout, *worker.ready.pop(key))
+            # the child is busy with it (or with another group before answering): rather
+            # than wait, rewrite here a group the child has not started
+            stolen = worker.steal()
+            if stolen is None:
+                break
+            del self.workers[stolen[0]]
+            with contextlib.suppress(ValueError):  # reported when the search asks for it
+                self._entry(stolen[1])
         status, data = worker.result("entry", layout)
         if status == "error":
             raise ValueError(data)
@@ -392,8 +406,8 @@ class Estimator:
         one rank's micro-batch) for `layout`. `timing`: a pipeline replicated from a
         template has the ops of one stage per kind only (replicate's `representatives`:
         its step time, not its memory)."""
+        key = self._entry(layout)  # before the trace: a worker's entry brings its FLOPs
         model_flops = self._trace(layout)[2]
-        key = self._entry(layout)
         summary, stages, _, pattern = self._rewritten[key]
         if pattern is not None:
             depth = self._stages(layout)

@@ -92,8 +92,9 @@ def _search(model, cluster, example_inputs, loss_fn, optimizer, efficiency, prog
     widest = widest_templates(costed)
     count = _worker_count(workers, trace_blocks)
     if bound is not None and count:
-        order = sorted(costed, key=lambda lay: (bound(lay), *costing_order(lay)))
-        estimator.start_workers(count, rewrites_asked(order, widest), bound)
+        first = {lay: bound(lay) for lay in costed}  # before anything is costed
+        order = sorted(costed, key=lambda lay: (first[lay], *costing_order(lay)))
+        estimator.start_workers(count, rewrites_asked(order, widest), first.__getitem__)
     try:
         try:
             result = search(costed, estimator.predict, cluster, fraction, step,

@@ -9,9 +9,12 @@ first group for the parent, which needs it at once, and gives the children the o
 round robin: the parent then costs (schedules, replicated pipelines) while they
 rewrite. A child rewrites ahead, one at a time, the first template and the first
 layout without one of each of its groups (the trace and forward-level passes they
-share are the costly part), and answers the parent's requests between them with
-what the search reads: the summaries, the pipeline template, the tensor-parallel table
-and the trace's FLOPs (plain data; graphs stay in the process that made them).
+share are the costly part), sends each as soon as it is done, and answers the
+parent's requests between them. What it sends is what the search reads: the
+summaries, the pipeline template, the tensor-parallel table and the trace's FLOPs
+(plain data; graphs stay in the process that made them). The parent keeps what was
+sent ahead until the search asks for it (`RewriteWorker.ready`): a child busy with
+its next group never keeps the parent waiting for one it has finished.
 
 The search runs unchanged in the parent, in the same order: a layout of the child's
 groups is asked of the child (it rewrites it then if it has not yet), any other is
@@ -51,6 +54,7 @@ def available() -> bool:
 
 
 PENDING, CHILD, PARENT = 0, 1, 2  # who rewrites a child's group (RewriteWorker.claims)
+AHEAD_DONE, REPLY = "ahead", "reply"  # what the child sends: a group rewritten ahead, an answer
 
 
 class RewriteWorker:
@@ -65,6 +69,7 @@ class RewriteWorker:
         ctx = multiprocessing.get_context("fork")
         self.conn, child = ctx.Pipe()
         self.slots = {group: k for k, group in enumerate(groups)}
+        self.ahead = [(estimator.group_of(layout), layout) for layout in ahead]
         self.claims = ctx.Array("b", len(groups))
         self.process = ctx.Process(target=_serve,
                                    args=(estimator, child, ahead, self.slots, self.claims),
@@ -72,6 +77,10 @@ class RewriteWorker:
         self.process.start()
         child.close()
         self.alive = True
+        # sent ahead, not yet asked for: entries by their key, and the traces they came
+        # from by theirs (Estimator._remote adopts them when the search asks)
+        self.ready: dict[tuple, tuple] = {}
+        self.traces: dict[tuple, tuple] = {}
 
     def take_back(self, group: tuple) -> bool:
         """Whether the parent takes `group` back: the child has not started it, and now
@@ -82,15 +91,42 @@ class RewriteWorker:
                 self.claims[slot] = PARENT
             return self.claims[slot] == PARENT
 
+    def steal(self) -> tuple[tuple, Layout] | None:
+        """(group, its first layout rewritten ahead) of the first group in the child's
+        order that it has not started, taken back: the parent rewrites it while the
+        child finishes the one the parent waits for. None: the child has them all."""
+        for group, layout in self.ahead:
+            if self.take_back(group):
+                self.ahead = [(g, lay) for g, lay in self.ahead if g != group]
+                return group, layout
+        return None
+
     def result(self, kind: str, layout: Layout) -> tuple[str, Any]:
         """("ok", data) | ("error", message) | ("local", None): `kind` "entry"
         (Estimator.export_entry) or "layers" (Estimator.layer_rows) of `layout`."""
         try:
             self.conn.send((kind, layout))
-            return self.conn.recv()
+            while True:
+                tag, payload = self.conn.recv()
+                if tag == REPLY:
+                    return payload
+                self._keep(payload)
         except (EOFError, OSError):
             self.alive = False
             return "local", None
+
+    def collect(self) -> None:
+        """Keep what the child has sent ahead since the last call (without waiting)."""
+        try:
+            while self.conn.poll():
+                tag, payload = self.conn.recv()
+                self._keep(payload)  # replies come only to `result`, which waits for them
+        except (EOFError, OSError):
+            self.alive = False
+
+    def _keep(self, entry: tuple) -> None:
+        self.ready[entry[0]] = entry
+        self.traces[entry[3][0]] = entry[3]
 
     def close(self) -> None:
         if self.alive:
@@ -122,7 +158,9 @@ def _serve(estimator, conn, ahead: list[Layout], slots: dict, claims) -> None:
                 if claims[slot] == PARENT:
                     continue
                 claims[slot] = CHILD
-            _payload(estimator, "entry", layout)  # kept in the child's caches
+            status, entry = _payload(estimator, "entry", layout)  # kept in the child too
+            if status == "ok":  # an error or a failure is reported when the parent asks
+                _send(conn, (AHEAD_DONE, entry))
             continue
         try:
             message = conn.recv()
@@ -131,10 +169,18 @@ def _serve(estimator, conn, ahead: list[Layout], slots: dict, claims) -> None:
         if message is None:
             return
         payload = _payload(estimator, *message)
-        try:
-            conn.send_bytes(pickle.dumps(payload))
-        except (pickle.PicklingError, TypeError, AttributeError):
-            conn.send(("local", None))  # the parent rewrites what cannot be sent
+        if not _send(conn, (REPLY, payload)):
+            conn.send((REPLY, ("local", None)))  # the parent rewrites what cannot be sent
+
+
+def _send(conn, message: tuple) -> bool:
+    """Whether `message` could be pickled and was sent."""
+    try:
+        data = pickle.dumps(message)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        return False
+    conn.send_bytes(data)
+    return True
 
 
 def firsts(order: Sequence[Layout], group_of) -> list[Layout]:
