@@ -62,7 +62,7 @@ TRILLION_CASES = {
 
 
 def run_trillion(name: str, memory_gb: float | None, dropout: float = 0.1,
-                 workers: int | None = None) -> str:
+                 workers: int | None = None, fraction: float | None = None) -> str:
     start = time.perf_counter()
     model, batch = gpt(128, 25600, vocab=51200, batch=1536, seq=2048, dropout=dropout)
     built = time.perf_counter() - start
@@ -71,7 +71,9 @@ def run_trillion(name: str, memory_gb: float | None, dropout: float = 0.1,
         data = cluster.to_dict()
         data["device"] = {**data["device"], "memory_bytes": int(memory_gb * 1e9)}
         cluster = autopar.ClusterSpec.from_dict(data)
-    constraints = TRILLION_CASES[name]
+    constraints = dict(TRILLION_CASES[name])
+    if fraction is not None:
+        constraints["max_memory_fraction"] = fraction
     start = time.perf_counter()
     fixed = ", ".join(f"{k}={v}" for k, v in constraints.items()) or "none"
     try:
@@ -83,8 +85,9 @@ def run_trillion(name: str, memory_gb: float | None, dropout: float = 0.1,
     seconds = time.perf_counter() - start
     search = plan.details["search"]
     pred = plan.predicted
-    return (f"| {fixed} | {search['candidates']} | {search['pruned']} / {search['bounded']} / "
-            f"{search['floored']} / {search['timed']} | "
+    return (f"| {fixed} | {search['candidates']} | {search['pruned']} / "
+            f"{search['over_memory']} / {search['bounded']} / {search['floored']} / "
+            f"{search['timed']} | "
             f"{search['costed']} | {search['traces']} | {search['rewrites']} | "
             f"{seconds:.1f} ({built:.1f}) | {plan.layout} | {pred.step_time_s:.1f} s | {pred.mfu:.1%} | "
             f"{pred.peak_memory_bytes / 1e9:.1f} GB |")
@@ -102,6 +105,8 @@ def main() -> None:
                    help="GPT-2's dropout (attention, residual, embedding) of the 1T model: "
                         "0.1 is GPT-2's default; with 0 attention traces to its fused CPU "
                         "kernel instead of the math path that keeps s x s scores")
+    p.add_argument("--memory-fraction", type=float, default=None,
+                   help="max_memory_fraction of the 1T cases (default: autopar.plan's 0.9)")
     p.add_argument("--workers", type=int, default=None,
                    help="autopar.plan's workers (default: one on a machine with two CPUs or "
                         "more; 0: plan in this process alone)")
@@ -109,11 +114,13 @@ def main() -> None:
     # the tensor-parallel rules probe strategies on fake tensors; their refusals are noise
     logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
     if args.trillion:
-        print("| constraints | candidates | not costed: memory / bound / floor / time | costed | traces | "
-              "rewrites | seconds (build) | chosen | predicted step | MFU | peak memory |")
+        print("| constraints | candidates | not costed: memory / memory floor / bound / floor / "
+              "time | costed | traces | rewrites | seconds (build) | chosen | predicted step | "
+              "MFU | peak memory |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")
         for name in args.trillion:
-            print(run_trillion(name, args.memory_gb, args.dropout, args.workers), flush=True)
+            print(run_trillion(name, args.memory_gb, args.dropout, args.workers,
+                               args.memory_fraction), flush=True)
         return
     print("| layers x hidden | parameters | GPUs | candidates | costed | traces | rewrites "
           "| seconds | chosen |")

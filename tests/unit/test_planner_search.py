@@ -44,26 +44,32 @@ def test_the_chosen_layout_is_the_fastest_that_fits(shape, blocks, bounded, data
     below = {lay: costs[lay].step_time_s * data.draw(st.floats(0.0, 1.0)) for lay in candidates}
     held = {lay: costs[lay].peak_memory_bytes * data.draw(st.floats(0.0, 1.0))
             for lay in candidates}
+    floors = {lay: costs[lay].peak_memory_bytes * data.draw(st.floats(0.0, 1.0))
+              for lay in candidates}
     bound = below.__getitem__ if bounded else None
     memory_bound = held.__getitem__ if bounded else None
+    memory_floor = floors.__getitem__ if bounded else None
     capacity = 0.9 * 10**10
     fitting = [lay for lay in candidates if costs[lay].peak_memory_bytes <= capacity]
     if not fitting:  # the error names the smallest peak, bounds or not
         with pytest.raises(S.PlanError, match="fits no layout|could be costed") as info:
-            S.search(candidates, costs.__getitem__, c, bound=bound, memory_bound=memory_bound)
+            S.search(candidates, costs.__getitem__, c, bound=bound, memory_bound=memory_bound,
+                     memory_floor=memory_floor)
         with pytest.raises(S.PlanError) as unbounded:
             S.search(candidates, costs.__getitem__, c)
         assert str(info.value) == str(unbounded.value)
         return
     timed = (lambda lay: costs[lay].step_time_s) if bounded else None
     plan = S.search(candidates, costs.__getitem__, c, bound=bound, memory_bound=memory_bound,
-                    timed=timed)
+                    timed=timed, memory_floor=memory_floor)
     for lay, why in plan.skipped:  # not costed: slower than the plan, or cannot fit
         assert why.startswith("not costed") and bounded
         assert (costs[lay].step_time_s >= below[lay] > plan.predicted.step_time_s
                 or costs[lay].peak_memory_bytes >= held[lay] > capacity
                 or costs[lay].step_time_s > plan.predicted.step_time_s
-                and S.TIMED_ONLY in why)
+                and S.TIMED_ONLY in why
+                or costs[lay].peak_memory_bytes >= floors[lay] > capacity
+                and S.MEMORY_FLOOR_ONLY in why)
     # brute force: the first of the fastest fitting candidates
     best = min(fitting, key=lambda lay: (costs[lay].step_time_s, candidates.index(lay)))
     assert plan.layout == best and plan.predicted.peak_memory_bytes <= capacity
@@ -73,6 +79,59 @@ def test_the_chosen_layout_is_the_fastest_that_fits(shape, blocks, bounded, data
     seen = {lay for lay, _, _ in plan.alternatives} | {lay for lay, _ in plan.skipped}
     assert seen | {plan.layout} == set(candidates)
     assert all(reason for _, reason in plan.skipped)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([(1, 4), (2, 4), (1, 8)]), st.floats(0.2, 3.0),
+       st.sampled_from([0.3, 1.0, 3.0]), st.data())
+def test_the_memory_floor_changes_neither_the_plan_nor_the_refusal(shape, room, scale, data):
+    """With the refinements (recomputation, bucket sizes): layouts left out on a memory
+    floor below their peak still reach the recomputation rounds, with their step times
+    (asked only when a bound does not settle it), so the plan, and with nothing fitting
+    the PlanError, are those of the search without the floor."""
+    c = cluster(nodes=shape[0], per_node=shape[1])  # 10 GB devices
+    candidates = S.candidate_layouts(c, 16, 4, {})
+    # peaks of 0.3-1 x 30 GB x scale on 10 GB devices: at scale 3 nothing fits unless
+    # recomputation leaves little (room < 1.5); floors close to the peaks
+    base = {lay: (data.draw(st.floats(1e-3, 1.0)), data.draw(st.floats(0.3, 1.0)) * 3e10 * scale)
+            for lay in candidates}
+    floor_share = {lay: data.draw(st.floats(0.6, 1.0)) for lay in candidates}
+    recompute = {"none": (1.0, 1.0), "selective": (1.1, room * 0.35),
+                 "full": (1.3, room * 0.2)}  # time and memory factors
+
+    def predict(lay):
+        seconds, memory = base[lay.replace(recompute="none", bucket_mb=25.0)]
+        more_time, less_memory = recompute[lay.recompute]
+        return fake_prediction(seconds * more_time * (1 + lay.bucket_mb / 1e3),
+                               int(memory * min(less_memory, 1.0)))
+
+    asked = []
+
+    def timed(lay):
+        asked.append(lay)
+        return predict(lay).step_time_s
+
+    def floor(lay):
+        return predict(lay).peak_memory_bytes * floor_share[lay.replace(recompute="none",
+                                                                          bucket_mb=25.0)]
+
+    def bound(lay):
+        return predict(lay).step_time_s * 0.5
+
+    rounds = S.refinements({})
+    try:
+        plain = S.search(candidates, predict, c, refine=rounds)
+    except S.PlanError as exc:
+        with pytest.raises(S.PlanError) as floored:
+            S.search(candidates, predict, c, refine=rounds, bound=bound, timed=timed,
+                     memory_floor=floor)
+        assert str(floored.value) == str(exc)
+        return
+    fast = S.search(candidates, predict, c, refine=rounds, bound=bound, timed=timed,
+                    memory_floor=floor)
+    assert (fast.layout, fast.predicted) == (plain.layout, plain.predicted)
+    over = [lay for lay, why in fast.skipped if S.MEMORY_FLOOR_ONLY in why]
+    assert all(predict(lay).peak_memory_bytes > 0.9 * 10**10 for lay in over)
 
 
 def test_why_not_names_the_part_that_costs_more():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 import autopar
 from autopar.compiler.passes.assign_stages import StageError
@@ -140,6 +141,42 @@ def test_a_step_timed_on_one_stage_of_each_kind_is_the_whole_pipelines(scaled, f
              for s, st in ((few, few_stages), (whole, stages))]
     assert times[0] == times[1]
     assert est.step_time(layout) == est.predict(layout).step_time_s == times[1].total_s
+
+
+@pytest.mark.parametrize("model_name", ["gpt2", "llama"])
+def test_each_ranks_memory_on_one_stage_of_each_kind_is_the_whole_pipelines(gpt8, model_name):
+    """Replayed on the replica a step is timed on (one stage of each kind), every
+    pipeline rank's memory is the whole replica's, interleaved chunks included; so the
+    search's memory floor (Estimator.memory_floor: the first and the last rank) is the
+    largest of those two ranks' and never above the predicted peak."""
+    from autopar.examples import llama
+
+    if model_name == "gpt2":
+        model, batch = gpt8
+    else:
+        with torch.device("meta"):
+            ex = llama(layers=8, hidden=128, heads=4, kv_heads=2, vocab=512, batch=16, seq=32)
+        model, batch = ex.model, ex.batch
+    est = Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2)
+    layouts = [autopar.Layout(dp=1, pp=8, microbatches=8, schedule="zero-bubble", amp="bf16"),
+               autopar.Layout(dp=2, pp=4, microbatches=4, schedule="interleaved",
+                              virtual_stages=2, zero=1),
+               autopar.Layout(dp=2, pp=3, microbatches=4, schedule="gpipe", zero=3,
+                              recompute="full"),
+               autopar.Layout(dp=2, tp=2, pp=4, microbatches=8, zero=2, amp="bf16"),
+               autopar.Layout(dp=4, pp=2, microbatches=2)]
+    for layout in layouts:
+        floor = est.memory_floor(layout)
+        few, few_stages, _ = est.rewritten(layout, timing=True)
+        whole, stages, _ = est.rewritten(layout)
+        repeated = len(set(stages.kinds)) < len(stages.kinds)  # stages of one kind
+        assert len(few.ops) < len(whole.ops) if repeated else len(few.ops) == len(whole.ops)
+        ranks = pipeline_memory_from_summary(whole, stages, layout)
+        assert pipeline_memory_from_summary(few, few_stages, layout) == ranks, layout
+        assert floor == max(ranks[0].peak_bytes, ranks[-1].peak_bytes), layout
+        assert floor <= est.predict(layout).peak_memory_bytes == max(r.peak_bytes for r in ranks)
+        assert est.memory_floor(layout) == est.predict(layout).peak_memory_bytes  # kept
+    assert est.memory_floor(autopar.Layout(dp=16)) == 0  # no pipeline: predict costs it
 
 
 def test_changed_copies_a_record_as_replace_would_and_refuses_unknown_fields():

@@ -84,6 +84,7 @@ class Estimator:
         self._tables: dict[tuple, dict] = {}
         self._replicas: dict[tuple, tuple] = {}
         self._timing_replicas: dict[tuple, tuple] = {}  # rewritten(timing=True)'s
+        self._timing_programs: dict[tuple, tuple] = {}  # memory_floor's: (programs, replays)
         self._forward: dict[tuple, TrainGraph] = {}  # graphs after the forward-level passes
         self._predictions: dict[Layout, Prediction] = {}
         self._last_times: tuple = (None, None)  # (layout, its step_times): predict's next
@@ -288,6 +289,33 @@ class Estimator:
             return 0.0
         return schedule_floor(summary, stages, self.cluster, layout, self.optimizer,
                               self.efficiency, self._stage_phases(layout, summary, stages))
+
+    def memory_floor(self, layout: Layout) -> int:
+        """Bytes below `layout`'s predicted peak, cheaper than `predict`: a pipeline costed
+        from a template has its first and last ranks replayed on the replica its step is
+        timed on (replicate's `representatives`: a stage of one kind runs the programs of
+        the first stage of its kind, as in the whole replica, and what crosses stages is
+        in the messages: each rank's replay is the whole replica's, tested), the peak of
+        the whole pipeline being the largest of all its ranks'. 0 for any other step. The
+        search asks it before `predict`: a layout whose two end ranks alone do not fit is
+        not costed."""
+        if layout in self._predictions:
+            return self._predictions[layout].peak_memory_bytes
+        if not (is_pipelined(layout) and self._templated(layout)):
+            return 0
+        summary, stages, _ = self.rewritten(layout, timing=True)
+        key, depth = self._entry(layout), self._stages(layout)
+        if self._rewritten[key][3] is None:  # traced whole (no repeated blocks): no template
+            return 0
+        if (key, depth) in self._replicas:
+            programs, replays = self._replicas[key, depth][2:]
+        else:
+            if (key, depth) not in self._timing_programs:
+                self._timing_programs[key, depth] = (stage_programs(summary, stages), {})
+            programs, replays = self._timing_programs[key, depth]
+        ends = pipeline_memory_from_summary(summary, stages, layout, self.optimizer, programs,
+                                            replays, ranks=sorted({0, layout.pp - 1}))
+        return max(m.peak_bytes for m in ends)
 
     def schedule_time(self, layout: Layout) -> float | None:
         """The critical rank's compute plus bubble of `layout`'s schedule if its step was

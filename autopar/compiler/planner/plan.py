@@ -25,9 +25,9 @@ from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, Efficiency,
 from autopar.compiler.planner.estimate import Estimator, template_fields
 from autopar.compiler.planner.memory import static_lower_bound
 from autopar.compiler.planner.pipeline_cost import after_schedule_floor, pipeline_time
-from autopar.compiler.planner.search import (FLOOR_ONLY, TIMED_ONLY, PlanError, candidate_layouts,
-                                             check_constraints, costing_order, refinements,
-                                             search)
+from autopar.compiler.planner.search import (FLOOR_ONLY, MEMORY_FLOOR_ONLY, TIMED_ONLY,
+                                             PlanError, candidate_layouts, check_constraints,
+                                             costing_order, refinements, search)
 from autopar.compiler.planner.summary import DTYPE_NAMES
 from autopar.compiler.planner.workers import available as worker_available
 from autopar.layout import Layout, LayoutError, Plan
@@ -100,7 +100,8 @@ def _search(model, cluster, example_inputs, loss_fn, optimizer, efficiency, prog
             result = search(costed, estimator.predict, cluster, fraction, step,
                             refinements(fixed), bound, prepare=lambda lay: estimator.prepare(
                                 widest.get(template_fields(lay), lay)),
-                            timed=estimator.step_time, floor=estimator.schedule_floor)
+                            timed=estimator.step_time, floor=estimator.schedule_floor,
+                            memory_floor=estimator.memory_floor)
             result.skipped += pruned
         except PlanError as exc:
             if pruned:  # the error names the smallest peak: it may be a pruned layout's
@@ -108,7 +109,8 @@ def _search(model, cluster, example_inputs, loss_fn, optimizer, efficiency, prog
                 try:
                     search(costed + sorted((lay for lay, _ in pruned), key=floor),
                            estimator.predict, cluster, fraction, None, refinements(fixed),
-                           memory_bound=floor)
+                           memory_bound=floor, timed=estimator.step_time,
+                           memory_floor=estimator.memory_floor)
                 except PlanError as again:
                     exc = again
             hint = _larger_cluster_hint(model, cluster, example_inputs, loss_fn, optimizer,
@@ -119,8 +121,11 @@ def _search(model, cluster, example_inputs, loss_fn, optimizer, efficiency, prog
         estimator.close_workers()
     timed = sum(TIMED_ONLY in why for _, why in result.skipped)
     floored = sum(FLOOR_ONLY in why for _, why in result.skipped)
-    bounded = sum(why.startswith("not costed") for _, why in result.skipped) - timed - floored
+    over_memory = sum(MEMORY_FLOOR_ONLY in why for _, why in result.skipped)
+    bounded = sum(why.startswith("not costed") for _, why in result.skipped) \
+        - timed - floored - over_memory
     result.details["search"] = {"candidates": len(candidates), "pruned": len(pruned),
+                                "over_memory": over_memory,
                                 "bounded": bounded, "floored": floored, "timed": timed,
                                 "costed": len(result.alternatives) + 1,
                                 **estimator.counts(),
@@ -458,6 +463,8 @@ def _first_fit(model, cluster, example_inputs, loss_fn, optimizer, efficiency, t
         for recompute in variants:
             tried = layout if recompute is None else layout.replace(recompute=recompute)
             try:
+                if estimator.memory_floor(tried) > capacity:  # its end ranks alone do not fit
+                    continue
                 if estimator.predict(tried).peak_memory_bytes <= capacity:
                     return tried
             except ValueError:  # a cut or a placement the model cannot take

@@ -33,6 +33,7 @@ summaries with the rules of `pipeline_memory.py` (which replays lowered programs
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from autopar.cluster import ClusterSpec
@@ -164,7 +165,11 @@ def replicate(t: Template, n_stages: int, representatives: bool = False
     messages and the stages' parameters are the whole pipeline's. Enough for its step
     time (pipeline_cost.run_schedule replays one stage of each kind; the stages 64 and
     128 deep of a large search then copy 4 stages' ops instead of all), not for its
-    memory (stage_programs reads every stage's ops and their uses)."""
+    memory of every rank (stage_programs reads every stage's ops and their uses). It does
+    replay each rank's memory as the whole replica does, though (tested): stage_programs
+    costs each kind's programs on its first stage in both, and a stage's values reach
+    other stages as messages, not as uses (Estimator.memory_floor replays the end ranks
+    on it)."""
     counts = t.blocks_per_stage(n_stages)
     kept = _kept_storages(t)
     n_inputs = sum(1 for s in t.stages.stage_of if s is None)
@@ -289,27 +294,31 @@ def held_parameters(summary: GraphSummary, layout: Layout, params: list[int]
 
 def pipeline_memory_from_summary(summary: GraphSummary, stages: StageSummary, layout: Layout,
                                  optimizer: str = "adamw", programs: dict | None = None,
-                                 replays: dict | None = None) -> list[MemoryPrediction]:
+                                 replays: dict | None = None,
+                                 ranks: Sequence[int] | None = None) -> list[MemoryPrediction]:
     """Each pipeline rank's predicted peak: its schedule replayed over the summaries.
     `programs`: `stage_programs(summary, stages)`, when the caller keeps it; `replays`:
     a dict the caller keeps for these summaries, where the replays of a schedule are
-    kept for the next layout that runs it (they do not depend on dp or ZeRO)."""
+    kept for the next layout that runs it (they do not depend on dp or ZeRO). `ranks`:
+    only these pipeline ranks (default: all), in that order."""
     programs = stage_programs(summary, stages) if programs is None else programs
     replays = {} if replays is None else replays
+    ranks = range(layout.pp) if ranks is None else ranks
     key = (layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
-    if key not in replays:
+    activity = replays.setdefault(key, {})  # pipeline rank -> its replay
+    missing = [r for r in ranks if r not in activity]
+    if missing:
         schedule = build(*key)
         across = _across(stages, layout.pp, "dst"), _across(stages, layout.pp, "src")
-        replays[key] = [_replay_activity(across, programs, schedule.ranks[r])
-                        for r in range(layout.pp)]
-    activity = replays[key]
+        activity.update({r: _replay_activity(across, programs, schedule.ranks[r])
+                         for r in missing})
     inputs = sum(op.allocates for op in summary.ops if op.role == "input")
     params: list[list[int]] = [[] for _ in range(layout.pp)]
     for p, readers in enumerate(stages.param_stages):
         for rank in {s % layout.pp for s in readers}:
             params[rank].append(p)
     return [_replay_rank(summary, layout, optimizer, activity[r], params[r], inputs)
-            for r in range(layout.pp)]
+            for r in ranks]
 
 
 def stage_programs(summary: GraphSummary, stages: StageSummary) -> dict:

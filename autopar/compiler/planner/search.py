@@ -28,6 +28,7 @@ other gradient bucket sizes. A field the user fixed is never varied.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -43,6 +44,7 @@ PART_NAMES = {"compute": "compute", "exposed_comm": "exposed communication",
 LAYOUT_FIELDS = tuple(f.name for f in dataclasses.fields(Layout))
 TIMED_ONLY = "its memory not costed"  # in the reason of a layout skipped on its step time
 FLOOR_ONLY = "no schedule simulated"  # in the reason of one skipped on its schedule's floor
+MEMORY_FLOOR_ONLY = "its other ranks not replayed"  # ... on its end ranks' memory
 
 
 class PlanError(ValueError):
@@ -163,13 +165,42 @@ BUCKET_MB_CHOICES = (5.0, 25.0, 100.0)
 Refinement = Callable[[list[tuple[Layout, Prediction]], float], list[Layout]]
 
 
-def _worth_recomputing(costed, capacity) -> list[Layout]:
-    """Layouts over memory that recomputation could make the plan: without it, they
-    are faster than the fastest that fits (recomputing only adds time), or nothing fits."""
+def _worth_recomputing(costed, capacity, among: Callable[[Layout], bool] = lambda lay: True
+                       ) -> list[Layout]:
+    """Layouts over memory that recomputation could make the plan (of those `among`
+    keeps): without it, they are faster than the fastest that fits (recomputing only
+    adds time), or nothing fits (their step times are not asked then: _OverMemory)."""
     fits = [p.step_time_s for _, p in costed if p.peak_memory_bytes <= capacity]
-    best = min(fits, default=float("inf"))
+    best = min(fits, default=math.inf)
     return [lay for lay, p in costed if p.peak_memory_bytes > capacity
-            and lay.recompute == "none" and p.step_time_s < best]
+            and lay.recompute == "none" and among(lay) and _faster(p, best)]
+
+
+def _faster(p, seconds: float) -> bool:
+    if seconds == math.inf:
+        return True
+    return p.faster_than(seconds) if isinstance(p, _OverMemory) else p.step_time_s < seconds
+
+
+class _OverMemory:
+    """What the refinements read of a layout skipped on its memory floor (over the
+    memory allowed): that floor as its peak, and whether its step is faster than a
+    time, asked of its bound first and then of its step time (costed without its
+    memory, once)."""
+
+    def __init__(self, layout: Layout, floor: float, step_time: Callable[[Layout], float],
+                 bound: Callable[[Layout], float] | None):
+        self.layout, self.peak_memory_bytes = layout, floor
+        self._step_time, self._bound = step_time, bound
+
+    def faster_than(self, seconds: float) -> bool:
+        if self._bound is not None and self._bound(self.layout) >= seconds:
+            return False
+        return self.step_time_s < seconds
+
+    @functools.cached_property
+    def step_time_s(self) -> float:
+        return self._step_time(self.layout)
 
 
 def _with_full_recompute(costed, capacity) -> list[Layout]:
@@ -177,11 +208,13 @@ def _with_full_recompute(costed, capacity) -> list[Layout]:
 
 
 def _with_selective_recompute(costed, capacity) -> list[Layout]:
-    """Selective keeps more than full: worth trying only where full fits."""
-    fitting_full = {lay.replace(recompute="none") for lay, p in costed
-                    if lay.recompute == "full" and p.peak_memory_bytes <= capacity}
-    return [lay.replace(recompute="selective") for lay in _worth_recomputing(costed, capacity)
-            if lay in fitting_full]
+    """Selective keeps more than full: not worth trying where full is over memory. (Where
+    full was not costed, skipped on its step time, it may fit, and selective, faster,
+    may be the plan: tried, so that branch and bound does not change the plan.)"""
+    over_full = {lay.replace(recompute="none") for lay, p in costed
+                 if lay.recompute == "full" and p.peak_memory_bytes > capacity}
+    return [lay.replace(recompute="selective")
+            for lay in _worth_recomputing(costed, capacity, lambda lay: lay not in over_full)]
 
 
 def refinements(fixed: dict[str, Any]) -> list[Refinement]:
@@ -221,7 +254,8 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
            memory_bound: Callable[[Layout], float] | None = None,
            prepare: Callable[[Layout], None] | None = None,
            timed: Callable[[Layout], float] | None = None,
-           floor: Callable[[Layout], float] | None = None) -> Plan:
+           floor: Callable[[Layout], float] | None = None,
+           memory_floor: Callable[[Layout], float] | None = None) -> Plan:
     """Cost every candidate, then each round of `refine`; keep the fastest that fits
     (see the module docstring). `bound(layout)`: seconds the layout's step cannot beat
     (planner/plan.py); candidates are costed lowest bound first (then `costing_order`),
@@ -240,7 +274,14 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
     far cannot be the plan whatever its memory, and is skipped with both figures.
     `floor(layout)`: seconds below that step time, cheaper still (a pipeline's busiest
     rank without its schedule simulated); asked before `timed`, a layout whose floor is
-    above the fastest fitting step is skipped with both figures."""
+    above the fastest fitting step is skipped with both figures.
+    `memory_floor(layout)`: bytes below its predicted peak, cheaper than `predict` (a
+    pipeline's first and last ranks replayed); asked last, a layout whose floor is over
+    the memory allowed cannot be the plan and is skipped with the figure. The
+    refinements still see it as over memory (and its step time, when they ask for it:
+    `timed`); if nothing fits in the end, those skipped are costed smallest floor first
+    while a floor is below the smallest peak costed, so that the PlanError names the
+    smallest peak as without the floors."""
     capacity = cluster.device.memory_bytes * max_memory_fraction
     candidates = list(candidates)
     order = {lay: k for k, lay in enumerate(candidates)}
@@ -248,6 +289,8 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
     skipped: list[tuple[Layout, str]] = []
     best = [math.inf]  # the fastest fitting step so far
     smallest = [math.inf]  # the smallest peak so far
+    over_memory: dict[Layout, _OverMemory] = {}  # skipped on memory_floor
+    step_time = timed if timed is not None else (lambda lay: predict(lay).step_time_s)
 
     def over_best(layout: Layout, seconds: float, what: str) -> bool:
         """Skip `layout` (recorded with why: `what` takes `seconds`) if `seconds` is above
@@ -294,6 +337,13 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
                         or over_best(layout, timed(layout),
                                      f"its step takes {{ms}} ms ({TIMED_ONLY})")):
                     continue
+                held = memory_floor(layout) if memory_floor is not None else 0.0
+                if held > capacity:
+                    skipped.append((layout, f"not costed: its first and last pipeline ranks "
+                                            f"alone need {_gb(held)} per device, over the "
+                                            f"{_gb(capacity)} allowed ({MEMORY_FLOOR_ONLY})"))
+                    over_memory[layout] = _OverMemory(layout, held, step_time, bound)
+                    continue
                 pred = predict(layout)
             except ValueError as exc:  # a cut or a tp placement the model cannot take
                 skipped.append((layout, str(exc).splitlines()[0]))
@@ -302,13 +352,36 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
             smallest[0] = min(smallest[0], pred.peak_memory_bytes)
             if pred.peak_memory_bytes <= capacity:
                 best[0] = min(best[0], pred.step_time_s)
-        # ties rank in the candidates' order, whatever order they were costed in
-        costed.sort(key=lambda c: order.get(c[0], len(order)))
+        # ties rank in the candidates' order, then the refinements', whatever order they
+        # were costed in
+        costed.sort(key=lambda c: order[c[0]])
 
     cost(candidates, True)
     for more in refine:
-        cost(more(list(costed), capacity), False)
+        # what the refinements read, in the candidates' order (and so what they add: its
+        # order ranks ties), those left out on their memory floor among them
+        known = sorted([*costed, *over_memory.items()], key=lambda c: order[c[0]])
+        added = more(known, capacity)
+        for layout in added:
+            order.setdefault(layout, len(order))
+        cost(added, False)
     fits, over = rank(costed, capacity)
+    if not fits and over_memory:  # the error names the smallest peak: it may be one of them
+        revived, refused = set(), []
+        for layout, o in sorted(over_memory.items(), key=lambda item: item[1].peak_memory_bytes):
+            if o.peak_memory_bytes > smallest[0]:
+                break
+            revived.add(layout)
+            try:
+                pred = predict(layout)
+            except ValueError as exc:
+                refused.append((layout, str(exc).splitlines()[0]))
+                continue
+            costed.append((layout, pred))
+            smallest[0] = min(smallest[0], pred.peak_memory_bytes)
+        skipped[:] = [s for s in skipped if s[0] not in revived] + refused
+        costed.sort(key=lambda c: order[c[0]])
+        fits, over = rank(costed, capacity)
     if not fits:
         raise PlanError(no_fit_message(over, skipped, cluster, max_memory_fraction),
                         smallest=[lay for lay, _ in over])
