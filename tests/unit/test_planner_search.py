@@ -347,7 +347,8 @@ def test_layouts_that_differ_past_the_forward_level_passes_share_their_graph():
     layouts.append(layouts[2].replace(bucket_mb=5.0))
     est = Estimator(ex.model, c, ex.batch, ex.loss_fn)
     shared = [est.predict(lay) for lay in layouts]
-    assert len(est._forward) == 1 and est.counts()["rewrites"] == len(layouts)
+    # one graph before recomputation (shared by its variants), one after
+    assert len(est._forward) == 2 and est.counts()["rewrites"] == len(layouts)
     for lay, pred in zip(layouts, shared):
         alone = autopar.estimate(ex.model, c, lay, ex.batch, ex.loss_fn)
         assert pred == alone, lay
@@ -544,3 +545,29 @@ def test_the_search_pauses_the_garbage_collector_and_restores_it():
     with pytest.raises(RuntimeError), collector_paused():
         raise RuntimeError("an error inside")
     assert gc.isenabled()
+
+
+def test_recomputation_variants_share_the_graph_before_it(monkeypatch):
+    """Estimator._forward_level: the layouts that differ only in recomputation run tensor
+    parallelism and AMP (the solve and the re-trace) once, and each predicts what it
+    predicts alone."""
+    from autopar.compiler.passes.amp import AutoMixedPrecision
+    from autopar.compiler.planner.estimate import Estimator
+    from autopar.examples import causal_lm_loss
+    from tests.unit.test_cost_model import meta_gpt2
+
+    model, batch = meta_gpt2(layers=4, hidden=128, heads=4, vocab=500, batch=8, seq=32)
+    c = ClusterSpec.preset("dgx-h100")
+    runs = []
+    original = AutoMixedPrecision.run
+    monkeypatch.setattr(AutoMixedPrecision, "run",
+                        lambda self, tg, ctx: runs.append(ctx.layout) or original(self, tg, ctx))
+    shared = Estimator(model, c, batch, causal_lm_loss, trace_blocks=2)
+    layouts = [autopar.Layout(dp=4, tp=2, amp="bf16", recompute=r)
+               for r in ("full", "selective", "none")]
+    layouts += [autopar.Layout(dp=2, tp=2, pp=2, microbatches=2, amp="bf16", recompute=r)
+                for r in ("full", "none")]
+    predictions = [shared.predict(lay) for lay in layouts]
+    assert len(runs) == 1  # one trace (2 samples a rank: the template's too), one tp and AMP
+    for lay, pred in zip(layouts, predictions):
+        assert Estimator(model, c, batch, causal_lm_loss, trace_blocks=2).predict(lay) == pred

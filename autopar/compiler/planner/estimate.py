@@ -503,15 +503,31 @@ class Estimator:
         if self.passes is not None:
             return run_passes(traced, layout, self.cluster, self.passes, options=options)[0]
         first = forward_level_passes(layout)
+        rest = default_passes(layout)[len(first):]
+        return run_passes(self._forward_level(traced, trace_key, layout, options),
+                          layout, self.cluster, rest, options=options)[0]
+
+    def _forward_level(self, traced: TrainGraph, trace_key: tuple, layout: Layout,
+                       options: dict) -> TrainGraph:
+        """The graph after `layout`'s forward-level passes, kept by the fields they read.
+        Recomputation runs last and on the joint graph (no re-trace of its own): its
+        variants share the graph before it, tensor parallelism's solve and AMP's
+        re-trace."""
         # the cuts are AssignStages' option: a pipeline's template shares the graph of
         # the unpipelined layout with the same trace
         key = (trace_key, forward_level_fields(layout),
                repr(sorted((k, v) for k, v in options.items() if k != "pipeline_cuts")))
         if key not in self._forward:
-            self._forward[key] = run_passes(traced, layout, self.cluster, first,
-                                            options=options)[0]
-        rest = default_passes(layout)[len(first):]
-        return run_passes(self._forward[key], layout, self.cluster, rest, options=options)[0]
+            first = forward_level_passes(layout)
+            if layout.recompute != "none" and len(first) > 1:
+                before = self._forward_level(traced, trace_key,
+                                             layout.replace(recompute="none"), options)
+                self._forward[key] = run_passes(before, layout, self.cluster, first[-1:],
+                                                options=options)[0]
+            else:
+                self._forward[key] = run_passes(traced, layout, self.cluster, first,
+                                                options=options)[0]
+        return self._forward[key]
 
 
 def template_fields(layout: Layout) -> Layout:
