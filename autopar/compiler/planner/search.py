@@ -14,7 +14,9 @@ predicted peak memory fits `max_memory_fraction` of the device, and ranks them b
 step time; every other candidate says why it lost (`why_not`). Branch and bound
 leaves out, with the figures, a candidate whose lower bound (`bound`) or whose step
 time costed without its memory (`timed`: a pipeline's memory replays every rank's
-schedule) is above the fastest fitting step costed so far: it cannot be the plan.
+schedule) is above the fastest fitting step costed so far: it cannot be the plan;
+and so is one whose memory floor (`memory_floor`: a pipeline's two end ranks
+replayed) is over the memory allowed.
 
 Then `refinements` add layouts worth costing given what was learnt, each round
 ranked with the rest: a layout over memory that is faster than the fastest fitting
