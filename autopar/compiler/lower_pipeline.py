@@ -11,6 +11,8 @@ the runtime wires programs, messages and parameters by name.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.fx as fx
 
@@ -114,6 +116,22 @@ def _split_shared_gradients(tg: TrainGraph) -> tuple[tuple[str, ...], ...]:
     tg.output_node().args = (tuple(outputs),)
     tg.graph.eliminate_dead_code()
     return tuple(parts_per_param)
+
+
+def split_gradient_sums(tg: TrainGraph, stage_of: Callable[[fx.Node], int]) -> set[fx.Node]:
+    """The adds that sum a shared weight's gradient terms made on several stages (stage
+    by `stage_of`): `_split_shared_gradients` replaces them with one part per stage, so
+    the terms they read are never sent between stages."""
+    out: set[fx.Node] = set()
+    for grad in tg.grad_nodes():
+        if len({stage_of(t) for t in gradient_terms(grad)}) > 1:
+            todo = [grad]
+            while todo:
+                n = todo.pop()
+                if gradient_terms(n) != [n]:  # an accumulating add
+                    out.add(n)
+                    todo += n.args[:2]
+    return out
 
 
 def _position(tg: TrainGraph):

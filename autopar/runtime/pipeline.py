@@ -3,8 +3,11 @@
 Each rank executes exactly its action list of the Schedule IR (runtime/schedule.py):
 F and B run a stage's forward / backward GraphModule on one micro-batch, SF/SB send
 the values later (earlier) stages need, RF/RB receive them. Values are keyed by the
-joint graph's node names. Sends are asynchronous (`isend`, completed at the end of
-the step); receives block, which the schedule's static check proves deadlock-free.
+joint graph's node names. Sends are asynchronous (`isend`); receives block, which the
+schedule's static check proves deadlock-free. A send's tensor is let go of after the
+first receive that proves its receiver has it (`schedule.send_releases`: waiting for
+it then returns at once), not at the end of the step: a rank holds a few send buffers,
+not one per micro-batch.
 
 After the last action: gradients (summed over micro-batches; the backward seed is
 already scaled by 1/(microbatches*dp)) are summed over data-parallel ranks, each
@@ -29,7 +32,7 @@ from autopar.runtime.mesh import Mesh, build_mesh
 from autopar.runtime.program import LOSS_SCALE_INPUT, TensorEntry, bind_groups
 from autopar.runtime.shards import (block_of, gather_into, gathered, own_block, whole,
                                     zero_block)
-from autopar.runtime.schedule import Schedule
+from autopar.runtime.schedule import Schedule, send_releases
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,19 @@ class PipelineProgram:
         attr = "send_forward" if kind == "forward" else "send_backward"
         return {p.stage: getattr(p, attr)[stage] for p in self.stages if stage in getattr(p, attr)}
 
+    def send_releases(self, pp_rank: int) -> dict[int, tuple[int, ...]]:
+        """schedule.send_releases for this program's send and receive tables: after which
+        of the rank's receives each of its sends is known to be received."""
+        by_stage = {p.stage: p for p in self.stages}
+
+        def sends_to(stage: int, phase: str):
+            return list(by_stage[stage].send_forward if phase == "F"
+                        else by_stage[stage].send_backward)
+
+        def receives_from(stage: int, phase: str):
+            return list(self.receives(stage, "forward" if phase == "F" else "backward"))
+        return send_releases(self.schedule, pp_rank, sends_to, receives_from)
+
     def stages_reading(self, param_key: str, parts: tuple[str, ...]) -> set[int]:
         """Stages whose programs read the parameter or produce a part of its gradient."""
         return {p.stage for p in self.stages
@@ -134,6 +150,7 @@ class PipelineStep:
         self.loss_scaler = LossScaler() if program.loss_scaled else None
         wire = program.layout.get("grad_comm_dtype")
         self._wire_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(wire)
+        self._releases = program.send_releases(self.pp_rank)
 
     def _bound(self, stage: StageProgram) -> StageProgram:
         """The stage's programs with their collectives (tensor parallelism's) bound to this
@@ -197,7 +214,7 @@ class PipelineStep:
         envs: dict[int, dict[str, torch.Tensor]] = {}
         grads: dict[str, torch.Tensor] = {}
         losses: list[torch.Tensor] = []
-        sends: list = []
+        sends: dict[int, list] = {}  # send action's index -> its requests and tensors
         by_stage = {p.stage: p for p in self.my_stages}
         actions = self.program.schedule.ranks[self.pp_rank]
         last_use = {a.microbatch: i for i, a in enumerate(actions)}
@@ -208,13 +225,16 @@ class PipelineStep:
                 stage = by_stage[action.stage]
                 env = envs.setdefault(action.microbatch, self._inputs_env(micro[action.microbatch]))
                 begin = time.perf_counter()
-                self._do(action, stage, env, grads, losses, sends)
+                self._do(action, stage, env, grads, losses, sends.setdefault(i, []))
+                for j in self._releases.get(i, ()):  # received: the wait returns at once
+                    for request, _tensor in sends.pop(j, ()):
+                        request.wait()
                 if action.kind in ("F", "B", "I", "W"):
                     spans.append((action, begin - start, time.perf_counter() - start))
                 if last_use[action.microbatch] == i:
                     del envs[action.microbatch]  # its activations are no longer needed here
-            for request, _tensor in sends:  # the tensor stays alive until its send is done
-                request.wait()
+            for request, _tensor in (r for rs in sends.values() for r in rs):
+                request.wait()  # the tensor stays alive until its send is done
             # measured compute spans of the schedule (compared with its simulation by
             # benchmarks/pp_vs_pipelining.py)
             self.last_timeline = (spans, time.perf_counter() - start)

@@ -320,6 +320,81 @@ def rank_floors(name: str, pp: int, microbatches: int, virtual_stages: int = 1,
     return out
 
 
+def send_releases(s: Schedule, rank: int,
+                  sends_to: Callable[[int, str], Iterable[int]],
+                  receives_from: Callable[[int, str], Iterable[int]]) -> dict[int, tuple[int, ...]]:
+    """When the buffers of `rank`'s sends can be let go: {index of one of its receive
+    actions: indices of its send actions that every receiver has received by then}.
+
+    `sends_to(stage, phase)` names the stages that stage's values of phase "F" or "B" go
+    to, `receives_from(stage, phase)` those its receive of that phase reads from (the
+    program's tables, stages on the same rank included: a value may skip stages). Ranks
+    run their lists in order and a receive blocks until its data is in, so a receive
+    proves what the sender had done before its send; two such proofs:
+
+    - rank q: once this rank has received what q sent at q's action k, q is past every
+      receive before k, and a send to q that q received before k is complete;
+    - a micro-batch's backward: a stage's F follows its RF and precedes its B, and its SB
+      follows its B (the data needs that order, in any schedule). So when stage t's
+      RB(mb) is in, every stage from which backward values lead to t through stages'
+      B has received its RF(mb): a forward send of mb to those stages is complete.
+
+    A send neither proves stays until the end of the step. Waiting for a proven send
+    returns at once. Only the schedule's order and the tables are used, so the runtime
+    and the memory model let go of the same buffers at the same action."""
+    position = s.__dict__.setdefault("_positions", {})  # rank -> {action: its index}
+
+    def index(q: int, action: Action) -> int:
+        if q not in position:
+            position[q] = {a: k for k, a in enumerate(s.ranks[q])}
+        return position[q][action]
+
+    leads_to: dict[int, set[int]] = {}  # stage -> stages whose backward values reach it
+    for src in range(s.stages):
+        for dst in sends_to(src, "B"):
+            leads_to.setdefault(dst, set()).add(src)
+    for t in list(leads_to):  # closed over paths
+        todo, seen = list(leads_to[t]), set(leads_to[t])
+        while todo:
+            for up in leads_to.get(todo.pop(), ()):
+                if up not in seen:
+                    seen.add(up)
+                    todo.append(up)
+        leads_to[t] = seen
+
+    passed: dict[int, int] = {}  # peer rank -> the last index it is known to be past
+    pending: dict[int, dict[int, int]] = {}  # send -> {receiver rank: its receive's index}
+    forward: dict[tuple[int, int], int] = {}  # (stage, mb) -> its forward send, if RB proves it
+    out: dict[int, tuple[int, ...]] = {}
+    for i, a in enumerate(s.ranks[rank]):
+        if a.kind in ("SF", "SB"):
+            phase, receive = a.kind[1], "R" + a.kind[1]
+            dsts = [d for d in sends_to(a.stage, phase) if s.rank_of(d) != rank]
+            need: dict[int, int] = {}
+            for dst in dsts:
+                q = s.rank_of(dst)
+                need[q] = max(need.get(q, -1), index(q, Action(dst, receive, a.microbatch)))
+            if need:
+                pending[i] = need
+                if phase == "F" and set(dsts) <= leads_to.get(a.stage, set()):
+                    forward[a.stage, a.microbatch] = i
+        elif a.kind in ("RF", "RB"):
+            phase, send = a.kind[1], "S" + a.kind[1]
+            for src in receives_from(a.stage, phase):
+                q = s.rank_of(src)
+                if q != rank:
+                    passed[q] = max(passed.get(q, -1), index(q, Action(src, send, a.microbatch)))
+            done = [j for j, need in pending.items()
+                    if all(passed.get(q, -1) > k for q, k in need.items())]
+            if phase == "B" and forward.get((a.stage, a.microbatch), -1) in pending:
+                done.append(forward.pop((a.stage, a.microbatch)))
+            for j in done:
+                pending.pop(j, None)
+            if done:
+                out[i] = tuple(sorted(set(done)))
+    return out
+
+
 def validate(s: Schedule) -> None:
     """Raise ScheduleError unless the schedule can run and computes the full step."""
     for r, actions in enumerate(s.ranks):

@@ -122,6 +122,10 @@ memory_case("pp2_interleaved_memory_model_llama_adamw", lambda: llama(layers=4),
 memory_case("dp2_microbatches4_memory_model_llama_adamw", llama, adamw, dp=2, microbatches=4)
 memory_case("dp2_microbatches4_zero2_memory_model_gpt2_tied_adamw", gpt2, adamw, dp=2,
             microbatches=4, zero=2)
+# four stages, twice as many micro-batches: GPT-2's mask goes from the first stage to
+# every other; each rank lets go of its sends once a receive proves them received
+memory_case("pp4_1f1b_microbatches8_memory_model_gpt2_tied_sgd", lambda: gpt2(layers=4), sgd,
+            world=4, pp=4, microbatches=8)
 memory_case("dp2_pp2_zero1_memory_model_llama_adamw", lambda: llama(layers=4), adamw, world=4,
             dp=2, pp=2, microbatches=4, zero=1)
 memory_case("dp2_microbatches4_zero3_memory_model_gpt2_tied_adamw", gpt2, adamw, dp=2,

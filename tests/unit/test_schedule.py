@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar.runtime.schedule import (Action, Schedule, ScheduleError, build, gpipe, interleaved,
-                                      one_f_one_b, rank_floors, simulate, validate,
-                                      zero_bubble)
+                                      one_f_one_b, rank_floors, send_releases, simulate,
+                                      validate, zero_bubble)
 
 GOLDEN_1F1B_2x4 = """\
 0F0 0SF0 0F1 0SF1 0RB0 0B0 0F2 0SF2 0RB1 0B1 0F3 0SF3 0RB2 0B2 0RB3 0B3
@@ -129,3 +129,101 @@ def test_rank_floors_count_the_built_actions_and_stay_below_the_simulation(
     timeline = simulate(s, cost)
     for r, spans in enumerate(timeline.spans):
         assert floors[r] <= max(end for _, _, end in spans) * (1 + 1e-12)
+
+
+def _tables(stages: int, kind: str | bool):
+    """sends_to / receives_from of a pipeline whose stages pass values to the next (and
+    gradients back); with skips, stage 0 also sends every stage a value (GPT-2's mask)
+    and the last stage sends stage 0 a gradient; "detached": skips, and the last stage
+    sends no gradient back (its input does not need one)."""
+    to = {(s, "F"): {s + 1} for s in range(stages - 1)}
+    to.update({(s, "B"): {s - 1} for s in range(1, stages)})
+    if kind:
+        to[0, "F"] = set(range(1, stages))
+        to[stages - 1, "B"] = {stages - 2, 0}
+    if kind == "detached":
+        del to[stages - 1, "B"]
+    sources: dict = {}
+    for (s, phase), dsts in to.items():
+        for d in dsts:
+            sources.setdefault((d, phase), set()).add(s)
+    return (lambda s, ph: sorted(to.get((s, ph), ())),
+            lambda s, ph: sorted(sources.get((s, ph), ())))
+
+
+def _happens_before(s: Schedule, sends_to):
+    """(rank, index) -> every (rank, index) after it: the ranks' order, and each send
+    before the receive of each stage it goes to. By brute force."""
+    where = {(r, a): i for r, actions in enumerate(s.ranks) for i, a in enumerate(actions)}
+    edges: dict = {}
+    for r, actions in enumerate(s.ranks):
+        for i, a in enumerate(actions):
+            nxt = [(r, i + 1)] if i + 1 < len(actions) else []
+            if a.kind in ("SF", "SB"):
+                for d in sends_to(a.stage, a.kind[1]):
+                    nxt.append((s.rank_of(d), where[s.rank_of(d), Action(d, "R" + a.kind[1],
+                                                                          a.microbatch)]))
+            edges[r, i] = nxt
+
+    def after(node):
+        seen, todo = set(), [node]
+        while todo:
+            for n in edges[todo.pop()]:
+                if n not in seen:
+                    seen.add(n)
+                    todo.append(n)
+        return seen
+    return after, where
+
+
+@pytest.mark.parametrize("args", [("1f1b", 3, 5, 1), ("gpipe", 3, 3, 1), ("zero-bubble", 4, 6, 1),
+                                  ("interleaved", 2, 4, 2), ("1f1b", 4, 8, 1)])
+@pytest.mark.parametrize("skips", [False, True, "detached"])
+def test_a_send_is_let_go_of_only_once_every_receiver_has_it(args, skips):
+    """send_releases against the happens-before relation by brute force: where a rank
+    lets go of a send, each receive of it came before; and with values only between
+    neighbours, every forward send is let go of by its micro-batch's backward."""
+    s = build(*args)
+    sends_to, receives_from = _tables(s.stages, skips)
+    after, where = _happens_before(s, sends_to)
+    for r, actions in enumerate(s.ranks):
+        releases = send_releases(s, r, sends_to, receives_from)
+        let_go = [j for js in releases.values() for j in js]
+        assert len(let_go) == len(set(let_go))
+        for i, js in releases.items():
+            assert actions[i].kind in ("RF", "RB")
+            for j in js:
+                a = actions[j]
+                assert a.kind in ("SF", "SB") and j < i
+                for d in sends_to(a.stage, a.kind[1]):
+                    if s.rank_of(d) != r:
+                        receive = (s.rank_of(d), where[s.rank_of(d), Action(d, "R" + a.kind[1],
+                                                                              a.microbatch)])
+                        assert (r, i) in after(receive), (r, a, i)
+        forward = [j for j, a in enumerate(actions) if a.kind == "SF"
+                   and any(s.rank_of(d) != r for d in sends_to(a.stage, "F"))]
+        if skips != "detached":
+            assert set(forward) <= set(let_go)
+
+
+@pytest.mark.parametrize("maker", [one_f_one_b, zero_bubble, gpipe])
+def test_the_sends_a_rank_holds_do_not_grow_with_the_micro_batches(maker):
+    """A 1F1B rank holds a few sends whatever the micro-batch count (it held all of them
+    until the end of the step before); GPipe's backward sends wait for the next step."""
+    def most_held(m):
+        s = maker(4, m)
+        sends_to, receives_from = _tables(s.stages, True)
+        out = 0
+        for r, actions in enumerate(s.ranks):
+            releases = send_releases(s, r, sends_to, receives_from)
+            held = 0
+            for i, a in enumerate(actions):
+                held += a.kind in ("SF", "SB") and any(
+                    s.rank_of(d) != r for d in sends_to(a.stage, a.kind[1]))
+                held -= len(releases.get(i, ()))
+                out = max(out, held)
+        return out
+    if maker is gpipe:  # nothing after the backward sends proves them
+        assert most_held(32) > most_held(8)
+    else:
+        assert most_held(32) == most_held(8) <= 8

@@ -5,9 +5,10 @@ micro-batch in flight: what its forward programs produce (activations the backwa
 reads, values to send), what it receives, what its backward programs produce; the
 environment is dropped after the micro-batch's last action on the rank. Gradient
 parts are summed into one accumulator per part; a sent tensor stays alive until the
-end of the step, when every send is waited for. So the peak depends on how many
-micro-batches the schedule keeps in flight on the rank: a 1F1B stage holds up to
-`pp - stage` of them, GPipe all `microbatches`.
+rank's first receive that proves its receiver has it (`schedule.send_releases`), even
+when its micro-batch's environment was dropped before (`SentBuffers`). So the peak
+depends on how many micro-batches the schedule keeps in flight on the rank: a 1F1B
+stage holds up to `pp - stage` of them, GPipe all `microbatches`.
 
 `pipeline_memory` walks the rank's actions in order with those rules. Each F / B /
 I / W action adds its program's own transient peak (liveness over the program,
@@ -32,6 +33,42 @@ def _bytes(program: PipelineProgram, key: str) -> int:
     return math.prod(spec.shape) * spec.dtype.itemsize
 
 
+class SentBuffers:
+    """The bytes of one rank's sends that outlive their micro-batch's environment. A value
+    sent is part of the environment; when the environment is dropped, what is not yet
+    known received stays (as comm_buffers, at most the environment's bytes) until the
+    receive `releases` names (schedule.send_releases) lets go of it."""
+
+    def __init__(self, releases: dict[int, tuple[int, ...]]) -> None:
+        self.releases = releases
+        self.unreleased: dict[int, dict[int, int]] = {}  # micro-batch -> {send: bytes}
+        self.kept: dict[int, tuple[int, int]] = {}  # dropped micro-batch -> (kept, its env)
+
+    def sent(self, index: int, mb: int, nbytes: int) -> None:
+        self.unreleased.setdefault(mb, {})[index] = nbytes
+
+    def dropped(self, mb: int, freed: int) -> int:
+        """Bytes of micro-batch `mb`'s environment (`freed` in all) that stay."""
+        kept = min(sum(self.unreleased.get(mb, {}).values()), freed)
+        if kept:
+            self.kept[mb] = (kept, freed)
+        return kept
+
+    def received(self, index: int, microbatch_of: dict[int, int]) -> int:
+        """Bytes let go of after receive action `index` (`microbatch_of`: send -> its
+        micro-batch)."""
+        freed = 0
+        for j in self.releases.get(index, ()):
+            mb = microbatch_of[j]
+            self.unreleased.get(mb, {}).pop(j, None)
+            if mb in self.kept:
+                kept, env = self.kept[mb]
+                now = min(sum(self.unreleased[mb].values()), env)
+                freed += kept - now
+                self.kept[mb] = (now, env)
+        return freed
+
+
 class _Replay:
     """Bytes alive on one rank while its actions run."""
 
@@ -42,7 +79,8 @@ class _Replay:
         self.part_keys = {k for parts in program.grad_parts for k in parts}
         self.live = dict.fromkeys(CATEGORIES, 0)
         self.env: dict[int, dict[str, int]] = {}  # micro-batch -> its environment's bytes
-        self.sent: dict[int, int] = {}  # micro-batch -> bytes of it waiting to be sent
+        self.sends = SentBuffers(program.send_releases(pp_rank))
+        self.microbatch_of = {i: a.microbatch for i, a in enumerate(program.schedule.ranks[pp_rank])}
         self.grads: set[str] = set()
         self.peak, self.at_peak, self.peak_op = 0, dict(self.live), ""
         self._programs: dict[tuple[int, str], tuple] = {}
@@ -63,7 +101,7 @@ class _Replay:
             self.peak, self.peak_op = total, label
             self.at_peak = {c: self.live[c] + extra.get(c, 0) for c in CATEGORIES}
 
-    def act(self, action) -> None:
+    def act(self, index: int, action) -> None:
         self.env.setdefault(action.microbatch, {})
         if action.kind in ("F", "B", "I", "W"):
             self._compute(action)
@@ -72,11 +110,11 @@ class _Replay:
                                             "forward" if action.kind == "RF" else "backward")
             self._add_env(action.microbatch, self._bytes_across(action.stage, sources),
                           "comm_buffers")
+            self.live["comm_buffers"] -= self.sends.received(index, self.microbatch_of)
         elif action.kind in ("SF", "SB"):
             stage = self.stages[action.stage]
             table = stage.send_forward if action.kind == "SF" else stage.send_backward
-            mb = action.microbatch
-            self.sent[mb] = self.sent.get(mb, 0) + self._bytes_across(action.stage, table)
+            self.sends.sent(index, action.microbatch, self._bytes_across(action.stage, table))
 
     def _compute(self, action) -> None:
         """A program runs: its own peak on top of what is alive; then its gradient parts
@@ -103,11 +141,11 @@ class _Replay:
         self.live[category] += size
 
     def drop(self, mb: int) -> None:
-        """The micro-batch's environment is released; what waits to be sent is not."""
+        """The micro-batch's environment is released; what is not known received is not."""
         env = self.env.pop(mb, {})
         for category, size in env.items():
             self.live[category] -= size
-        self.live["comm_buffers"] += min(self.sent.get(mb, 0), sum(env.values()))
+        self.live["comm_buffers"] += self.sends.dropped(mb, sum(env.values()))
 
 
 def held_parameter_bytes(program: PipelineProgram, pp_rank: int) -> tuple[int, list[int], int]:
@@ -150,7 +188,7 @@ def pipeline_memory(program: PipelineProgram, pp_rank: int,
     actions = program.schedule.ranks[pp_rank]
     last = {a.microbatch: i for i, a in enumerate(actions)}
     for i, action in enumerate(actions):
-        replay.act(action)
+        replay.act(i, action)
         if last[action.microbatch] == i:
             replay.drop(action.microbatch)
     dp = dict(program.mesh).get("dp", 1)

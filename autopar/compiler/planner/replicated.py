@@ -33,23 +33,25 @@ summaries with the rules of `pipeline_memory.py` (which replays lowered programs
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from autopar.cluster import ClusterSpec
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.annotate import tensor_bytes
 from autopar.compiler.ir.graph import TrainGraph
+from autopar.compiler.lower_pipeline import split_gradient_sums
 from autopar.compiler.planner.cost_model import DEFAULT_EFFICIENCY, Efficiency
 from autopar.compiler.passes.assign_stages import STAGE, balanced_cuts, node_time
 from autopar.compiler.planner.memory import (CATEGORIES, MemoryPrediction, graph_liveness,
                                              optimizer_memory, zero_block_bytes)
 from autopar.compiler.planner.pipeline_cost import phase_time
+from autopar.compiler.planner.pipeline_memory import SentBuffers
 from autopar.compiler.planner.scaled import op_layers, param_layers
 from autopar.compiler.planner.stages import Message, StageSummary, stage_summary
 from autopar.compiler.planner.summary import GraphSummary, OpRecord, changed, summarize
 from autopar.layout import Layout
-from autopar.runtime.schedule import build
+from autopar.runtime.schedule import build, send_releases
 
 TEMPLATE_BLOCKS = 2  # blocks traced for every pipeline: one on each side of the cut
 
@@ -101,9 +103,10 @@ def _sends(tg: TrainGraph) -> tuple[tuple[str, bool, bool, int], ...]:
     """The values one template stage sends the other, and whether block ops make and read
     them (as stages.stage_summary counts them: a value once per receiving stage)."""
     out = []
+    split = split_gradient_sums(tg, lambda n: n.meta.get(STAGE))
     for n in tg.call_nodes():
         stage = n.meta.get(STAGE)
-        readers = [u for u in n.users if u.meta.get(STAGE) not in (None, stage)]
+        readers = [u for u in n.users if u.meta.get(STAGE) not in (None, stage) and u not in split]
         if stage is None or not readers:
             continue
         phase = "B" if n.meta[M.ROLE] == M.Role.BACKWARD else "F"
@@ -310,7 +313,9 @@ def pipeline_memory_from_summary(summary: GraphSummary, stages: StageSummary, la
     if missing:
         schedule = build(*key)
         across = _across(stages, layout.pp, "dst"), _across(stages, layout.pp, "src")
-        activity.update({r: _replay_activity(across, programs, schedule.ranks[r])
+        peers = _peers(stages)
+        activity.update({r: _replay_activity(across, programs, schedule.ranks[r],
+                                             send_releases(schedule, r, *peers))
                          for r in missing})
     inputs = sum(op.allocates for op in summary.ops if op.role == "input")
     params: list[list[int]] = [[] for _ in range(layout.pp)]
@@ -354,17 +359,20 @@ class _Activity:
     end: dict[str, int]
 
 
-def _replay_activity(across: tuple[dict, dict], programs: dict, actions) -> _Activity:
+def _replay_activity(across: tuple[dict, dict], programs: dict, actions,
+                     releases: dict[int, tuple[int, ...]]) -> _Activity:
     """One rank's replay, with the rules of pipeline_memory._Replay, without its static
     memory: a constant under the replay, so the peak is at the same action whatever it is.
-    `across`: what each (stage, phase) receives and sends across ranks (`_across`)."""
+    `across`: what each (stage, phase) receives and sends across ranks (`_across`);
+    `releases`: the rank's schedule.send_releases."""
     live = dict.fromkeys(CATEGORIES, 0)
     held = 0  # sum(live.values()), kept as it changes
     peak, label = -1, ""
     at_peak = (dict(live), {})  # at the peak: what is live, and the program's transient
     received, sent_by = across
     env: dict[int, dict[str, int]] = {}
-    sent: dict[int, int] = {}
+    sends = SentBuffers(releases)
+    microbatch_of = {i: a.microbatch for i, a in enumerate(actions)}
     done = set()
     prepared: dict[tuple[int, str], tuple] = {}  # what one program adds, worked out once
     last = {a.microbatch: i for i, a in enumerate(actions)}
@@ -392,16 +400,17 @@ def _replay_activity(across: tuple[dict, dict], programs: dict, actions) -> _Act
         elif a.kind in ("RF", "RB"):
             size = received.get((a.stage, a.kind[1]), 0)
             mb_env["comm_buffers"] = mb_env.get("comm_buffers", 0) + size
-            live["comm_buffers"] += size
-            held += size
+            released = sends.received(i, microbatch_of)
+            live["comm_buffers"] += size - released
+            held += size - released
         elif a.kind in ("SF", "SB"):
-            sent[a.microbatch] = sent.get(a.microbatch, 0) + sent_by.get((a.stage, a.kind[1]), 0)
+            sends.sent(i, a.microbatch, sent_by.get((a.stage, a.kind[1]), 0))
         if last[a.microbatch] == i:
             dropped = env.pop(a.microbatch, {})
             for category, size in dropped.items():
                 live[category] -= size
             freed = sum(dropped.values())
-            kept_sent = min(sent.get(a.microbatch, 0), freed)
+            kept_sent = sends.dropped(a.microbatch, freed)
             live["comm_buffers"] += kept_sent
             held += kept_sent - freed
     base, transient = at_peak
@@ -430,6 +439,17 @@ def _replay_rank(summary, layout, optimizer, activity: _Activity, rank_params, i
     if sum(end.values()) > peak:
         peak, at_peak, label = sum(end.values()), end, "optimizer.step"
     return MemoryPrediction(peak, at_peak, "pipeline", label, 0, static)
+
+
+def _peers(stages: StageSummary) -> tuple[Callable, Callable]:
+    """schedule.send_releases' `sends_to` and `receives_from`, from the messages."""
+    to: dict[tuple[int, str], list[int]] = {}
+    sources: dict[tuple[int, str], list[int]] = {}
+    for m in stages.messages:
+        to.setdefault((m.src, m.phase), []).append(m.dst)
+        sources.setdefault((m.dst, m.phase), []).append(m.src)
+    return (lambda stage, phase: to.get((stage, phase), ()),
+            lambda stage, phase: sources.get((stage, phase), ()))
 
 
 def _across(stages: StageSummary, pp: int, end: str) -> dict[tuple[int, str], int]:

@@ -19,7 +19,7 @@ import torch.fx as fx
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.annotate import tensor_bytes
 from autopar.compiler.ir.graph import TrainGraph
-from autopar.compiler.lower_pipeline import input_grad_side
+from autopar.compiler.lower_pipeline import input_grad_side, split_gradient_sums
 from autopar.compiler.passes.assign_stages import STAGE
 
 
@@ -70,7 +70,7 @@ def stage_summary(tg: TrainGraph) -> StageSummary:
     for n in calls:  # inserted after the cut: with its latest input (lower_pipeline's rule)
         if stage[n] is None:
             stage[n] = max((stage.get(a) or 0 for a in n.all_input_nodes), default=0)
-    messages = _messages(calls, stage)
+    messages = _messages(calls, stage, split_gradient_sums(tg, stage.__getitem__))
     program = _programs(calls, stage)
     n_state = len(tg.signature.params) + len(tg.signature.buffers)
     n_inputs = len(tg.placeholders()) - n_state
@@ -83,13 +83,16 @@ def stage_summary(tg: TrainGraph) -> StageSummary:
         param_stages=tuple(frozenset(stage[u] for u in p.users if u in stage) for p in params))
 
 
-def _messages(calls: list[fx.Node], stage: dict) -> dict[tuple[int, int, str], tuple[int, int]]:
+def _messages(calls: list[fx.Node], stage: dict, split: set[fx.Node]
+              ) -> dict[tuple[int, int, str], tuple[int, int]]:
     """(src, dst, phase) -> (bytes, count) of the distinct values a stage's program reads
-    from another stage's (as the pipeline runtime sends them, once per micro-batch)."""
+    from another stage's (as the pipeline runtime sends them, once per micro-batch; not
+    a shared weight's gradient term read by a sum the lowering splits: `split`)."""
     out: dict[tuple[int, int, str], tuple[int, int]] = {}
     for n in calls:
         phase = "B" if n.meta[M.ROLE] == M.Role.BACKWARD else "F"
-        for dst in sorted({stage[u] for u in n.users if u in stage} - {stage[n]}):
+        for dst in sorted({stage[u] for u in n.users if u in stage and u not in split}
+                          - {stage[n]}):
             key = (stage[n], dst, phase)
             nbytes, count = out.get(key, (0, 0))
             out[key] = (nbytes + tensor_bytes(n.meta.get(M.VAL)), count + 1)
