@@ -20,6 +20,7 @@ rank s % pp) and `zero_bubble` (ZB-H1: backward split into I and W, W deferred).
 from __future__ import annotations
 
 import functools
+import heapq
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -337,7 +338,9 @@ def send_releases(s: Schedule, rank: int,
     - a micro-batch's backward: a stage's F follows its RF and precedes its B, and its SB
       follows its B (the data needs that order, in any schedule). So when stage t's
       RB(mb) is in, every stage from which backward values lead to t through stages'
-      B has received its RF(mb): a forward send of mb to those stages is complete.
+      B has received its RF(mb): a forward send of mb to those stages is complete, and
+      let go of there (not before: until then the micro-batch's values, the sent one
+      among them, are kept anyway).
 
     A send neither proves stays until the end of the step. Waiting for a proven send
     returns at once. Only the schedule's order and the tables are used, so the runtime
@@ -363,35 +366,51 @@ def send_releases(s: Schedule, rank: int,
         leads_to[t] = seen
 
     passed: dict[int, int] = {}  # peer rank -> the last index it is known to be past
-    pending: dict[int, dict[int, int]] = {}  # send -> {receiver rank: its receive's index}
+    waiting: dict[int, list[tuple[int, int]]] = {}  # peer rank -> heap of (its receive, send)
+    left: dict[int, int] = {}  # unproven send -> how many of its receivers are not proven
     forward: dict[tuple[int, int], int] = {}  # (stage, mb) -> its forward send, if RB proves it
     out: dict[int, tuple[int, ...]] = {}
     for i, a in enumerate(s.ranks[rank]):
         if a.kind in ("SF", "SB"):
             phase, receive = a.kind[1], "R" + a.kind[1]
             dsts = [d for d in sends_to(a.stage, phase) if s.rank_of(d) != rank]
+            if not dsts:
+                continue
+            left[i] = 1
+            if phase == "F" and set(dsts) <= leads_to.get(a.stage, set()):
+                # proven by the micro-batch's backward, before its environment (which
+                # holds what was sent) is dropped: no need to watch the receivers
+                forward[a.stage, a.microbatch] = i
+                continue
             need: dict[int, int] = {}
             for dst in dsts:
                 q = s.rank_of(dst)
                 need[q] = max(need.get(q, -1), index(q, Action(dst, receive, a.microbatch)))
-            if need:
-                pending[i] = need
-                if phase == "F" and set(dsts) <= leads_to.get(a.stage, set()):
-                    forward[a.stage, a.microbatch] = i
+            for q, k in need.items():
+                heapq.heappush(waiting.setdefault(q, []), (k, i))
+            left[i] = len(need)
         elif a.kind in ("RF", "RB"):
             phase, send = a.kind[1], "S" + a.kind[1]
+            done = []
             for src in receives_from(a.stage, phase):
                 q = s.rank_of(src)
-                if q != rank:
-                    passed[q] = max(passed.get(q, -1), index(q, Action(src, send, a.microbatch)))
-            done = [j for j, need in pending.items()
-                    if all(passed.get(q, -1) > k for q, k in need.items())]
-            if phase == "B" and forward.get((a.stage, a.microbatch), -1) in pending:
-                done.append(forward.pop((a.stage, a.microbatch)))
-            for j in done:
-                pending.pop(j, None)
+                if q == rank:
+                    continue
+                passed[q] = max(passed.get(q, -1), index(q, Action(src, send, a.microbatch)))
+                heap = waiting.get(q, [])
+                while heap and heap[0][0] < passed[q]:
+                    j = heapq.heappop(heap)[1]
+                    if j in left:
+                        left[j] -= 1
+                        if not left[j]:
+                            del left[j]
+                            done.append(j)
+            if phase == "B" and forward.get((a.stage, a.microbatch), -1) in left:
+                j = forward.pop((a.stage, a.microbatch))
+                del left[j]
+                done.append(j)
             if done:
-                out[i] = tuple(sorted(set(done)))
+                out[i] = tuple(sorted(done))
     return out
 
 

@@ -88,7 +88,8 @@ def test_the_memory_floor_changes_neither_the_plan_nor_the_refusal(shape, room, 
     """With the refinements (recomputation, bucket sizes): layouts left out on a memory
     floor below their peak still reach the recomputation rounds, with their step times
     (asked only when a bound does not settle it), so the plan, and with nothing fitting
-    the PlanError, are those of the search without the floor."""
+    the PlanError, are those of the search without the floor; and so are those of the
+    search that tries recomputation as it finds layouts over memory."""
     c = cluster(nodes=shape[0], per_node=shape[1])  # 10 GB devices
     candidates = S.candidate_layouts(c, 16, 4, {})
     # peaks of 0.3-1 x 30 GB x scale on 10 GB devices: at scale 3 nothing fits unless
@@ -119,17 +120,24 @@ def test_the_memory_floor_changes_neither_the_plan_nor_the_refusal(shape, room, 
         return predict(lay).step_time_s * 0.5
 
     rounds = S.refinements({})
+    # as autopar.plan searches: recomputation tried as layouts are found over memory
+    # (not in rounds), skipped where the layout without it is slower than a fitting one
+    eager = dict(refine=S.refinements({}, recompute=False), variants=S.recompute_variants({}),
+                 prepared=lambda lay: data.draw(st.booleans()))
     try:
         plain = S.search(candidates, predict, c, refine=rounds)
     except S.PlanError as exc:
-        with pytest.raises(S.PlanError) as floored:
-            S.search(candidates, predict, c, refine=rounds, bound=bound, timed=timed,
-                     memory_floor=floor)
-        assert str(floored.value) == str(exc)
+        for more in ({"refine": rounds}, eager):
+            with pytest.raises(S.PlanError) as floored:
+                S.search(candidates, predict, c, bound=bound, timed=timed, memory_floor=floor,
+                         **more)
+            assert str(floored.value) == str(exc)
         return
     fast = S.search(candidates, predict, c, refine=rounds, bound=bound, timed=timed,
                     memory_floor=floor)
     assert (fast.layout, fast.predicted) == (plain.layout, plain.predicted)
+    quick = S.search(candidates, predict, c, bound=bound, timed=timed, memory_floor=floor, **eager)
+    assert (quick.layout, quick.predicted) == (plain.layout, plain.predicted)
     over = [lay for lay, why in fast.skipped if S.MEMORY_FLOOR_ONLY in why]
     assert all(predict(lay).peak_memory_bytes > 0.9 * 10**10 for lay in over)
 

@@ -462,6 +462,10 @@ class Estimator:
             with contextlib.suppress(ValueError):
                 self._entry(layout)
 
+    def is_prepared(self, layout: Layout) -> bool:
+        """Whether `prepare(layout)` has nothing left to rewrite."""
+        return not self._templated(layout) or self._key(layout) in self._rewritten
+
     def _templated(self, layout: Layout) -> bool:
         """Whether `layout` would be costed from a template, without tracing it."""
         return self.trace_blocks is not None and self._stages(layout) > 1

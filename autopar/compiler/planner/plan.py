@@ -27,7 +27,8 @@ from autopar.compiler.planner.memory import static_lower_bound
 from autopar.compiler.planner.pipeline_cost import after_schedule_floor, pipeline_time
 from autopar.compiler.planner.search import (FLOOR_ONLY, MEMORY_FLOOR_ONLY, TIMED_ONLY,
                                              PlanError, candidate_layouts, check_constraints,
-                                             costing_order, refinements, search)
+                                             costing_order, recompute_variants, refinements,
+                                             search)
 from autopar.compiler.planner.summary import DTYPE_NAMES
 from autopar.compiler.planner.workers import available as worker_available
 from autopar.layout import Layout, LayoutError, Plan
@@ -98,10 +99,14 @@ def _search(model, cluster, example_inputs, loss_fn, optimizer, efficiency, prog
     try:
         try:
             result = search(costed, estimator.predict, cluster, fraction, step,
-                            refinements(fixed), bound, prepare=lambda lay: estimator.prepare(
+                            refinements(fixed, recompute=False), bound,
+                            prepare=lambda lay: estimator.prepare(
                                 widest.get(template_fields(lay), lay)),
                             timed=estimator.step_time, floor=estimator.schedule_floor,
-                            memory_floor=estimator.memory_floor)
+                            memory_floor=estimator.memory_floor,
+                            variants=recompute_variants(fixed),
+                            prepared=lambda lay: estimator.is_prepared(
+                                widest.get(template_fields(lay), lay)))
             result.skipped += pruned
         except PlanError as exc:
             if pruned:  # the error names the smallest peak: it may be a pruned layout's

@@ -33,7 +33,8 @@ summaries with the rules of `pipeline_memory.py` (which replays lowered programs
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from autopar.cluster import ClusterSpec
@@ -313,10 +314,9 @@ def pipeline_memory_from_summary(summary: GraphSummary, stages: StageSummary, la
     if missing:
         schedule = build(*key)
         across = _across(stages, layout.pp, "dst"), _across(stages, layout.pp, "src")
-        peers = _peers(stages)
+        pairs = tuple(sorted({(m.src, m.dst, m.phase) for m in stages.messages}))
         activity.update({r: _replay_activity(across, programs, schedule.ranks[r],
-                                             send_releases(schedule, r, *peers))
-                         for r in missing})
+                                             _releases(key, r, pairs)) for r in missing})
     inputs = sum(op.allocates for op in summary.ops if op.role == "input")
     params: list[list[int]] = [[] for _ in range(layout.pp)]
     for p, readers in enumerate(stages.param_stages):
@@ -441,15 +441,19 @@ def _replay_rank(summary, layout, optimizer, activity: _Activity, rank_params, i
     return MemoryPrediction(peak, at_peak, "pipeline", label, 0, static)
 
 
-def _peers(stages: StageSummary) -> tuple[Callable, Callable]:
-    """schedule.send_releases' `sends_to` and `receives_from`, from the messages."""
+@functools.lru_cache(maxsize=1024)
+def _releases(key: tuple, rank: int, pairs: tuple[tuple[int, int, str], ...]
+              ) -> dict[int, tuple[int, ...]]:
+    """schedule.send_releases of `build(*key)` on `rank`, with the (src, dst, phase) pairs
+    of stages that send each other values (the same for every tp, AMP and micro-batch
+    size of a model: kept for all of them)."""
     to: dict[tuple[int, str], list[int]] = {}
     sources: dict[tuple[int, str], list[int]] = {}
-    for m in stages.messages:
-        to.setdefault((m.src, m.phase), []).append(m.dst)
-        sources.setdefault((m.dst, m.phase), []).append(m.src)
-    return (lambda stage, phase: to.get((stage, phase), ()),
-            lambda stage, phase: sources.get((stage, phase), ()))
+    for src, dst, phase in pairs:
+        to.setdefault((src, phase), []).append(dst)
+        sources.setdefault((dst, phase), []).append(src)
+    return send_releases(build(*key), rank, lambda stage, phase: to.get((stage, phase), ()),
+                         lambda stage, phase: sources.get((stage, phase), ()))
 
 
 def _across(stages: StageSummary, pp: int, end: str) -> dict[tuple[int, str], int]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -219,10 +220,29 @@ def _with_selective_recompute(costed, capacity) -> list[Layout]:
             for lay in _worth_recomputing(costed, capacity, lambda lay: lay not in over_full)]
 
 
-def refinements(fixed: dict[str, Any]) -> list[Refinement]:
-    """The rounds of layouts `search` costs after the candidates (module docstring)."""
+def recompute_variants(fixed: dict[str, Any]) -> Callable[[Layout, bool | None], list[Layout]] | None:
+    """`search`'s `variants`: a layout found over memory is tried with full recomputation,
+    and one with full recomputation not found over memory with selective recomputation
+    (it keeps more: not worth trying where full does not fit). None when the user fixed
+    `recompute`."""
+    if "recompute" in fixed:
+        return None
+
+    def variants(layout: Layout, over: bool | None) -> list[Layout]:
+        if layout.recompute == "none" and over:
+            return [layout.replace(recompute="full")]
+        if layout.recompute == "full" and not over:
+            return [layout.replace(recompute="selective")]
+        return []
+    return variants
+
+
+def refinements(fixed: dict[str, Any], recompute: bool = True) -> list[Refinement]:
+    """The rounds of layouts `search` costs after the candidates (module docstring);
+    without the recomputation rounds when `recompute` is False (`recompute_variants`
+    tries them as it goes)."""
     rounds: list[Refinement] = []
-    if "recompute" not in fixed:
+    if "recompute" not in fixed and recompute:
         rounds += [_with_full_recompute, _with_selective_recompute]
     if "bucket_mb" not in fixed:
         def buckets(costed, capacity):
@@ -257,7 +277,9 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
            prepare: Callable[[Layout], None] | None = None,
            timed: Callable[[Layout], float] | None = None,
            floor: Callable[[Layout], float] | None = None,
-           memory_floor: Callable[[Layout], float] | None = None) -> Plan:
+           memory_floor: Callable[[Layout], float] | None = None,
+           variants: Callable[[Layout, bool | None], Iterable[Layout]] | None = None,
+           prepared: Callable[[Layout], bool] | None = None) -> Plan:
     """Cost every candidate, then each round of `refine`; keep the fastest that fits
     (see the module docstring). `bound(layout)`: seconds the layout's step cannot beat
     (planner/plan.py); candidates are costed lowest bound first (then `costing_order`),
@@ -270,7 +292,10 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
     names (give the candidates smallest bound first for this to prune).
     `prepare(layout)`: called before a layout that the bounds did not rule out is
     costed (the planner rewrites its pipeline template there); its bound is then asked
-    once more.
+    once more. `prepared(layout)`: whether that has nothing left to do; where it has, a
+    layout that recomputes is first skipped if the same layout without recomputation,
+    found over memory before, is slower than the fastest fitting step (recomputing only
+    adds time; its step is cheaper to ask than a rewrite).
     `timed(layout)`: the step time `predict` would give, without costing the memory
     (cheaper); a layout whose step is slower than the fastest fitting one costed so
     far cannot be the plan whatever its memory, and is skipped with both figures.
@@ -283,16 +308,43 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
     refinements still see it as over memory (and its step time, when they ask for it:
     `timed`); if nothing fits in the end, those skipped are costed smallest floor first
     while a floor is below the smallest peak costed, so that the PlanError names the
-    smallest peak as without the floors."""
+    smallest peak as without the floors.
+    `variants(layout, over)`: layouts to cost once a candidate (or one of its variants)
+    is found over memory (over=True: by its prediction or its memory floor), fitting
+    (False) or slower than the fastest fitting step so far (None: its memory unknown).
+    `recompute_variants` gives the same layout recomputing, where the recomputation
+    rounds would add it only if the layout is faster than the fastest fitting step:
+    recomputing only adds time, so the extra layouts tried cannot be the plan, and the
+    plan is the same without asking the over-memory layout's step time. While nothing
+    fits the variants are costed first, so that a fitting step, which the bounds prune
+    against, is known early; a variant whose bound is already above it is not tried."""
     capacity = cluster.device.memory_bytes * max_memory_fraction
     candidates = list(candidates)
-    order = {lay: k for k, lay in enumerate(candidates)}
+    # ties rank: the candidates in their order, then the same layouts recomputing fully,
+    # then selectively (in their candidates' order, whether `variants` or a refinement
+    # added them), then the other refinements' layouts as added
+    order: dict[Layout, tuple[int, int]] = {lay: (0, k) for k, lay in enumerate(candidates)}
+
+    def rank_added(layout: Layout) -> None:
+        base = order.get(layout.replace(recompute="none"), (1, 0))
+        if base[0] == 0 and layout.recompute in ("full", "selective"):
+            order.setdefault(layout, (1 if layout.recompute == "full" else 2, base[1]))
+        else:
+            order.setdefault(layout, (3, len(order)))
     costed: list[tuple[Layout, Prediction]] = []
     skipped: list[tuple[Layout, str]] = []
     best = [math.inf]  # the fastest fitting step so far
     smallest = [math.inf]  # the smallest peak so far
     over_memory: dict[Layout, _OverMemory] = {}  # skipped on memory_floor
-    step_time = timed if timed is not None else (lambda lay: predict(lay).step_time_s)
+    times: dict[Layout, float] = {}  # asked of `timed`: the refinements may ask again
+    predicted: dict[Layout, Prediction] = {}
+
+    def step_time(layout: Layout) -> float:
+        if layout in predicted:
+            return predicted[layout].step_time_s
+        if layout not in times:
+            times[layout] = timed(layout) if timed is not None else predict(layout).step_time_s
+        return times[layout]
 
     def over_best(layout: Layout, seconds: float, what: str) -> bool:
         """Skip `layout` (recorded with why: `what` takes `seconds`) if `seconds` is above
@@ -307,19 +359,72 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
         least = bound(layout) if bound is not None and best[0] < math.inf else 0.0
         return over_best(layout, least, "it cannot take less than {ms} ms (plan.compute_bound)")
 
-    def cost(layouts: Iterable[Layout], show: bool) -> None:
+    def cost(layouts: Iterable[Layout], show: bool, early: bool) -> None:
         seen = {lay for lay, _ in costed} | {lay for lay, _ in skipped}
-        layouts = [lay for lay in layouts if lay not in seen]
-        bounds = {lay: bound(lay) for lay in layouts} if bound is not None else {}
-        first = (lambda lay: (bounds[lay], *costing_order(lay))) if bound is not None \
-            else (lambda lay: 0)  # as given: a memory bound prunes them smallest first
-        for layout in sorted(layouts, key=first):
+        first = (lambda lay: (bound(lay), *costing_order(lay))) if bound is not None \
+            else (lambda lay: ())  # as given: a memory bound prunes them smallest first
+        # (early, ...): variants pushed while nothing fits come first; then by `first`,
+        # ties in the order pushed
+        queue = [(1, *first(lay), k, lay) for k, lay in enumerate(layouts) if lay not in seen]
+        heapq.heapify(queue)
+        pushed = itertools.count(len(queue))
+        shown = {lay for *_, lay in queue} if show else set()
+
+        def slower_unrecomputed(layout: Layout) -> bool:
+            """Skip a layout that recomputes, before `prepare` rewrites for it, when the
+            same layout without recomputation, found over memory (or costed), is slower
+            than the fastest fitting step: recomputing only adds time."""
+            base = layout.replace(recompute="none")
+            if layout.recompute == "none" or best[0] == math.inf or not (
+                    base in over_memory or base in predicted) or prepared is None \
+                    or prepared(layout):
+                return False
+            return over_best(layout, step_time(base),
+                             "without recomputation its step takes {ms} ms")
+
+        def over_memory_floor(layout: Layout) -> bool:
+            held = memory_floor(layout) if memory_floor is not None else 0.0
+            if held <= capacity:
+                return False
+            skipped.append((layout, f"not costed: its first and last pipeline ranks alone "
+                                    f"need {_gb(held)} per device, over the {_gb(capacity)} "
+                                    f"allowed ({MEMORY_FLOOR_ONLY})"))
+            over_memory[layout] = _OverMemory(layout, held, step_time, bound)
+            vary(layout, True)
+            return True
+
+        def slower(layout: Layout) -> bool:
+            if timed is None or best[0] == math.inf or not (
+                    (floor is not None and over_best(
+                        layout, floor(layout),
+                        f"its busiest pipeline rank alone takes {{ms}} ms ({FLOOR_ONLY})"))
+                    or over_best(layout, step_time(layout),
+                                 f"its step takes {{ms}} ms ({TIMED_ONLY})")):
+                return False
+            vary(layout, None)
+            return True
+
+        def vary(layout: Layout, over: bool | None) -> None:
+            """Queue `layout`'s variants (see `variants`), those a bound does not rule out;
+            among ties they rank in the order they are added."""
+            if not early or variants is None:
+                return
+            for more in variants(layout, over):
+                key = first(more)
+                if more in seen or (bound is not None and key[0] > best[0]):
+                    continue
+                rank_added(more)
+                heapq.heappush(queue, (0 if best[0] == math.inf else 1, *key, next(pushed), more))
+
+        while queue:
+            layout = heapq.heappop(queue)[-1]
             if layout in seen:
                 continue
             seen.add(layout)
-            if show and progress is not None:
+            if progress is not None and layout in shown:
                 progress(layout)
-            if bounded(layout):
+            if bounded(layout) or slower_unrecomputed(layout):
+                vary(layout, None)
                 continue
             held = memory_bound(layout) if memory_bound is not None else 0.0
             if held > capacity and held > smallest[0]:
@@ -330,43 +435,37 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
             if prepare is not None and bound is not None and best[0] < math.inf:
                 prepare(layout)
                 if bounded(layout):
+                    vary(layout, None)
                     continue
             try:
-                if timed is not None and best[0] < math.inf and (
-                        (floor is not None and over_best(
-                            layout, floor(layout),
-                            f"its busiest pipeline rank alone takes {{ms}} ms ({FLOOR_ONLY})"))
-                        or over_best(layout, timed(layout),
-                                     f"its step takes {{ms}} ms ({TIMED_ONLY})")):
-                    continue
-                held = memory_floor(layout) if memory_floor is not None else 0.0
-                if held > capacity:
-                    skipped.append((layout, f"not costed: its first and last pipeline ranks "
-                                            f"alone need {_gb(held)} per device, over the "
-                                            f"{_gb(capacity)} allowed ({MEMORY_FLOOR_ONLY})"))
-                    over_memory[layout] = _OverMemory(layout, held, step_time, bound)
+                # the memory floor first once a layout was found over memory (memory is
+                # short: it settles most), the step time first while none was
+                if (over_memory and over_memory_floor(layout)) or slower(layout) or (
+                        not over_memory and over_memory_floor(layout)):
                     continue
                 pred = predict(layout)
             except ValueError as exc:  # a cut or a tp placement the model cannot take
                 skipped.append((layout, str(exc).splitlines()[0]))
                 continue
             costed.append((layout, pred))
+            predicted[layout] = pred
             smallest[0] = min(smallest[0], pred.peak_memory_bytes)
             if pred.peak_memory_bytes <= capacity:
                 best[0] = min(best[0], pred.step_time_s)
+            vary(layout, pred.peak_memory_bytes > capacity)
         # ties rank in the candidates' order, then the refinements', whatever order they
         # were costed in
         costed.sort(key=lambda c: order[c[0]])
 
-    cost(candidates, True)
+    cost(candidates, True, True)
     for more in refine:
         # what the refinements read, in the candidates' order (and so what they add: its
         # order ranks ties), those left out on their memory floor among them
         known = sorted([*costed, *over_memory.items()], key=lambda c: order[c[0]])
         added = more(known, capacity)
         for layout in added:
-            order.setdefault(layout, len(order))
-        cost(added, False)
+            rank_added(layout)
+        cost(added, False, False)
     fits, over = rank(costed, capacity)
     if not fits and over_memory:  # the error names the smallest peak: it may be one of them
         revived, refused = set(), []
@@ -380,6 +479,7 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
                 refused.append((layout, str(exc).splitlines()[0]))
                 continue
             costed.append((layout, pred))
+            predicted[layout] = pred
             smallest[0] = min(smallest[0], pred.peak_memory_bytes)
         skipped[:] = [s for s in skipped if s[0] not in revived] + refused
         costed.sort(key=lambda c: order[c[0]])
