@@ -95,7 +95,11 @@ def _search(model, cluster, example_inputs, loss_fn, optimizer, efficiency, prog
     if bound is not None and count:
         first = {lay: bound(lay) for lay in costed}  # before anything is costed
         order = sorted(costed, key=lambda lay: (first[lay], *costing_order(lay)))
-        estimator.start_workers(count, rewrites_asked(order, widest), first.__getitem__)
+        asked = rewrites_asked(order, widest)
+        if pruned and "recompute" not in fixed:  # memory is short: recomputation will be
+            asked = [v for lay in asked for v in (lay, lay.replace(recompute="full"))]
+            first.update({lay: bound(lay) for lay in asked if lay not in first})
+        estimator.start_workers(count, asked, first.__getitem__)
     try:
         try:
             result = search(costed, estimator.predict, cluster, fraction, step,
