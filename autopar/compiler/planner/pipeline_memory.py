@@ -80,7 +80,8 @@ class _Replay:
         self.live = dict.fromkeys(CATEGORIES, 0)
         self.env: dict[int, dict[str, int]] = {}  # micro-batch -> its environment's bytes
         self.sends = SentBuffers(program.send_releases(pp_rank))
-        self.microbatch_of = {i: a.microbatch for i, a in enumerate(program.schedule.ranks[pp_rank])}
+        self.microbatch_of = {i: a.microbatch
+                              for i, a in enumerate(program.schedule.ranks[pp_rank])}
         self.grads: set[str] = set()
         self.peak, self.at_peak, self.peak_op = 0, dict(self.live), ""
         self._programs: dict[tuple[int, str], tuple] = {}

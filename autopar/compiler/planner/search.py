@@ -18,13 +18,17 @@ schedule) is above the fastest fitting step costed so far: it cannot be the plan
 and so is one whose memory floor (`memory_floor`: a pipeline's two end ranks
 replayed) is over the memory allowed.
 
-Then `refinements` add layouts worth costing given what was learnt, each round
-ranked with the rest: a layout over memory that is faster than the fastest fitting
-one (or any, when nothing fits) is tried again with full recomputation, and where
-that fits, with selective recomputation (it keeps more: it cannot fit where full
-does not); recomputing only adds time, so a layout slower than one that already
-fits is not tried. Then the fastest fitting data-parallel layout is tried with
-other gradient bucket sizes. A field the user fixed is never varied.
+Recomputation is tried as the candidates are costed (`variants`,
+`recompute_variants`): a layout found over memory is queued again with full
+recomputation (first, while nothing fits), and one with full recomputation not found
+over memory with selective (it keeps more: it cannot fit where full does not);
+recomputing only adds time, so a variant whose layout without recomputation is
+already slower than one that fits is skipped. Then `refinements` add layouts worth
+costing given what was learnt, each round ranked with the rest: the fastest fitting
+data-parallel layout with other gradient bucket sizes (and, for a caller without
+`variants`, rounds that retry a layout over memory faster than the fastest fitting
+one with full, then selective recomputation: the same plan). A field the user fixed
+is never varied.
 """
 
 from __future__ import annotations
@@ -220,7 +224,8 @@ def _with_selective_recompute(costed, capacity) -> list[Layout]:
             for lay in _worth_recomputing(costed, capacity, lambda lay: lay not in over_full)]
 
 
-def recompute_variants(fixed: dict[str, Any]) -> Callable[[Layout, bool | None], list[Layout]] | None:
+def recompute_variants(fixed: dict[str, Any]
+                       ) -> Callable[[Layout, bool | None], list[Layout]] | None:
     """`search`'s `variants`: a layout found over memory is tried with full recomputation,
     and one with full recomputation not found over memory with selective recomputation
     (it keeps more: not worth trying where full does not fit). None when the user fixed
