@@ -376,11 +376,11 @@ def send_releases(s: Schedule, rank: int,
             dsts = [d for d in sends_to(a.stage, phase) if s.rank_of(d) != rank]
             if not dsts:
                 continue
-            left[i] = 1
             if phase == "F" and set(dsts) <= leads_to.get(a.stage, set()):
                 # proven by the micro-batch's backward, before its environment (which
                 # holds what was sent) is dropped: no need to watch the receivers
                 forward[a.stage, a.microbatch] = i
+                left[i] = 1
                 continue
             need: dict[int, int] = {}
             for dst in dsts:

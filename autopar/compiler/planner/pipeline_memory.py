@@ -42,10 +42,12 @@ class SentBuffers:
     def __init__(self, releases: dict[int, tuple[int, ...]]) -> None:
         self.releases = releases
         self.unreleased: dict[int, dict[int, int]] = {}  # micro-batch -> {send: bytes}
+        self.microbatch_of: dict[int, int] = {}  # send -> its micro-batch
         self.kept: dict[int, tuple[int, int]] = {}  # dropped micro-batch -> (kept, its env)
 
     def sent(self, index: int, mb: int, nbytes: int) -> None:
         self.unreleased.setdefault(mb, {})[index] = nbytes
+        self.microbatch_of[index] = mb
 
     def dropped(self, mb: int, freed: int) -> int:
         """Bytes of micro-batch `mb`'s environment (`freed` in all) that stay."""
@@ -54,12 +56,11 @@ class SentBuffers:
             self.kept[mb] = (kept, freed)
         return kept
 
-    def received(self, index: int, microbatch_of: dict[int, int]) -> int:
-        """Bytes let go of after receive action `index` (`microbatch_of`: send -> its
-        micro-batch)."""
+    def received(self, index: int) -> int:
+        """Bytes let go of after receive action `index`."""
         freed = 0
         for j in self.releases.get(index, ()):
-            mb = microbatch_of[j]
+            mb = self.microbatch_of.pop(j)
             self.unreleased.get(mb, {}).pop(j, None)
             if mb in self.kept:
                 kept, env = self.kept[mb]
@@ -80,8 +81,6 @@ class _Replay:
         self.live = dict.fromkeys(CATEGORIES, 0)
         self.env: dict[int, dict[str, int]] = {}  # micro-batch -> its environment's bytes
         self.sends = SentBuffers(program.send_releases(pp_rank))
-        self.microbatch_of = {i: a.microbatch
-                              for i, a in enumerate(program.schedule.ranks[pp_rank])}
         self.grads: set[str] = set()
         self.peak, self.at_peak, self.peak_op = 0, dict(self.live), ""
         self._programs: dict[tuple[int, str], tuple] = {}
@@ -111,7 +110,7 @@ class _Replay:
                                             "forward" if action.kind == "RF" else "backward")
             self._add_env(action.microbatch, self._bytes_across(action.stage, sources),
                           "comm_buffers")
-            self.live["comm_buffers"] -= self.sends.received(index, self.microbatch_of)
+            self.live["comm_buffers"] -= self.sends.received(index)
         elif action.kind in ("SF", "SB"):
             stage = self.stages[action.stage]
             table = stage.send_forward if action.kind == "SF" else stage.send_backward

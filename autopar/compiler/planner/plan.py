@@ -117,9 +117,10 @@ def _search(model, cluster, example_inputs, loss_fn, optimizer, efficiency, prog
                 floor = _static_bound(model, optimizer)
                 try:
                     search(costed + sorted((lay for lay, _ in pruned), key=floor),
-                           estimator.predict, cluster, fraction, None, refinements(fixed),
-                           memory_bound=floor, timed=estimator.step_time,
-                           memory_floor=estimator.memory_floor)
+                           estimator.predict, cluster, fraction, None,
+                           refinements(fixed, recompute=False), memory_bound=floor,
+                           timed=estimator.step_time, memory_floor=estimator.memory_floor,
+                           variants=recompute_variants(fixed))
                 except PlanError as again:
                     exc = again
             hint = _larger_cluster_hint(model, cluster, example_inputs, loss_fn, optimizer,

@@ -372,7 +372,6 @@ def _replay_activity(across: tuple[dict, dict], programs: dict, actions,
     received, sent_by = across
     env: dict[int, dict[str, int]] = {}
     sends = SentBuffers(releases)
-    microbatch_of = {i: a.microbatch for i, a in enumerate(actions)}
     done = set()
     prepared: dict[tuple[int, str], tuple] = {}  # what one program adds, worked out once
     last = {a.microbatch: i for i, a in enumerate(actions)}
@@ -400,7 +399,7 @@ def _replay_activity(across: tuple[dict, dict], programs: dict, actions,
         elif a.kind in ("RF", "RB"):
             size = received.get((a.stage, a.kind[1]), 0)
             mb_env["comm_buffers"] = mb_env.get("comm_buffers", 0) + size
-            released = sends.received(i, microbatch_of)
+            released = sends.received(i)
             live["comm_buffers"] += size - released
             held += size - released
         elif a.kind in ("SF", "SB"):

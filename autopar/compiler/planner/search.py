@@ -364,7 +364,9 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
         least = bound(layout) if bound is not None and best[0] < math.inf else 0.0
         return over_best(layout, least, "it cannot take less than {ms} ms (plan.compute_bound)")
 
-    def cost(layouts: Iterable[Layout], show: bool, early: bool) -> None:
+    def cost(layouts: Iterable[Layout], candidates_round: bool) -> None:
+        """Cost `layouts` (the candidates' round: with progress shown and `variants`
+        queued as layouts are found over memory)."""
         seen = {lay for lay, _ in costed} | {lay for lay, _ in skipped}
         first = (lambda lay: (bound(lay), *costing_order(lay))) if bound is not None \
             else (lambda lay: ())  # as given: a memory bound prunes them smallest first
@@ -373,7 +375,7 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
         queue = [(1, *first(lay), k, lay) for k, lay in enumerate(layouts) if lay not in seen]
         heapq.heapify(queue)
         pushed = itertools.count(len(queue))
-        shown = {lay for *_, lay in queue} if show else set()
+        shown = {lay for *_, lay in queue} if candidates_round else set()
 
         def slower_unrecomputed(layout: Layout) -> bool:
             """Skip a layout that recomputes, before `prepare` rewrites for it, when the
@@ -412,11 +414,13 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
         def vary(layout: Layout, over: bool | None) -> None:
             """Queue `layout`'s variants (see `variants`), those a bound does not rule out;
             among ties they rank in the order they are added."""
-            if not early or variants is None:
+            if not candidates_round or variants is None:
                 return
             for more in variants(layout, over):
+                if more in seen:
+                    continue
                 key = first(more)
-                if more in seen or (bound is not None and key[0] > best[0]):
+                if bound is not None and key[0] > best[0]:
                     continue
                 rank_added(more)
                 heapq.heappush(queue, (0 if best[0] == math.inf else 1, *key, next(pushed), more))
@@ -462,7 +466,7 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
         # were costed in
         costed.sort(key=lambda c: order[c[0]])
 
-    cost(candidates, True, True)
+    cost(candidates, True)
     for more in refine:
         # what the refinements read, in the candidates' order (and so what they add: its
         # order ranks ties), those left out on their memory floor among them
@@ -470,7 +474,7 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
         added = more(known, capacity)
         for layout in added:
             rank_added(layout)
-        cost(added, False, False)
+        cost(added, False)
     fits, over = rank(costed, capacity)
     if not fits and over_memory:  # the error names the smallest peak: it may be one of them
         revived, refused = set(), []
