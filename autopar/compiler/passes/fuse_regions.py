@@ -368,14 +368,14 @@ def _signature(node: fx.Node) -> str:
 
 
 class _Round:
-    """One round's rewrites: each region replaced where its first op stood (`first`
-    keeps the fused node there when the round ends in a stable topological sort).
-    `made` collects the nodes the rewrites make."""
+    """One round's rewrites: each region replaced where its first op stood (`order`
+    keeps the fused node there, and every other node where it stood when the round
+    began, when the round ends in a stable topological sort). `made` collects the
+    nodes the rewrites make."""
 
     def __init__(self, out: TrainGraph, made: set[fx.Node]):
         self.out, self.made = out, made
-        self.order = {n: i for i, n in enumerate(out.graph.nodes)}
-        self.first: dict[fx.Node, float] = {}
+        self.order: dict[fx.Node, float] = {n: i for i, n in enumerate(out.graph.nodes)}
 
     def apply(self, region: _Region, key: str, name: str, stats: Counter) -> None:
         start = min(self.order[n] for n in region.nodes)
@@ -385,12 +385,15 @@ class _Round:
         stats["kernels"] += 1
         stats["ops_fused"] += sum(n.target is not operator.getitem for n in region.nodes)
         stats["bytes_saved"] += region.bytes_before - region.bytes_after
-        new = {n: start + 0.5 for n in self.out.graph.nodes if n not in self.order}
-        self.first.update(new)
-        self.order.update(new)
+        self.order.update({n: start + 0.5 for n in self.out.graph.nodes if n not in self.order})
 
     def finish(self) -> None:
-        stable_toposort(self.out.graph, self.first)
+        # NOTE: every node keyed by its place when the round began. Keying the others by
+        # their place after the erasures (shifted left by every region fused before
+        # them) put each fused node hundreds of places late among them: the ops waiting
+        # for it stalled, and the sort pulled every ready node ahead meanwhile (a ZeRO-3
+        # step issued its backward gathers blocks early and held those weights).
+        stable_toposort(self.out.graph, self.order)
 
 
 def _fuse_round(out: TrainGraph, rejected, declined, stats, made: set[fx.Node]
