@@ -7,9 +7,14 @@ stands for m_b of the L real blocks (sum m_b = L, as even as L / k allows), and 
 summaries are scaled to the whole model:
 
 - every op of block b runs m_b times (`OpRecord.repeat`: its compute, launch and
-  collectives cost m_b times), its model FLOPs and the storage it allocates (the
-  activations of m_b blocks) are multiplied by m_b, and so are the parameters only
-  block b reads;
+  collectives cost m_b times), its model FLOPs are multiplied by m_b, and so are the
+  parameters only block b reads;
+- a block op's storage counts m_b times when it outlives its own pass over the
+  blocks: read by the backward though made before it (saved activations, recomputed
+  blocks' inputs), or returned by the step (gradients). Storage the forward or the
+  backward frees itself (a gathered ZeRO-3 weight, a block's temporaries, the
+  gradient one block hands the one before it) counts once, as the real step runs
+  the m_b blocks one after another (replicated.py keeps the same rule per stage);
 - the gradient buckets (ops of the data-parallel pass, `autopar.bucket`) carry m_b
   times the gradients of each block: their bytes and their collectives' bytes are
   scaled by the ratio of whole-model to traced gradient bytes (fewer, larger
@@ -93,15 +98,31 @@ def scale_summary(summary: GraphSummary, tg: TrainGraph, counts: tuple[int, ...]
     traced = sum(n * s for n, s in zip(summary.param_numel, summary.param_itemsize))
     whole = sum(n * s for n, s in zip(numel, summary.param_itemsize))
     ratio = whole / traced if traced else 1.0
-    ops = tuple(_scaled(op, counts[b] if b is not None else None, bucket, ratio)
-                for op, b, bucket in zip(summary.ops, op_layers(tg), op_buckets(tg)))
+    buckets = op_buckets(tg)
+    kept = _kept_storages(summary, buckets)
+    ops = tuple(_scaled(op, counts[b] if b is not None else None, bucket, ratio, i in kept)
+                for i, (op, b, bucket) in enumerate(zip(summary.ops, op_layers(tg), buckets)))
     return replace(summary, ops=ops, param_numel=numel)
 
 
-def _scaled(op: OpRecord, count: int | None, bucket: bool, ratio: float) -> OpRecord:
+def _kept_storages(summary: GraphSummary, buckets: tuple[bool, ...]) -> frozenset[int]:
+    """Storages the step returns, read by a gradient bucket (a bucket of the scaled step
+    packs the gradients of all m_b copies), or made before the first backward op and
+    read from it on; a read is also a collective's hold on its input until its wait."""
+    ops = summary.ops
+    boundary = next((i for i, op in enumerate(ops) if op.role == "backward"), len(ops))
+    kept = set(summary.output_storages)
+    for i, op in enumerate(ops):
+        reads = op.uses + (ops[op.waits_on].uses if op.waits_on is not None else ())
+        kept.update(s for s in (ops[u].storage for u in reads)
+                    if s is not None and (buckets[i] or s < boundary <= i))
+    return frozenset(kept)
+
+
+def _scaled(op: OpRecord, count: int | None, bucket: bool, ratio: float, kept: bool) -> OpRecord:
     if count is not None:
         return replace(op, repeat=op.repeat * count, model_flops=op.model_flops * count,
-                       allocates=op.allocates * count)
+                       allocates=op.allocates * count if kept else op.allocates)
     if bucket:
         return replace(op, bytes=int(op.bytes * ratio), allocates=int(op.allocates * ratio),
                        comm_bytes=int(op.comm_bytes * ratio))
