@@ -65,19 +65,38 @@ def test_hierarchical_all_reduce_by_hand():
     expected = 2 * reduce_scatter + min(inter_ring, inter_tree)
     assert cm.hierarchical_all_reduce(n, 4, 2, intra, inter) == pytest.approx(expected)
     c = cluster(nodes=2, per_node=4, intra=(100e9, 1e-6), inter=(10e9, 1e-5))
-    assert cm.collective_time("all_reduce", n, 8, c, True, EXACT) == pytest.approx(expected)
+    assert cm.collective_time("all_reduce", n, 8, c, 1, EXACT) == pytest.approx(expected)
+
+
+def test_a_strided_group_all_reduces_across_the_network_with_the_ranks_each_node_holds():
+    """A group's ranks are `stride` devices apart (node-major numbering): dp outside
+    tp = 2 on 4-device nodes holds 2 ranks per node, outside tp = 4 one, and that
+    one's all-reduce is a flat one between the nodes (each device's own port)."""
+    c = cluster(nodes=4, per_node=4, intra=(100e9, 1e-6), inter=(10e9, 1e-5))
+    n = 8e9
+    two = cm.collective_time("all_reduce", n, 8, c, 2, EXACT)
+    assert two == pytest.approx(cm.hierarchical_all_reduce(n, 2, 4, c.intra_node, c.inter_node))
+    one = cm.collective_time("all_reduce", n, 4, c, 4, EXACT)
+    assert one == pytest.approx(cm.flat_all_reduce(n, 4, c.inter_node))
+    # by hand: a ring of 4 nodes, 2 * 3/4 of 8 GB at 10 GB/s, 6 hops of 10 us
+    assert one == pytest.approx(2 * 3 / 4 * 8e9 / 10e9 + 6 * 1e-5)
+    # the same 4 ranks packed in one node stay on NVLink; spread, they are slower
+    assert cm.collective_time("all_reduce", n, 4, c, 1, EXACT) < one
+    # gathers and scatters ring over the network whatever the stride
+    assert cm.collective_time("all_gather", n, 4, c, 4, EXACT) == \
+        pytest.approx(cm.ring_all_gather(n, 4, c.inter_node))
 
 
 def test_collective_time_picks_the_link_of_the_group():
     c = cluster(nodes=2, per_node=4)
-    inside = cm.collective_time("all_reduce", 1e8, 4, c, False, EXACT)
+    inside = cm.collective_time("all_reduce", 1e8, 4, c, 1, EXACT)
     assert inside == pytest.approx(cm.flat_all_reduce(1e8, 4, c.intra_node))
-    gather = cm.collective_time("all_gather", 1e8, 8, c, True, EXACT)
+    gather = cm.collective_time("all_gather", 1e8, 8, c, 1, EXACT)
     assert gather == pytest.approx(cm.ring_all_gather(1e8, 8, c.inter_node))
     assert cm.group_spans_nodes(4, 1, c) is False and cm.group_spans_nodes(8, 1, c) is True
-    assert cm.collective_time("all_reduce", 1e8, 1, c, False) == 0.0
+    assert cm.collective_time("all_reduce", 1e8, 1, c) == 0.0
     with pytest.raises(ValueError, match="unknown collective 'broadcast'"):
-        cm.collective_time("broadcast", 1e8, 4, c, False)
+        cm.collective_time("broadcast", 1e8, 4, c)
     with pytest.raises(ValueError, match=r"Efficiency.link must be in \(0, 1\]"):
         cm.Efficiency(link=1.5)
 
@@ -140,13 +159,13 @@ def test_overlap_bounds_and_more_bandwidth_is_never_slower(summary, bandwidth, f
 
 @settings(max_examples=60, deadline=None)
 @given(st.sampled_from(["all_reduce", "all_gather", "reduce_scatter"]), st.floats(1, 1e11),
-       st.floats(1, 10), st.integers(2, 64), st.booleans())
-def test_collectives_grow_with_bytes_and_shrink_with_bandwidth(kind, nbytes, factor, p, spans):
+       st.floats(1, 10), st.integers(2, 64), st.sampled_from([1, 2, 8]))
+def test_collectives_grow_with_bytes_and_shrink_with_bandwidth(kind, nbytes, factor, p, stride):
     c, faster = cluster(nodes=8, per_node=8), cluster(nodes=8, per_node=8, intra=(100e9 * factor, 1e-6),
                                                       inter=(10e9 * factor, 10e-6))
-    t = cm.collective_time(kind, nbytes, p, c, spans)
-    assert cm.collective_time(kind, nbytes * factor, p, c, spans) >= t
-    assert cm.collective_time(kind, nbytes, p, faster, spans) <= t
+    t = cm.collective_time(kind, nbytes, p, c, stride)
+    assert cm.collective_time(kind, nbytes * factor, p, c, stride) >= t
+    assert cm.collective_time(kind, nbytes, p, faster, stride) <= t
 
 
 # -- FLOPs of a GPT ------------------------------------------------------------------------

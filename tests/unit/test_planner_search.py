@@ -5,6 +5,7 @@ its errors."""
 from __future__ import annotations
 
 import logging
+import math
 import re
 
 import pytest
@@ -321,7 +322,7 @@ def test_whole_step_bound_counts_the_gradient_sync_and_prunes_comm_bound_layouts
 def test_static_bound_is_below_every_predicted_peak_and_prunes_without_tracing():
     from autopar.compiler.planner.estimate import Estimator
     from autopar.compiler.planner.memory import static_lower_bound
-    from autopar.compiler.planner.plan import prune_static
+    from autopar.compiler.planner.plan import bucketed_gradients, prune_static
 
     ex = gpt2(layers=4, hidden=64, heads=4, vocab=256, batch=8, seq=32)
     c = ClusterSpec.local(nprocs=4)
@@ -332,8 +333,31 @@ def test_static_bound_is_below_every_predicted_peak_and_prunes_without_tracing()
         + [(lay, estimator.predict(lay)) for lay, why in plan.skipped
            if S.TIMED_ONLY in why or S.FLOOR_ONLY in why]
     assert {lay.zero for lay, _ in costed} == {0, 1, 2, 3} and {lay.pp for lay, _ in costed} > {1}
+    # the gradient buckets of a whole-graph step: wte (tied to the head) is left out
+    bucketed = bucketed_gradients(ex.model, estimator, costed[0][0])
+    assert len(bucketed) == sum(1 for _ in ex.model.parameters()) - 2  # wte, wpe
+    more = [autopar.Layout(dp=4, zero=z, grad_comm_dtype=g) for z in range(4)
+            for g in (None, "bf16")] \
+        + [autopar.Layout(dp=2, tp=2, zero=z) for z in (0, 3)]
+    costed += [(lay, estimator.predict(lay)) for lay in more]
     for lay, pred in costed:
         assert static_lower_bound(param_bytes, lay, "adamw") <= pred.peak_memory_bytes, lay
+        with_buckets = static_lower_bound(param_bytes, lay, "adamw", bucketed)
+        assert with_buckets <= pred.peak_memory_bytes, lay
+        if lay.pp == lay.microbatches == 1 and lay.zero >= 2:  # the buckets are the bound
+            assert with_buckets > static_lower_bound(param_bytes, lay, "adamw"), lay
+    # without tensor parallelism the buckets are what the step's gradient collectives
+    # hold, but for the embedding tables' terms (the head's term of the tied wte is
+    # reduced on its own) and the loss's scalar
+    for lay in (autopar.Layout(dp=4, zero=2), autopar.Layout(dp=4, grad_comm_dtype="bf16")):
+        summary = estimator.rewritten_summary(lay)
+        held = sum(summary.ops[op.uses[0]].allocates for op in summary.ops
+                   if op.collective in ("all_reduce", "reduce_scatter") and op.group == "dp")
+        wire = 2 if lay.grad_comm_dtype else 4
+        floor = sum(math.prod(shape) * wire for shape, _ in bucketed)
+        tables = sum(p.numel() * wire for p in (ex.model.transformer.wte.weight,
+                                                ex.model.transformer.wpe.weight))
+        assert floor <= held - 4 <= floor + tables, (lay, held, floor)
     # on a device with room for less than the bound, those layouts are not traced
     tight = _with_memory(c, int(static_lower_bound(param_bytes, autopar.Layout(dp=4), "adamw")))
     keep, pruned = prune_static(S.candidate_layouts(tight, 8, 4, {}), ex.model, tight, 0.9,

@@ -62,7 +62,7 @@ class TPCosts:
         return 3 * strategy.work * op_time(flops, nbytes, peak, dev.memory_bandwidth)
 
     def collective(self, kind: str, nbytes: float) -> float:
-        return collective_time(kind, nbytes, self.tp, self.cluster, spans_nodes=False)
+        return collective_time(kind, nbytes, self.tp, self.cluster)
 
     def redistribute(self, src: Placement, dst: Placement, val: torch.Tensor,
                      needs_grad: bool) -> float:

@@ -9,7 +9,7 @@ the rewrite put them; pipelined and micro-batched steps add the simulated schedu
 - compute: a roofline per op, max(flops / (peak * e_compute), bytes / (bw * e_memory));
 - collectives: alpha-beta (latency + bytes / bandwidth) on the link the mesh dimension
   maps to: NVLink-class `intra_node` when the group fits in a node, else `inter_node`
-  with the hierarchical all-reduce;
+  with the hierarchical all-reduce over the group's ranks on each node;
 - overlap: the graph is replayed in order on a compute stream and one communication
   stream; a collective starts when the op before it has run and its stream is free,
   and a `wait_tensor` stalls compute until its collective is done;
@@ -152,22 +152,26 @@ def hierarchical_all_reduce(nbytes: float, per_node: int, nodes: int, intra: Lin
 
 
 def collective_time(kind: str, nbytes: float, group_size: int, cluster: ClusterSpec,
-                    spans_nodes: bool, eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
-    """Seconds for one collective over `group_size` ranks; nbytes is the full tensor
-    (the reduced one, or the gathered output). A group that spans nodes is laid out
-    node-major: min(group_size, devices_per_node) ranks on each of its nodes."""
+                    stride: int = 1, eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    """Seconds for one collective over `group_size` ranks `stride` apart (the product of
+    the inner mesh dimensions); nbytes is the full tensor (the reduced one, or the
+    gathered output). Ranks are numbered node-major, so a node holds
+    min(group_size, devices_per_node // stride) of the group, at least one: a
+    data-parallel group outside tp = 8 on 8-GPU nodes has one rank per node, and its
+    all-reduce crosses the network whole (each device has its own network port)."""
     if kind not in ("all_reduce", "all_gather", "reduce_scatter"):
         raise ValueError(f"unknown collective {kind!r}; expected all_reduce, all_gather "
                          "or reduce_scatter")
     if group_size <= 1:
         return 0.0
+    spans_nodes = group_spans_nodes(group_size, stride, cluster)
     link = cluster.inter_node if spans_nodes else cluster.intra_node
     if kind != "all_reduce":
         # a ring across nodes runs at the pace of its slowest (network) hop
         return ring_all_gather(nbytes, group_size, link, eff.link)
     if not spans_nodes:
         return flat_all_reduce(nbytes, group_size, link, eff.link)
-    per_node = min(group_size, cluster.devices_per_node)
+    per_node = max(1, min(group_size, cluster.devices_per_node // stride))
     return hierarchical_all_reduce(nbytes, per_node, math.ceil(group_size / per_node),
                                    cluster.intra_node, cluster.inter_node, eff.link)
 
@@ -205,8 +209,7 @@ def collective_seconds(op: OpRecord, cluster: ClusterSpec, layout: Layout,
         raise ValueError(f"collective {op.name} names mesh dimension {op.group!r}; the cost "
                          f"model knows {sorted(dims)}")
     size, stride = dims[op.group]
-    return op.repeat * collective_time(op.collective, op.comm_bytes, size, cluster,
-                                       group_spans_nodes(size, stride, cluster), eff)
+    return op.repeat * collective_time(op.collective, op.comm_bytes, size, cluster, stride, eff)
 
 
 def simulate_streams(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
@@ -255,8 +258,7 @@ def zero_gather_time(summary: GraphSummary, cluster: ClusterSpec, layout: Layout
     updates a block of outside the graph (runtime/executor.py `_gather_zero_blocks`: one
     collective per parameter), overlapped with nothing."""
     size, stride = mesh_dim_sizes(layout)["dp"]
-    spans = group_spans_nodes(size, stride, cluster)
-    return sum(collective_time("all_gather", block * size, size, cluster, spans, eff)
+    return sum(collective_time("all_gather", block * size, size, cluster, stride, eff)
                for block in outside_graph_blocks(summary, layout) if block)
 
 

@@ -24,7 +24,9 @@ as the step runs (`autopar.runtime.live_bytes`; tests/unit/test_memory_model.py)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -83,20 +85,45 @@ def profile_optimizer(factory: Callable[[list[torch.nn.Parameter]], torch.optim.
     return OptimizerMemory(held_bytes(big) / nbytes, small, live.peak_bytes / nbytes)
 
 
+WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # Layout.grad_comm_dtype -> bytes per element
+
+
 def static_lower_bound(param_bytes: int, layout: Layout,
-                       optimizer: str | OptimizerMemory = "adamw") -> float:
+                       optimizer: str | OptimizerMemory = "adamw",
+                       bucketed: Sequence[tuple[tuple[int, ...], int]] = ()) -> float:
     """Bytes of parameters, gradients and optimizer state the fullest rank holds at least
     under `layout`, from the model's trainable parameter bytes alone (no trace): each is
     split at best evenly over tp and pp (the fullest stage holds at least its share),
     and over dp where ZeRO shards it (parameters only without a pipeline: a pipelined
     ZeRO-3 step gathers its stages' parameters for the whole schedule). step_memory's
-    peak is never below it: the optimizer phase holds all three."""
+    peak is never below it: the optimizer phase holds all three.
+
+    `bucketed`: (shape, itemsize) of each gradient a whole-graph data-parallel step
+    (no pipeline, no micro-batches, dp > 1) sums in buckets (passes/insert_allreduce.py:
+    every trainable parameter's but an embedding table's, whose rows may be gathered
+    instead). Each bucket waits for its collective just before the graph returns, and
+    until then the collective holds its input: the bucket, in Layout.grad_comm_dtype
+    when set, at least the smallest tensor-parallel piece of each gradient
+    (tp_piece_bytes). Under ZeRO-2/3 that is the whole gradient, not its 1/dp block,
+    beside the parameters and optimizer state."""
     share = param_bytes / (layout.tp * layout.pp)
     dp = layout.dp
     params = share / dp if layout.zero >= 3 and layout.pp == 1 else share
     grads = share / dp if layout.zero >= 2 else share
     states = optimizer_memory(optimizer).states * (share / dp if layout.zero >= 1 else share)
-    return params + grads + states
+    held = params + grads + states
+    if bucketed and dp > 1 and layout.pp == layout.microbatches == 1:
+        wire = WIRE_BYTES.get(layout.grad_comm_dtype)
+        buckets = sum(tp_piece_bytes(shape, wire or itemsize, layout.tp) * count
+                      for (shape, itemsize), count in Counter(bucketed).items())
+        held = max(held, params + states + buckets)
+    return held
+
+
+def tp_piece_bytes(shape: tuple[int, ...], itemsize: int, tp: int) -> float:
+    """Bytes below a rank's piece of a tensor of `shape` under tensor parallelism: whole,
+    or cut in tp along one dim d, keeping at least d // tp of its d rows."""
+    return math.prod(shape) * min([1.0, *((d // tp) / d for d in shape if d)]) * itemsize
 
 
 @dataclass(frozen=True)

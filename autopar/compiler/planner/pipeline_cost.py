@@ -34,14 +34,13 @@ from autopar.cluster import ClusterSpec
 from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, Efficiency, collective_time,
                                                  group_spans_nodes, optimizer_time,
                                                  simulate_streams)
-from autopar.compiler.planner.memory import zero_block_bytes
+from autopar.compiler.planner.memory import WIRE_BYTES, tp_piece_bytes, zero_block_bytes
 from autopar.compiler.planner.stages import StageSummary
 from autopar.compiler.planner.summary import GraphSummary, changed
 from autopar.layout import Layout
 from autopar.runtime.schedule import Schedule, Timeline, build, rank_floors, simulate
 
 PHASE_PROGRAMS = {"F": "F", "B": "IW", "I": "I", "W": "W"}
-WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True)
@@ -143,21 +142,21 @@ def grad_sync_time(summary: GraphSummary, stages: StageSummary, cluster: Cluster
     flat all-reduce of the gradients it updates whole, and under ZeRO-2/3 a
     reduce-scatter of each one it updates a block of. `by_rank`: rank_params, if known."""
     out = [0.0] * layout.pp
-    pp_spans = group_spans_nodes(layout.pp, layout.tp * layout.dp, cluster)
-    dp_spans = group_spans_nodes(layout.dp, layout.tp, cluster)
     for i, readers in enumerate(stages.param_stages):
         ranks = {s % layout.pp for s in readers}
         if len(ranks) < 2:  # read on one rank: nothing to reduce across the pipeline
             continue
+        # the sharing ranks are tp * dp devices apart per pipeline rank between them
+        spacing = layout.tp * layout.dp * (max(ranks) - min(ranks)) // (len(ranks) - 1)
         seconds = collective_time("all_reduce", summary.param_numel[i] * summary.param_itemsize[i],
-                                  len(ranks), cluster, pp_spans, eff)
+                                  len(ranks), cluster, spacing, eff)
         for rank in ranks:
             out[rank] += seconds
 
     @functools.cache  # blocks repeat: one per parameter shape
     def scatter(block: int) -> float:
         return collective_time("reduce_scatter", _wire(block * layout.dp, summary, layout),
-                               layout.dp, cluster, dp_spans, eff)
+                               layout.dp, cluster, layout.tp, eff)
 
     for rank, params in enumerate(by_rank or rank_params(stages, layout)):
         whole = 0
@@ -168,7 +167,7 @@ def grad_sync_time(summary: GraphSummary, stages: StageSummary, cluster: Cluster
             else:
                 whole += summary.param_numel[i] * summary.param_itemsize[i]
         out[rank] += collective_time("all_reduce", _wire(whole, summary, layout), layout.dp,
-                                     cluster, dp_spans, eff)
+                                     cluster, layout.tp, eff)
     return out
 
 
@@ -178,13 +177,12 @@ def param_gather_time(summary: GraphSummary, stages: StageSummary, cluster: Clus
     """Per pipeline rank: ZeRO's all-gather of each parameter it updates a block of (after
     the optimizer under ZeRO-1/2, before the schedule under ZeRO-3), one per parameter
     as the runtime issues them."""
-    dp_spans = group_spans_nodes(layout.dp, layout.tp, cluster)
     if not layout.zero or layout.dp == 1:  # zero_block_bytes is 0 for every parameter
         return [0.0] * layout.pp
 
     @functools.cache  # blocks repeat: one per parameter shape
     def gather(block: int) -> float:
-        return collective_time("all_gather", block * layout.dp, layout.dp, cluster, dp_spans, eff)
+        return collective_time("all_gather", block * layout.dp, layout.dp, cluster, layout.tp, eff)
 
     return [sum(gather(block)
                 for block in (zero_block_bytes(summary, i, layout) for i in params) if block)
@@ -230,17 +228,15 @@ def after_schedule_floor(params: Sequence[tuple[tuple[int, ...], int]], cluster:
     held, gathered = 0.0, 0.0
     # a deep model's parameters are a few shapes repeated once per block: each costed once
     for (shape, itemsize), count in Counter(params).items():
-        numel = math.prod(shape)
-        piece = numel * min([1.0, *((d // layout.tp) / d for d in shape if d)]) * itemsize * count
+        piece = tp_piece_bytes(shape, itemsize, layout.tp) * count
         held += piece
         if layout.zero and layout.dp > 1 and shape and shape[0] // layout.tp >= layout.dp:
             gathered += piece
-    spans = group_spans_nodes(layout.dp, layout.tp, cluster)
     wire = _wired(held, [size for _, size in params], layout)
-    sync = collective_time("all_reduce", wire, layout.dp, cluster, spans, eff)
+    sync = collective_time("all_reduce", wire, layout.dp, cluster, layout.tp, eff)
     if layout.zero >= 2:
-        sync = min(sync, collective_time("reduce_scatter", wire, layout.dp, cluster, spans, eff))
-    gather = collective_time("all_gather", gathered, layout.dp, cluster, spans, eff) \
+        sync = min(sync, collective_time("reduce_scatter", wire, layout.dp, cluster, layout.tp, eff))
+    gather = collective_time("all_gather", gathered, layout.dp, cluster, layout.tp, eff) \
         if gathered else 0.0
     updated = held / layout.dp if layout.zero else held
     return sync + gather + optimizer_time(updated, optimizer, cluster, eff)

@@ -88,6 +88,10 @@ def _search(model, cluster, example_inputs, loss_fn, optimizer, efficiency, prog
     candidates = _candidates(model, cluster, example_inputs, fixed)
     start = time.perf_counter()
     costed, pruned = prune_static(candidates, model, cluster, fraction, optimizer)
+    if costed:
+        costed, held = prune_static(costed, model, cluster, fraction, optimizer,
+                                    bucketed_gradients(model, estimator, costed[0]))
+        pruned += held
     step = None if progress is None else _counter(progress, len(costed))
     bound = compute_bound(estimator, costed, efficiency) if costed else None
     widest = widest_templates(costed)
@@ -382,27 +386,66 @@ def fill_factor(pp: int, m: int, ratio: float) -> float:
 
 
 def prune_static(candidates: list[Layout], model: torch.nn.Module, cluster: ClusterSpec,
-                 fraction: float, optimizer: str) -> tuple[list[Layout], list[tuple[Layout, str]]]:
+                 fraction: float, optimizer: str,
+                 bucketed: Sequence[tuple[tuple[int, ...], int]] = ()
+                 ) -> tuple[list[Layout], list[tuple[Layout, str]]]:
     """(candidates worth tracing, the others with why): a layout whose parameters,
     gradients and optimizer state alone exceed the memory allowed
-    (memory.static_lower_bound, from parameter counts: no trace) cannot fit."""
-    floor = _static_bound(model, optimizer)
+    (memory.static_lower_bound, from parameter counts: no trace) cannot fit; nor, given
+    `bucketed` (bucketed_gradients), a whole-graph data-parallel one whose gradient
+    buckets, held until the graph returns, overflow beside its parameters and state."""
+    floor = _static_bound(model, optimizer, bucketed)
     capacity = cluster.device.memory_bytes * fraction
     keep, pruned = [], []
     for layout in candidates:
         bound = floor(layout)
-        if bound > capacity:
-            pruned.append((layout, f"does not fit: parameters, gradients and {optimizer} state "
-                                   f"alone take at least {bound / 1e9:.3g} GB per device, over "
-                                   f"the {capacity / 1e9:.3g} GB allowed (not traced)"))
-        else:
+        if bound <= capacity:
             keep.append(layout)
+            continue
+        what = f"parameters, gradients and {optimizer} state"
+        if bucketed and _static_bound(model, optimizer)(layout) <= capacity:
+            what = (f"parameters, {optimizer} state and the gradient buckets its collectives "
+                    f"hold until the step's graph returns")
+        pruned.append((layout, f"does not fit: {what} alone take at least {bound / 1e9:.3g} GB "
+                               f"per device, over the {capacity / 1e9:.3g} GB allowed (not "
+                               f"traced)"))
     return keep, pruned
 
 
-def _static_bound(model: torch.nn.Module, optimizer: str) -> Callable[[Layout], float]:
+def _static_bound(model: torch.nn.Module, optimizer: str,
+                  bucketed: Sequence[tuple[tuple[int, ...], int]] = ()
+                  ) -> Callable[[Layout], float]:
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return lambda layout: static_lower_bound(param_bytes, layout, optimizer)
+    return lambda layout: static_lower_bound(param_bytes, layout, optimizer, bucketed)
+
+
+def bucketed_gradients(model: torch.nn.Module, estimator: Estimator, layout: Layout
+                       ) -> list[tuple[tuple[int, ...], int]]:
+    """(shape, itemsize) of each trainable parameter a whole-graph data-parallel step sums
+    in buckets, for memory.static_lower_bound: all but those an embedding op reads in
+    the trace of `layout`'s micro-batch (insert_allreduce may gather their rows
+    instead). None at all (no bound from buckets) when the model does not trace, or an
+    embedding reads a parameter of the repeated blocks (with trace_blocks, those of the
+    blocks not traced are not named in the trace)."""
+    try:
+        traced = estimator.traced(layout)
+    except ValueError:  # the search reports it for every layout
+        return []
+    placeholders = {n: spec.name for n, spec in zip(traced.placeholders(), traced.signature.params)}
+    embedded = set()
+    for node in traced.call_nodes():
+        if node.target == torch.ops.aten.embedding.default:
+            table = node.args[0]
+            while table not in placeholders and len(table.all_input_nodes) == 1:
+                table = table.all_input_nodes[0]  # a view or cast of the table
+            if table not in placeholders:
+                return []
+            embedded.add(placeholders[table])
+    stack = repeated_block_container(model)
+    if stack and any(name.startswith(stack[0] + ".") for name in embedded):
+        return []
+    return [(tuple(p.shape), p.element_size()) for name, p in model.named_parameters()
+            if p.requires_grad and name not in embedded]
 
 
 def _candidates(model, cluster, example_inputs, fixed) -> list[Layout]:
