@@ -12,7 +12,8 @@ import torch
 import autopar
 from autopar.compiler.passes.assign_stages import StageError
 from autopar.compiler.planner.estimate import Estimator
-from autopar.compiler.planner.replicated import pipeline_memory_from_summary
+from autopar.compiler.planner.replicated import (first_rank_saved_floor,
+                                                 pipeline_memory_from_summary, saved_per_block)
 from autopar.examples import causal_lm_loss
 from tests.unit.test_cost_model import meta_gpt2
 
@@ -117,7 +118,29 @@ def test_schedule_replays_kept_for_other_dp_and_zero_equal_fresh_ones(scaled):
         summary, stages, _ = scaled.rewritten(autopar.Layout(dp=1, pp=4, microbatches=8))
         assert pipeline_memory_from_summary(summary, stages, layout, replays=kept) == \
             pipeline_memory_from_summary(summary, stages, layout)
-    assert len(kept) == 1
+    assert set(kept) == {("1f1b", 4, 8, 1), ("held", 4)}  # one replay, and each rank's share
+
+
+def test_stage_programs_kept_for_other_depths_equal_fresh_ones(scaled):
+    """stage_programs(shared=...) keeps each stage kind's programs (its role and block
+    count) for the replicas of other depths: the same as worked out afresh."""
+    from autopar.compiler.planner.replicated import stage_programs
+
+    shared: dict = {}
+    for pp in (2, 3, 4, 8, 3):
+        for timing in (True, False):
+            summary, stages, _ = scaled.rewritten(autopar.Layout(pp=pp, microbatches=8),
+                                                  timing=timing)
+            kept, fresh = stage_programs(summary, stages, shared), stage_programs(summary, stages)
+            assert kept.keys() == fresh.keys()
+            for key, ((live, grads), (again, grads_again)) in zip(
+                    kept, zip(kept.values(), fresh.values())):
+                # the same bytes; the op named where the peak falls is the first such stage's
+                assert (live.peak_bytes, live.at_peak, live.saved_bytes, live.outputs_bytes,
+                        grads) == (again.peak_bytes, again.at_peak, again.saved_bytes,
+                                   again.outputs_bytes, grads_again), (pp, key)
+    assert {key[0] for key in shared} >= {("first", 1), ("middle", 1), ("last", 1),
+                                          ("first", 4), ("last", 4)}
 
 
 @pytest.mark.parametrize("fields", [
@@ -177,6 +200,19 @@ def test_each_ranks_memory_on_one_stage_of_each_kind_is_the_whole_pipelines(gpt8
         ranks = pipeline_memory_from_summary(whole, stages, layout)
         assert pipeline_memory_from_summary(few, few_stages, layout) == ranks, layout
         assert floor == max(ranks[0].peak_bytes, ranks[-1].peak_bytes), layout
+        # asked with a limit, lesser floors come first: the first rank's saved
+        # activations from the template alone, then the end ranks replayed keeping no
+        # send past its micro-batch; each below the exact one, given when neither is over
+        pattern = est._rewritten[est._entry(layout)][3]
+        saved = first_rank_saved_floor(pattern, layout, saved_per_block(pattern))
+        assert saved <= ranks[0].peak_bytes
+        if layout.recompute == "none":
+            assert (saved > 0) == (layout.virtual_stages == 1), layout
+        unsent = pipeline_memory_from_summary(few, few_stages, layout, sends=False)
+        assert all(u.peak_bytes <= r.peak_bytes for u, r in zip(unsent, ranks)), layout
+        assert est.memory_floor(layout, limit=0) in (saved, max(unsent[0].peak_bytes,
+                                                                unsent[-1].peak_bytes))
+        assert est.memory_floor(layout, limit=floor) == floor, layout
         assert floor <= est.predict(layout).peak_memory_bytes == max(r.peak_bytes for r in ranks)
         assert est.memory_floor(layout) == est.predict(layout).peak_memory_bytes  # kept
     assert est.memory_floor(autopar.Layout(dp=16)) == 0  # no pipeline: predict costs it

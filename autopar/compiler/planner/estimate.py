@@ -29,6 +29,7 @@ from autopar.compiler.planner.pipeline_cost import (ScheduleRun, StagePhases, p2
                                                     run_schedule, schedule_floor, stage_phases)
 from autopar.compiler.planner.pipeline_memory import pipeline_memory_per_rank
 from autopar.compiler.planner.replicated import (TEMPLATE_BLOCKS, Template, block_work_floor,
+                                                 first_rank_saved_floor, saved_per_block,
                                                  pipeline_memory_from_summary,
                                                  replicate, stage_programs, template_of)
 from autopar.compiler.planner.scaled import multiplicities, reduced, scale_summary
@@ -85,6 +86,8 @@ class Estimator:
         self._replicas: dict[tuple, tuple] = {}
         self._timing_replicas: dict[tuple, tuple] = {}  # rewritten(timing=True)'s
         self._timing_programs: dict[tuple, tuple] = {}  # memory_floor's: (programs, replays)
+        self._kind_programs: dict[tuple, dict] = {}  # stage_programs' `shared`, per template
+        self._saved: dict[tuple, int] = {}  # replicated.saved_per_block, per template
         self._forward: dict[tuple, TrainGraph] = {}  # graphs after the forward-level passes
         self._predictions: dict[Layout, Prediction] = {}
         self._last_times: tuple = (None, None)  # (layout, its step_times): predict's next
@@ -290,7 +293,7 @@ class Estimator:
         return schedule_floor(summary, stages, self.cluster, layout, self.optimizer,
                               self.efficiency, self._stage_phases(layout, summary, stages))
 
-    def memory_floor(self, layout: Layout) -> int:
+    def memory_floor(self, layout: Layout, limit: float | None = None) -> int:
         """Bytes below `layout`'s predicted peak, cheaper than `predict`: a pipeline costed
         from a template has its first and last ranks replayed on the replica its step is
         timed on (replicate's `representatives`: a stage of one kind runs the programs of
@@ -298,23 +301,42 @@ class Estimator:
         in the messages: each rank's replay is the whole replica's, tested), the peak of
         the whole pipeline being the largest of all its ranks'. 0 for any other step. The
         search asks it before `predict`: a layout whose two end ranks alone do not fit is
-        not costed."""
+        not costed. With `limit`, a lesser floor above it may be returned, tried first:
+        the saved activations the first rank holds before its first backward, from the
+        template alone (replicated.first_rank_saved_floor: no replica, no replay), then
+        the end ranks replayed keeping no send past its micro-batch (what the sends keep
+        only adds; no schedule.send_releases)."""
         if layout in self._predictions:
             return self._predictions[layout].peak_memory_bytes
         if not (is_pipelined(layout) and self._templated(layout)):
             return 0
-        summary, stages, _ = self.rewritten(layout, timing=True)
         key, depth = self._entry(layout), self._stages(layout)
-        if self._rewritten[key][3] is None:  # traced whole (no repeated blocks): no template
+        pattern = self._rewritten[key][3]
+        if pattern is None:  # traced whole (no repeated blocks): no template
             return 0
+        check_stage_count(layout, pattern.blocks)
+        if limit is not None:  # the first rank's saved activations alone, before any replica
+            if key not in self._saved:
+                self._saved[key] = saved_per_block(pattern)
+            saved = first_rank_saved_floor(pattern, layout, self._saved[key])
+            if saved > limit:
+                return saved
+        summary, stages, _ = self.rewritten(layout, timing=True)
         if (key, depth) in self._replicas:
             programs, replays = self._replicas[key, depth][2:]
         else:
             if (key, depth) not in self._timing_programs:
-                self._timing_programs[key, depth] = (stage_programs(summary, stages), {})
+                self._timing_programs[key, depth] = (
+                    stage_programs(summary, stages, self._kind_programs.setdefault(key, {})), {})
             programs, replays = self._timing_programs[key, depth]
+        ranks = sorted({0, layout.pp - 1})
+        if limit is not None:
+            ends = pipeline_memory_from_summary(summary, stages, layout, self.optimizer, programs,
+                                                replays, ranks, sends=False)
+            if max(m.peak_bytes for m in ends) > limit:
+                return max(m.peak_bytes for m in ends)
         ends = pipeline_memory_from_summary(summary, stages, layout, self.optimizer, programs,
-                                            replays, ranks=sorted({0, layout.pp - 1}))
+                                            replays, ranks)
         return max(m.peak_bytes for m in ends)
 
     def schedule_time(self, layout: Layout) -> float | None:
@@ -449,7 +471,8 @@ class Estimator:
                 summary, stages = self._timing_replicas[key, depth]
             else:
                 summary, stages = replicate(pattern, depth)
-                self._replicas[key, depth] = (summary, stages, stage_programs(summary, stages),
+                self._replicas[key, depth] = (summary, stages, stage_programs(
+                    summary, stages, self._kind_programs.setdefault(key, {})),
                                               {})
         return summary, stages, model_flops
 

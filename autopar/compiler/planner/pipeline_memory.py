@@ -39,8 +39,8 @@ class SentBuffers:
     known received stays (as comm_buffers, at most the environment's bytes) until the
     receive `releases` names (schedule.send_releases) lets go of it."""
 
-    def __init__(self, releases: dict[int, tuple[int, ...]]) -> None:
-        self.releases = releases
+    def __init__(self, releases: dict[int, tuple[int, ...]] | None) -> None:
+        self.releases = releases  # None: none stays (a floor: what stays only adds to it)
         self.unreleased: dict[int, dict[int, int]] = {}  # micro-batch -> {send: bytes}
         self.microbatch_of: dict[int, int] = {}  # send -> its micro-batch
         self.kept: dict[int, tuple[int, int]] = {}  # dropped micro-batch -> (kept, its env)
@@ -51,6 +51,8 @@ class SentBuffers:
 
     def dropped(self, mb: int, freed: int) -> int:
         """Bytes of micro-batch `mb`'s environment (`freed` in all) that stay."""
+        if self.releases is None:
+            return 0
         kept = min(sum(self.unreleased.get(mb, {}).values()), freed)
         if kept:
             self.kept[mb] = (kept, freed)
@@ -59,7 +61,7 @@ class SentBuffers:
     def received(self, index: int) -> int:
         """Bytes let go of after receive action `index`."""
         freed = 0
-        for j in self.releases.get(index, ()):
+        for j in (self.releases or {}).get(index, ()):
             mb = self.microbatch_of.pop(j)
             self.unreleased.get(mb, {}).pop(j, None)
             if mb in self.kept:

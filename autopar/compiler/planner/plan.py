@@ -96,12 +96,15 @@ def _search(model, cluster, example_inputs, loss_fn, optimizer, efficiency, prog
     bound = compute_bound(estimator, costed, efficiency) if costed else None
     widest = widest_templates(costed)
     count = _worker_count(workers, trace_blocks)
+    capacity = cluster.device.memory_bytes * fraction
     if bound is not None and count:
         first = {lay: bound(lay) for lay in costed}  # before anything is costed
         order = sorted(costed, key=lambda lay: (first[lay], *costing_order(lay)))
         asked = rewrites_asked(order, widest)
         if pruned and "recompute" not in fixed:  # memory is short: recomputation will be
-            asked = [v for lay in asked for v in (lay, lay.replace(recompute="full"))]
+            # queued as the search goes (full first; selective where full fits, last)
+            asked = [v for lay in asked for v in (lay, lay.replace(recompute="full"))] \
+                + [lay.replace(recompute="selective") for lay in asked]
             first.update({lay: bound(lay) for lay in asked if lay not in first})
         estimator.start_workers(count, asked, first.__getitem__)
     try:
@@ -111,7 +114,7 @@ def _search(model, cluster, example_inputs, loss_fn, optimizer, efficiency, prog
                             prepare=lambda lay: estimator.prepare(
                                 widest.get(template_fields(lay), lay)),
                             timed=estimator.step_time, floor=estimator.schedule_floor,
-                            memory_floor=estimator.memory_floor,
+                            memory_floor=lambda lay: estimator.memory_floor(lay, capacity),
                             variants=recompute_variants(fixed),
                             prepared=lambda lay: estimator.is_prepared(
                                 widest.get(template_fields(lay), lay)))

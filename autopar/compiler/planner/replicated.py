@@ -76,9 +76,17 @@ class Template:
     def blocks_per_stage(self, n_stages: int) -> tuple[int, ...]:
         """Blocks of each stage, cut as AssignStages cuts the whole model (balanced_cuts:
         the last stage may hold only the head)."""
-        cuts = balanced_cuts([self.block_s] * self.blocks, n_stages, self.head_s, self.tail_s)
-        bounds = [0, *cuts, self.blocks]
-        return tuple(b - a for a, b in zip(bounds, bounds[1:]))
+        return _blocks_per_stage(self.blocks, n_stages, self.block_s, self.head_s, self.tail_s)
+
+
+@functools.lru_cache(maxsize=1024)
+def _blocks_per_stage(blocks: int, n_stages: int, block_s: float, head_s: float,
+                      tail_s: float) -> tuple[int, ...]:
+    """Template.blocks_per_stage, once per depth of a template (the search asks it for
+    every layout it replicates, bounds or costs)."""
+    cuts = balanced_cuts([block_s] * blocks, n_stages, head_s, tail_s)
+    bounds = [0, *cuts, blocks]
+    return tuple(b - a for a, b in zip(bounds, bounds[1:]))
 
 
 def template_of(tg: TrainGraph, blocks: int, cluster: ClusterSpec) -> Template:
@@ -146,6 +154,32 @@ def _selection(t: Template, stage: int, n_stages: int, blocks: int) -> tuple[int
     if stage == n_stages - 1:
         return 1, ops if blocks else [i for i in ops if t.op_layer[i] is None]
     return 1, [i for i in ops if t.op_layer[i] is not None]
+
+
+def first_rank_saved_floor(t: Template, layout: Layout, per_block: int) -> int:
+    """Bytes below the peak of a pipeline's first rank replicated from `t`
+    (pipeline_memory_from_summary), from the template alone. Until its first backward,
+    the rank holds every micro-batch it has run forward, and each forward of its stage
+    keeps at least c_0 times `per_block` (saved_per_block: replicate counts a kept block
+    storage once per block the stage holds); its static memory and all else only add.
+    0 under an interleaved schedule (the rank runs several stages)."""
+    if layout.virtual_stages != 1:
+        return 0
+    forwards = 0
+    for action in build(layout.schedule, layout.pp, layout.microbatches).ranks[0]:
+        if action.kind in ("B", "I"):
+            break
+        forwards += action.kind == "F"
+    return forwards * t.blocks_per_stage(layout.pp)[0] * per_block
+
+
+def saved_per_block(t: Template) -> int:
+    """Bytes the forward of the first stage's block keeps for the stage's other programs
+    (its saved activations), per micro-batch."""
+    stage_of, program_of = t.stages.stage_of, t.stages.program_of
+    return sum(t.summary.ops[s].allocates for s in _kept_storages(t)
+               if stage_of[s] == 0 and program_of[s] == "F" and t.op_layer[s] is not None
+               and s not in t.summary.output_storages)
 
 
 def _kept_storages(t: Template) -> frozenset[int]:
@@ -299,51 +333,65 @@ def held_parameters(summary: GraphSummary, layout: Layout, params: list[int]
 def pipeline_memory_from_summary(summary: GraphSummary, stages: StageSummary, layout: Layout,
                                  optimizer: str = "adamw", programs: dict | None = None,
                                  replays: dict | None = None,
-                                 ranks: Sequence[int] | None = None) -> list[MemoryPrediction]:
+                                 ranks: Sequence[int] | None = None,
+                                 sends: bool = True) -> list[MemoryPrediction]:
     """Each pipeline rank's predicted peak: its schedule replayed over the summaries.
     `programs`: `stage_programs(summary, stages)`, when the caller keeps it; `replays`:
     a dict the caller keeps for these summaries, where the replays of a schedule are
-    kept for the next layout that runs it (they do not depend on dp or ZeRO). `ranks`:
-    only these pipeline ranks (default: all), in that order."""
+    kept for the next layout that runs it (they do not depend on dp or ZeRO), and so
+    is each rank's share of the parameters. `ranks`:
+    only these pipeline ranks (default: all), in that order. `sends` False: a floor of
+    each rank's peak that keeps no send past its micro-batch's environment (what stays
+    only adds; no schedule.send_releases to work out)."""
     programs = stage_programs(summary, stages) if programs is None else programs
     replays = {} if replays is None else replays
     ranks = range(layout.pp) if ranks is None else ranks
     key = (layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
-    activity = replays.setdefault(key, {})  # pipeline rank -> its replay
+    activity = replays.setdefault(key if sends else (*key, "no sends"), {})  # rank -> replay
     missing = [r for r in ranks if r not in activity]
     if missing:
         schedule = build(*key)
         across = _across(stages, layout.pp, "dst"), _across(stages, layout.pp, "src")
         pairs = tuple(sorted({(m.src, m.dst, m.phase) for m in stages.messages}))
         activity.update({r: _replay_activity(across, programs, schedule.ranks[r],
-                                             _releases(key, r, pairs)) for r in missing})
-    inputs = sum(op.allocates for op in summary.ops if op.role == "input")
-    params: list[list[int]] = [[] for _ in range(layout.pp)]
-    for p, readers in enumerate(stages.param_stages):
-        for rank in {s % layout.pp for s in readers}:
-            params[rank].append(p)
+                                             _releases(key, r, pairs) if sends else None)
+                         for r in missing})
+    if ("held", layout.pp) not in replays:  # what each rank holds: the same for every schedule
+        params: list[list[int]] = [[] for _ in range(layout.pp)]
+        for p, readers in enumerate(stages.param_stages):
+            for rank in {s % layout.pp for s in readers}:
+                params[rank].append(p)
+        replays["held", layout.pp] = (params, sum(op.allocates for op in summary.ops
+                                                  if op.role == "input"))
+    params, inputs = replays["held", layout.pp]
     return [_replay_rank(summary, layout, optimizer, activity[r], params[r], inputs)
             for r in ranks]
 
 
-def stage_programs(summary: GraphSummary, stages: StageSummary) -> dict:
+def stage_programs(summary: GraphSummary, stages: StageSummary, shared: dict | None = None
+                   ) -> dict:
     """(stage, "F" | "B" | "I" | "W") -> (liveness, gradient bytes) of its program (stages
-    of one kind computed once); independent of the layout's dp, schedule and ZeRO."""
-    readers: dict[int, set[tuple[int, str]]] = {}  # storage -> programs that read it
-    for i, op in enumerate(summary.ops):
-        for u in op.uses:
-            readers.setdefault(summary.ops[u].storage, set()).add(
-                (stages.stage_of[i], stages.program_of[i]))
-    groups = stages.programs()
+    of one kind computed once); independent of the layout's dp, schedule and ZeRO.
+    `shared`: a dict the caller keeps for the replicas of one template, where each kind's
+    programs are kept for the other depths (a replicated stage's programs depend on its
+    role and block count alone: what it sends or receives is a message, not a use)."""
     kinds = stages.kinds or tuple(range(stages.stages))
-    cache, out = {}, {}
-    for s in range(stages.stages):
-        for kind, programs in (("F", "F"), ("B", "IW"), ("I", "I"), ("W", "W")):
-            key = (kinds[s], kind)
-            if key not in cache:
-                members = sorted(i for p in programs for i in groups.get((s, p), ()))
-                cache[key] = _program(summary, members, {(s, p) for p in programs}, readers)
-            out[s, kind] = cache[key]
+    cache = shared if shared is not None and stages.kinds else {}
+    out = {}
+    keys = [(s, kind, programs, (kinds[s], kind)) for s in range(stages.stages)
+            for kind, programs in (("F", "F"), ("B", "IW"), ("I", "I"), ("W", "W"))]
+    if any(key not in cache for *_, key in keys):
+        readers: dict[int, set[tuple[int, str]]] = {}  # storage -> programs that read it
+        for i, op in enumerate(summary.ops):
+            for u in op.uses:
+                readers.setdefault(summary.ops[u].storage, set()).add(
+                    (stages.stage_of[i], stages.program_of[i]))
+        groups = stages.programs()
+    for s, kind, programs, key in keys:
+        if key not in cache:
+            members = sorted(i for p in programs for i in groups.get((s, p), ()))
+            cache[key] = _program(summary, members, {(s, p) for p in programs}, readers)
+        out[s, kind] = cache[key]
     return out
 
 
@@ -360,11 +408,12 @@ class _Activity:
 
 
 def _replay_activity(across: tuple[dict, dict], programs: dict, actions,
-                     releases: dict[int, tuple[int, ...]]) -> _Activity:
+                     releases: dict[int, tuple[int, ...]] | None) -> _Activity:
     """One rank's replay, with the rules of pipeline_memory._Replay, without its static
     memory: a constant under the replay, so the peak is at the same action whatever it is.
     `across`: what each (stage, phase) receives and sends across ranks (`_across`);
-    `releases`: the rank's schedule.send_releases."""
+    `releases`: the rank's schedule.send_releases (None: no send outlives its micro-batch's
+    environment)."""
     live = dict.fromkeys(CATEGORIES, 0)
     held = 0  # sum(live.values()), kept as it changes
     peak, label = -1, ""

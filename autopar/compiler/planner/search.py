@@ -394,7 +394,8 @@ def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction]
             if held <= capacity:
                 return False
             skipped.append((layout, f"not costed: its first and last pipeline ranks alone "
-                                    f"need {_gb(held)} per device, over the {_gb(capacity)} "
+                                    f"need at least {_gb(held)} per device, over the "
+                                    f"{_gb(capacity)} "
                                     f"allowed ({MEMORY_FLOOR_ONLY})"))
             over_memory[layout] = _OverMemory(layout, held, step_time, bound)
             vary(layout, True)
