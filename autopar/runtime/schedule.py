@@ -112,54 +112,89 @@ class Schedule:
 
 # -- generators ---------------------------------------------------------------------------
 
-def _with_comm(stages: int, per_rank: list[list[Action]]) -> tuple[tuple[Action, ...], ...]:
-    """Insert the sends and receives each compute action needs, next to it."""
+def _with_comm(stages: int, actions: list[Action]) -> tuple[Action, ...]:
+    """One rank's list with the sends and receives each compute action needs, next to it."""
     make = _action  # NOTE: the planner builds 10^5 actions per deep schedule: no per-action lookups
     last = stages - 1
-    out = []
-    for actions in per_rank:
-        full: list[Action] = []
-        add = full.append
-        for a in actions:
-            stage, kind, microbatch = a
-            if kind == "F":
-                if stage > 0:
-                    add(make((stage, "RF", microbatch)))
-                add(a)
-                if stage < last:
-                    add(make((stage, "SF", microbatch)))
-            elif kind == "B" or kind == "I":
-                if stage < last:
-                    add(make((stage, "RB", microbatch)))
-                add(a)
-                if stage > 0:
-                    add(make((stage, "SB", microbatch)))
-            else:
-                add(a)
-        out.append(tuple(full))
-    return tuple(out)
+    full: list[Action] = []
+    add = full.append
+    for a in actions:
+        stage, kind, microbatch = a
+        if kind == "F":
+            if stage > 0:
+                add(make((stage, "RF", microbatch)))
+            add(a)
+            if stage < last:
+                add(make((stage, "SF", microbatch)))
+        elif kind == "B" or kind == "I":
+            if stage < last:
+                add(make((stage, "RB", microbatch)))
+            add(a)
+            if stage > 0:
+                add(make((stage, "SB", microbatch)))
+        else:
+            add(a)
+    return tuple(full)
+
+
+def _gpipe_rank(pp: int, microbatches: int, r: int) -> list[Action]:
+    return [_action((r, "F", i)) for i in range(microbatches)] \
+        + [_action((r, "B", i)) for i in reversed(range(microbatches))]
+
+
+def _one_f_one_b_rank(pp: int, microbatches: int, r: int) -> list[Action]:
+    warmup = min(pp - 1 - r, microbatches)
+    actions = [_action((r, "F", i)) for i in range(warmup)]
+    for i in range(microbatches - warmup):
+        actions += [_action((r, "F", warmup + i)), _action((r, "B", i))]
+    actions += [_action((r, "B", i)) for i in range(microbatches - warmup, microbatches)]
+    return actions
+
+
+def _interleaved_rank(pp: int, microbatches: int, virtual_stages: int, r: int) -> list[Action]:
+    total = microbatches * virtual_stages
+
+    def forward(k: int) -> Action:
+        chunk = (k // pp) % virtual_stages
+        return _action((chunk * pp + r, "F", (k // (pp * virtual_stages)) * pp + k % pp))
+
+    def backward(k: int) -> Action:
+        chunk = virtual_stages - 1 - (k // pp) % virtual_stages
+        return _action((chunk * pp + r, "B", (k // (pp * virtual_stages)) * pp + k % pp))
+
+    warmup = min((pp - r - 1) * 2 + (virtual_stages - 1) * pp, total)
+    actions = [forward(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        actions += [forward(warmup + k), backward(k)]
+    actions += [backward(k) for k in range(total - warmup, total)]
+    return actions
+
+
+def _zero_bubble_rank(pp: int, microbatches: int, r: int) -> list[Action]:
+    warmup = min(pp - 1 - r, microbatches)
+    actions = [_action((r, "F", i)) for i in range(warmup)]
+    pending_w: list[int] = []
+    for i in range(microbatches - warmup):
+        actions += [_action((r, "F", warmup + i)), _action((r, "I", i))]
+        pending_w.append(i)
+        if len(pending_w) > r:  # rank r can defer up to r weight gradients
+            actions.append(_action((r, "W", pending_w.pop(0))))
+    for i in range(microbatches - warmup, microbatches):
+        actions.append(_action((r, "I", i)))
+        pending_w.append(i)
+        actions.append(_action((r, "W", pending_w.pop(0))))
+    actions += [_action((r, "W", i)) for i in pending_w]
+    return actions
 
 
 def gpipe(pp: int, microbatches: int) -> Schedule:
     """All forwards, then all backwards (in reverse micro-batch order)."""
-    _check(pp, microbatches)
-    per_rank = [[Action(r, "F", i) for i in range(microbatches)]
-                + [Action(r, "B", i) for i in reversed(range(microbatches))] for r in range(pp)]
-    return Schedule(pp, microbatches, _with_comm(pp, per_rank))
+    return _schedule("gpipe", pp, microbatches)
 
 
 def one_f_one_b(pp: int, microbatches: int) -> Schedule:
     """Warm-up forwards, then alternate one forward / one backward, then drain."""
-    _check(pp, microbatches)
-    per_rank = []
-    for r in range(pp):
-        warmup = min(pp - 1 - r, microbatches)
-        actions = [Action(r, "F", i) for i in range(warmup)]
-        for i in range(microbatches - warmup):
-            actions += [Action(r, "F", warmup + i), Action(r, "B", i)]
-        actions += [Action(r, "B", i) for i in range(microbatches - warmup, microbatches)]
-        per_rank.append(actions)
-    return Schedule(pp, microbatches, _with_comm(pp, per_rank))
+    return _schedule("1f1b", pp, microbatches)
 
 
 def interleaved(pp: int, microbatches: int, virtual_stages: int) -> Schedule:
@@ -168,67 +203,48 @@ def interleaved(pp: int, microbatches: int, virtual_stages: int) -> Schedule:
     Micro-batches go through the rank's chunks in groups of pp; the warm-up is
     longer by (virtual_stages - 1) * pp forwards, the bubble shorter by that factor.
     """
-    _check(pp, microbatches)
-    if microbatches % pp:
-        raise ScheduleError(f"the interleaved schedule needs micro-batches ({microbatches}) to be "
-                            f"a multiple of pp ({pp}); use {microbatches + (-microbatches) % pp}")
-    total = microbatches * virtual_stages
-
-    def forward(r: int, k: int) -> Action:
-        chunk = (k // pp) % virtual_stages
-        return Action(chunk * pp + r, "F", (k // (pp * virtual_stages)) * pp + k % pp)
-
-    def backward(r: int, k: int) -> Action:
-        chunk = virtual_stages - 1 - (k // pp) % virtual_stages
-        return Action(chunk * pp + r, "B", (k // (pp * virtual_stages)) * pp + k % pp)
-
-    per_rank = []
-    for r in range(pp):
-        warmup = min((pp - r - 1) * 2 + (virtual_stages - 1) * pp, total)
-        actions = [forward(r, k) for k in range(warmup)]
-        for k in range(total - warmup):
-            actions += [forward(r, warmup + k), backward(r, k)]
-        actions += [backward(r, k) for k in range(total - warmup, total)]
-        per_rank.append(actions)
-    return Schedule(pp * virtual_stages, microbatches, _with_comm(pp * virtual_stages, per_rank))
+    return _schedule("interleaved", pp, microbatches, virtual_stages)
 
 
 def zero_bubble(pp: int, microbatches: int) -> Schedule:
     """ZB-H1: 1F1B with each backward split into I (input gradient, on the critical
     path) and W (weight gradient), W postponed to fill what would be bubbles."""
+    return _schedule("zero-bubble", pp, microbatches)
+
+
+def _schedule(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
     _check(pp, microbatches)
-    per_rank = []
-    for r in range(pp):
-        warmup = min(pp - 1 - r, microbatches)
-        actions = [Action(r, "F", i) for i in range(warmup)]
-        pending_w: list[int] = []
-        for i in range(microbatches - warmup):
-            actions += [Action(r, "F", warmup + i), Action(r, "I", i)]
-            pending_w.append(i)
-            if len(pending_w) > r:  # rank r can defer up to r weight gradients
-                actions.append(Action(r, "W", pending_w.pop(0)))
-        for i in range(microbatches - warmup, microbatches):
-            actions.append(Action(r, "I", i))
-            pending_w.append(i)
-            actions.append(Action(r, "W", pending_w.pop(0)))
-        actions += [Action(r, "W", i) for i in pending_w]
-        per_rank.append(actions)
-    return Schedule(pp, microbatches, _with_comm(pp, per_rank))
+    return Schedule(pp * virtual_stages, microbatches,
+                    tuple(rank_actions(name, pp, microbatches, virtual_stages, r)
+                          for r in range(pp)))
+
+
+def rank_actions(name: str, pp: int, microbatches: int, virtual_stages: int, rank: int
+                 ) -> tuple[Action, ...]:
+    """`build(name, pp, microbatches, virtual_stages).ranks[rank]`, made without the other
+    ranks' (the planner's memory floors replay a pipeline's end ranks alone)."""
+    _check(pp, microbatches)
+    if name == "interleaved":
+        if microbatches % pp:
+            raise ScheduleError(f"the interleaved schedule needs micro-batches ({microbatches}) "
+                                f"to be a multiple of pp ({pp}); use "
+                                f"{microbatches + (-microbatches) % pp}")
+        return _with_comm(pp * virtual_stages,
+                          _interleaved_rank(pp, microbatches, virtual_stages, rank))
+    makers: dict[str, Callable[[int, int, int], list[Action]]] = {
+        "gpipe": _gpipe_rank, "1f1b": _one_f_one_b_rank, "zero-bubble": _zero_bubble_rank}
+    if name not in makers:
+        raise ScheduleError(f"unknown schedule {name!r}; known: {sorted(makers) + ['interleaved']}")
+    if virtual_stages != 1:
+        raise ScheduleError(f"virtual_stages={virtual_stages} needs schedule='interleaved'")
+    return _with_comm(pp, makers[name](pp, microbatches, rank))
 
 
 @functools.lru_cache(maxsize=256)
 def build(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> Schedule:
     """The schedule named by Layout.schedule (immutable: one object per arguments, as
     the planner asks for the same schedules for many layouts)."""
-    if name == "interleaved":
-        return interleaved(pp, microbatches, virtual_stages)
-    makers: dict[str, Callable[[int, int], Schedule]] = {
-        "gpipe": gpipe, "1f1b": one_f_one_b, "zero-bubble": zero_bubble}
-    if name not in makers:
-        raise ScheduleError(f"unknown schedule {name!r}; known: {sorted(makers) + ['interleaved']}")
-    if virtual_stages != 1:
-        raise ScheduleError(f"virtual_stages={virtual_stages} needs schedule='interleaved'")
-    return makers[name](pp, microbatches)
+    return _schedule(name, pp, microbatches, virtual_stages)
 
 
 def _check(pp: int, microbatches: int) -> None:

@@ -11,7 +11,7 @@ import torch
 
 import autopar
 from autopar.compiler.passes.assign_stages import StageError
-from autopar.compiler.planner.estimate import Estimator
+from autopar.compiler.planner.estimate import Estimator, _compute_dtype
 from autopar.compiler.planner.replicated import (first_rank_saved_floor,
                                                  pipeline_memory_from_summary, saved_per_block)
 from autopar.examples import causal_lm_loss
@@ -199,6 +199,7 @@ def test_each_ranks_memory_on_one_stage_of_each_kind_is_the_whole_pipelines(gpt8
         assert len(few.ops) < len(whole.ops) if repeated else len(few.ops) == len(whole.ops)
         ranks = pipeline_memory_from_summary(whole, stages, layout)
         assert pipeline_memory_from_summary(few, few_stages, layout) == ranks, layout
+        assert _compute_dtype(few, few_stages) == whole.compute_dtype()  # predict's MFU
         assert floor == max(ranks[0].peak_bytes, ranks[-1].peak_bytes), layout
         # asked with a limit, lesser floors come first: the first rank's saved
         # activations from the template alone, then the end ranks replayed keeping no

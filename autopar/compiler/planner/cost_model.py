@@ -287,7 +287,8 @@ def _check_optimizer(optimizer: str) -> str:
 def predict(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
             optimizer: str = "adamw", eff: Efficiency = DEFAULT_EFFICIENCY,
             model_flops: float | None = None, stages=None,
-            memory: MemoryPrediction | None = None, times=None) -> Prediction:
+            memory: MemoryPrediction | None = None, times=None,
+            compute_dtype: str | None = None) -> Prediction:
     """The Prediction of DESIGN.md for one rank's `summary` under `layout`.
 
     model_flops: one rank's model FLOPs (forward + backward, no recomputation) of one
@@ -296,7 +297,8 @@ def predict(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
     micro-batched step (planner/pipeline_cost.py), None for one whole-graph step.
     memory: the peak the caller predicted (a pipeline's ranks replayed); default:
     step_memory of the summary. times: step_times of the same arguments, if the caller
-    has it already.
+    has it already. compute_dtype: the dtype whose peak MFU is against (default: the
+    summary's, GraphSummary.compute_dtype).
     """
     if times is None:
         times = step_times(summary, cluster, layout, optimizer, eff, stages)
@@ -305,7 +307,7 @@ def predict(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
     seconds = times.total_s
     devices = layout.world_size
     per_device = flops / devices / seconds if seconds > 0 else 0.0
-    peak = cluster.peak_flops_for(summary.compute_dtype())
+    peak = cluster.peak_flops_for(compute_dtype or summary.compute_dtype())
     if memory is None:
         memory = step_memory(summary, layout, optimizer, fallbacks=cluster.device.kind == "cpu")
     return Prediction(

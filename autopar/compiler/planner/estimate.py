@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -103,12 +104,15 @@ class Estimator:
         """The Prediction of `layout`, kept: a search that asks again (the no-fit
         fallback, the report) gets the same object."""
         if layout not in self._predictions:
-            summary, stages, model_flops = self.rewritten(layout)
+            # a template's replica with one stage of each kind: its step and every rank's
+            # memory are the whole replica's (tests/unit/test_replicated.py)
+            summary, stages, model_flops = self.rewritten(layout, timing=True)
             self._predictions[layout] = predict(
                 summary, self.cluster, layout, self.optimizer, self.efficiency,
                 model_flops=model_flops, stages=stages,
                 memory=self._pipeline_memory(layout, summary, stages),
-                times=self._step_times(layout, summary, stages))
+                times=self._step_times(layout, summary, stages),
+                compute_dtype=_compute_dtype(summary, stages))
         return self._predictions[layout]
 
     def step_time(self, layout: Layout) -> float:
@@ -139,7 +143,7 @@ class Estimator:
         key = self._key(layout)
         graph, template = self._rewritten[key][2:]
         if template is not None:  # planner/replicated.py: the stages' summaries replayed
-            programs, replays = self._replicas[key, self._stages(layout)][2:]
+            programs, replays = self._programs(key, self._stages(layout), summary, stages)
             ranks = pipeline_memory_from_summary(summary, stages, layout, self.optimizer,
                                                  programs, replays)
         elif graph is not None:
@@ -322,13 +326,7 @@ class Estimator:
             if saved > limit:
                 return saved
         summary, stages, _ = self.rewritten(layout, timing=True)
-        if (key, depth) in self._replicas:
-            programs, replays = self._replicas[key, depth][2:]
-        else:
-            if (key, depth) not in self._timing_programs:
-                self._timing_programs[key, depth] = (
-                    stage_programs(summary, stages, self._kind_programs.setdefault(key, {})), {})
-            programs, replays = self._timing_programs[key, depth]
+        programs, replays = self._programs(key, depth, summary, stages)
         ranks = sorted({0, layout.pp - 1})
         if limit is not None:
             ends = pipeline_memory_from_summary(summary, stages, layout, self.optimizer, programs,
@@ -338,6 +336,18 @@ class Estimator:
         ends = pipeline_memory_from_summary(summary, stages, layout, self.optimizer, programs,
                                             replays, ranks)
         return max(m.peak_bytes for m in ends)
+
+    def _programs(self, key: tuple, depth: int, summary: GraphSummary, stages: StageSummary
+                  ) -> tuple[dict, dict]:
+        """(stage_programs, the replays kept) of a template's replica `depth` stages deep:
+        the whole replica's if it was built, else those of the one `rewritten(timing=True)`
+        gives (the same programs: a stage runs its kind's)."""
+        if (key, depth) in self._replicas:
+            return self._replicas[key, depth][2:]
+        if (key, depth) not in self._timing_programs:
+            self._timing_programs[key, depth] = (
+                stage_programs(summary, stages, self._kind_programs.setdefault(key, {})), {})
+        return self._timing_programs[key, depth]
 
     def schedule_time(self, layout: Layout) -> float | None:
         """The critical rank's compute plus bubble of `layout`'s schedule if its step was
@@ -391,7 +401,7 @@ class Estimator:
 
     def tp_placements(self, layout: Layout) -> dict | None:
         """The tensor-parallel placement table of `layout`'s rewritten graph (tp > 1)."""
-        self.rewritten(layout)
+        self._entry(layout)
         return self._tables.get(self._key(layout))
 
     def _keep(self, layout: Layout) -> int | None:
@@ -555,6 +565,20 @@ class Estimator:
                 self._forward[key] = run_passes(traced, layout, self.cluster, first,
                                                 options=options)[0]
         return self._forward[key]
+
+
+def _compute_dtype(summary: GraphSummary, stages: StageSummary | None) -> str:
+    """GraphSummary.compute_dtype of the whole step: of a replica with one stage of each
+    kind, each stage's FLOPs counted once per stage of its kind."""
+    if stages is None or not stages.kinds:
+        return summary.compute_dtype()
+    copies = Counter(stages.kinds)
+    by_dtype: dict[str, int] = {}
+    for op, stage in zip(summary.ops, stages.stage_of):
+        if op.flops and op.dtype:
+            weight = copies[stages.kinds[stage]] if stage is not None else 1
+            by_dtype[op.dtype] = by_dtype.get(op.dtype, 0) + op.flops * weight
+    return max(by_dtype, key=by_dtype.__getitem__) if by_dtype else "fp32"
 
 
 def template_fields(layout: Layout) -> Layout:

@@ -52,7 +52,7 @@ from autopar.compiler.planner.scaled import op_layers, param_layers
 from autopar.compiler.planner.stages import Message, StageSummary, stage_summary
 from autopar.compiler.planner.summary import GraphSummary, OpRecord, changed, summarize
 from autopar.layout import Layout
-from autopar.runtime.schedule import build, send_releases
+from autopar.runtime.schedule import build, rank_actions, send_releases
 
 TEMPLATE_BLOCKS = 2  # blocks traced for every pipeline: one on each side of the cut
 
@@ -165,12 +165,19 @@ def first_rank_saved_floor(t: Template, layout: Layout, per_block: int) -> int:
     0 under an interleaved schedule (the rank runs several stages)."""
     if layout.virtual_stages != 1:
         return 0
+    return _first_forwards(layout.schedule, layout.pp, layout.microbatches) \
+        * t.blocks_per_stage(layout.pp)[0] * per_block
+
+
+@functools.lru_cache(maxsize=1024)
+def _first_forwards(schedule: str, pp: int, microbatches: int) -> int:
+    """Forwards the first rank runs before its first backward (B or I)."""
     forwards = 0
-    for action in build(layout.schedule, layout.pp, layout.microbatches).ranks[0]:
+    for action in rank_actions(schedule, pp, microbatches, 1, 0):
         if action.kind in ("B", "I"):
             break
         forwards += action.kind == "F"
-    return forwards * t.blocks_per_stage(layout.pp)[0] * per_block
+    return forwards
 
 
 def saved_per_block(t: Template) -> int:
@@ -350,12 +357,15 @@ def pipeline_memory_from_summary(summary: GraphSummary, stages: StageSummary, la
     activity = replays.setdefault(key if sends else (*key, "no sends"), {})  # rank -> replay
     missing = [r for r in ranks if r not in activity]
     if missing:
-        schedule = build(*key)
         across = _across(stages, layout.pp, "dst"), _across(stages, layout.pp, "src")
-        pairs = tuple(sorted({(m.src, m.dst, m.phase) for m in stages.messages}))
-        activity.update({r: _replay_activity(across, programs, schedule.ranks[r],
-                                             _releases(key, r, pairs) if sends else None)
-                         for r in missing})
+        if sends:
+            schedule = build(*key)
+            pairs = tuple(sorted({(m.src, m.dst, m.phase) for m in stages.messages}))
+            activity.update({r: _replay_activity(across, programs, schedule.ranks[r],
+                                                 _releases(key, r, pairs)) for r in missing})
+        else:  # each rank's own actions: nothing of the others' is read
+            activity.update({r: _replay_activity(across, programs, rank_actions(*key, r), None)
+                             for r in missing})
     if ("held", layout.pp) not in replays:  # what each rank holds: the same for every schedule
         params: list[list[int]] = [[] for _ in range(layout.pp)]
         for p, readers in enumerate(stages.param_stages):
