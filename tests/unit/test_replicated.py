@@ -312,3 +312,22 @@ def test_a_ranks_send_buffers_do_not_grow_with_the_micro_batches(scaled):
         ranks = pipeline_memory_from_summary(summary, stages, layout)
         held.append([r.by_category["comm_buffers"] for r in ranks])
     assert held[0] == held[1]
+
+
+def test_a_stage_of_several_blocks_keeps_what_its_blocks_hand_one_another():
+    """A stage of c blocks keeps, for its backward, the input of each of its blocks; the
+    template's block receives its input from another stage, so the c - 1 inputs the
+    stage's own blocks hand one another are counted from the block's output
+    (replicated._handed_on). Under full recomputation they are what the activations
+    are: against exact tracing, equal (5% under before)."""
+    model, batch = meta_gpt2(layers=8, hidden=256, heads=8, vocab=1000, batch=16, seq=512)
+    exact = Estimator(model, CLUSTER, batch, causal_lm_loss)
+    scaled = Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2)
+    for fields in (dict(pp=2, microbatches=8, recompute="full"),
+                   dict(pp=4, microbatches=8, recompute="full"),
+                   dict(pp=2, microbatches=8)):
+        layout = autopar.Layout(**fields)
+        want, got = exact.predict(layout), scaled.predict(layout)
+        assert got.memory["activations"] == pytest.approx(want.memory["activations"],
+                                                          rel=0.002), layout
+        assert got.peak_memory_bytes == pytest.approx(want.peak_memory_bytes, rel=0.04), layout

@@ -201,6 +201,28 @@ def _kept_storages(t: Template) -> frozenset[int]:
     return frozenset(kept)
 
 
+def _handed_on(t: Template) -> dict[int, frozenset[int]]:
+    """Template stage -> the storages of its block's output that the next block of the
+    same stage would keep for its backward: in the template block 0's output goes to
+    block 1 on stage 1, whose backward reads it (a layer norm's input, a recomputed
+    block's), and block 1's output to the head. A stage of c blocks keeps c - 1 such
+    hand-offs per micro-batch, which no template stage shows (none when a block's
+    backward does not read its input)."""
+    ops, stage_of, program_of = t.summary.ops, t.stages.stage_of, t.stages.program_of
+    into_block1 = {ops[u].storage for i, op in enumerate(ops)
+                   if stage_of[i] == 1 and t.op_layer[i] == 1 for u in op.uses
+                   if stage_of[u] == 0 and t.op_layer[u] == 0}
+    into_block1.discard(None)
+    if not any(ops[u].storage in into_block1 for i, op in enumerate(ops)
+               if stage_of[i] == 1 and program_of[i] != "F" for u in op.uses):
+        return {}
+    into_head = {ops[u].storage for i, op in enumerate(ops)
+                 if stage_of[i] == 1 and t.op_layer[i] is None for u in op.uses
+                 if stage_of[u] == 1 and t.op_layer[u] == 1}
+    into_head.discard(None)
+    return {0: frozenset(into_block1), 1: frozenset(into_head)}
+
+
 def replicate(t: Template, n_stages: int, representatives: bool = False
               ) -> tuple[GraphSummary, StageSummary]:
     """The summaries of an `n_stages`-stage pipeline of the whole model (module docstring).
@@ -217,6 +239,8 @@ def replicate(t: Template, n_stages: int, representatives: bool = False
     on it)."""
     counts = t.blocks_per_stage(n_stages)
     kept = _kept_storages(t)
+    handed_on = _handed_on(t)
+    handed: list[int] = []
     n_inputs = sum(1 for s in t.stages.stage_of if s is None)
     ops: list[OpRecord] = list(t.summary.ops[:n_inputs])
     stage_of: list[int | None] = [None] * n_inputs
@@ -228,12 +252,16 @@ def replicate(t: Template, n_stages: int, representatives: bool = False
         kinds.append((role, counts[s]))
         if representatives and kinds[-1] in kinds[:-1]:  # a few kinds: first, last, middles
             continue
-        _, chosen = _selection(t, s, n_stages, counts[s])
+        source, chosen = _selection(t, s, n_stages, counts[s])
         where = {i: i for i in range(n_inputs)}
         where.update({i: len(ops) + k for k, i in enumerate(chosen)})
+        # the last stage's block output goes to the head, which keeps it: kept already
+        passed = handed_on.get(source, frozenset()) if role != "last" and counts[s] > 1 \
+            else frozenset()
+        handed += [where[i] for i in chosen if i in passed]
         for i in chosen:
             ops.append(_copy(t.summary.ops[i], where, counts[s] if t.op_layer[i] is not None
-                             else None, i in kept, s))
+                             else None, i in kept or i in passed, s))
             stage_of.append(s)
             program_of.append(t.stages.program_of[i])
         outputs.update(where[i] for i in t.summary.output_storages if i in where and i >= n_inputs)
@@ -242,7 +270,7 @@ def replicate(t: Template, n_stages: int, representatives: bool = False
     messages = _messages(t, counts)
     stages = StageSummary(stages=n_stages, stage_of=tuple(stage_of), program_of=tuple(program_of),
                           messages=messages, param_stages=_params(t, counts, stages=True),
-                          kinds=tuple(kinds))
+                          kinds=tuple(kinds), handed=tuple(handed))
     return summary, stages
 
 
@@ -396,6 +424,8 @@ def stage_programs(summary: GraphSummary, stages: StageSummary, shared: dict | N
             for u in op.uses:
                 readers.setdefault(summary.ops[u].storage, set()).add(
                     (stages.stage_of[i], stages.program_of[i]))
+        for i in stages.handed:  # kept for the stage's next blocks' backward (_handed_on)
+            readers.setdefault(i, set()).add((stages.stage_of[i], "W"))
         groups = stages.programs()
     for s, kind, programs, key in keys:
         if key not in cache:

@@ -45,6 +45,9 @@ class StageSummary:
     # per stage: stages with equal entries run identical programs (planner/replicated.py);
     # None: every stage its own
     kinds: tuple | None = None
+    # replicated stages: ops whose output the stage's next blocks keep for their backward
+    # (replicated._handed_on), counted as read by a later program of the stage
+    handed: tuple[int, ...] = ()
 
     def programs(self) -> dict[tuple[int, str], list[int]]:
         """(stage, program) -> indices of its ops, in order."""
