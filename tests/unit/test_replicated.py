@@ -207,7 +207,7 @@ def test_each_ranks_memory_on_one_stage_of_each_kind_is_the_whole_pipelines(gpt8
         pattern = est._rewritten[est._entry(layout)][3]
         saved = first_rank_saved_floor(pattern, layout, saved_per_block(pattern))
         assert saved <= ranks[0].peak_bytes
-        if layout.recompute == "none":
+        if layout.recompute == "none" or pattern.blocks_per_stage(layout.pp)[0] > 1:
             assert (saved > 0) == (layout.virtual_stages == 1), layout
         unsent = pipeline_memory_from_summary(few, few_stages, layout, sends=False)
         assert all(u.peak_bytes <= r.peak_bytes for u, r in zip(unsent, ranks)), layout

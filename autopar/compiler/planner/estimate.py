@@ -88,7 +88,7 @@ class Estimator:
         self._timing_replicas: dict[tuple, tuple] = {}  # rewritten(timing=True)'s
         self._timing_programs: dict[tuple, tuple] = {}  # memory_floor's: (programs, replays)
         self._kind_programs: dict[tuple, dict] = {}  # stage_programs' `shared`, per template
-        self._saved: dict[tuple, int] = {}  # replicated.saved_per_block, per template
+        self._saved: dict[tuple, tuple[int, int]] = {}  # replicated.saved_per_block, per template
         self._forward: dict[tuple, TrainGraph] = {}  # graphs after the forward-level passes
         self._predictions: dict[Layout, Prediction] = {}
         self._last_times: tuple = (None, None)  # (layout, its step_times): predict's next

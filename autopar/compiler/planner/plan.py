@@ -397,7 +397,7 @@ def prune_static(candidates: list[Layout], model: torch.nn.Module, cluster: Clus
     (memory.static_lower_bound, from parameter counts: no trace) cannot fit; nor, given
     `bucketed` (bucketed_gradients), a whole-graph data-parallel one whose gradient
     buckets, held until the graph returns, overflow beside its parameters and state."""
-    floor = _static_bound(model, optimizer, bucketed)
+    floor, plain = _static_bound(model, optimizer, bucketed), _static_bound(model, optimizer)
     capacity = cluster.device.memory_bytes * fraction
     keep, pruned = [], []
     for layout in candidates:
@@ -406,7 +406,7 @@ def prune_static(candidates: list[Layout], model: torch.nn.Module, cluster: Clus
             keep.append(layout)
             continue
         what = f"parameters, gradients and {optimizer} state"
-        if bucketed and _static_bound(model, optimizer)(layout) <= capacity:
+        if bucketed and plain(layout) <= capacity:
             what = (f"parameters, {optimizer} state and the gradient buckets its collectives "
                     f"hold until the step's graph returns")
         pruned.append((layout, f"does not fit: {what} alone take at least {bound / 1e9:.3g} GB "

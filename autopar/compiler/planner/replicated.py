@@ -156,17 +156,20 @@ def _selection(t: Template, stage: int, n_stages: int, blocks: int) -> tuple[int
     return 1, [i for i in ops if t.op_layer[i] is not None]
 
 
-def first_rank_saved_floor(t: Template, layout: Layout, per_block: int) -> int:
+def first_rank_saved_floor(t: Template, layout: Layout, per_block: tuple[int, int]) -> int:
     """Bytes below the peak of a pipeline's first rank replicated from `t`
     (pipeline_memory_from_summary), from the template alone. Until its first backward,
     the rank holds every micro-batch it has run forward, and each forward of its stage
-    keeps at least c_0 times `per_block` (saved_per_block: replicate counts a kept block
-    storage once per block the stage holds); its static memory and all else only add.
-    0 under an interleaved schedule (the rank runs several stages)."""
+    of c_0 blocks keeps at least c_0 times what `per_block` says (saved_per_block: its
+    saved activations, and with more than one block what it hands the next, as
+    replicate counts them); its static memory and all else only add. 0 under an
+    interleaved schedule (the rank runs several stages)."""
     if layout.virtual_stages != 1:
         return 0
+    blocks = t.blocks_per_stage(layout.pp)[0]
+    saved, handed = per_block
     return _first_forwards(layout.schedule, layout.pp, layout.microbatches) \
-        * t.blocks_per_stage(layout.pp)[0] * per_block
+        * blocks * (saved + (handed if blocks > 1 else 0))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -180,13 +183,16 @@ def _first_forwards(schedule: str, pp: int, microbatches: int) -> int:
     return forwards
 
 
-def saved_per_block(t: Template) -> int:
-    """Bytes the forward of the first stage's block keeps for the stage's other programs
-    (its saved activations), per micro-batch."""
+def saved_per_block(t: Template) -> tuple[int, int]:
+    """(bytes the forward of the first stage's block keeps for the stage's other programs
+    (its saved activations), bytes of its output a next block on the stage keeps
+    (_handed_on)), per micro-batch."""
     stage_of, program_of = t.stages.stage_of, t.stages.program_of
-    return sum(t.summary.ops[s].allocates for s in _kept_storages(t)
-               if stage_of[s] == 0 and program_of[s] == "F" and t.op_layer[s] is not None
-               and s not in t.summary.output_storages)
+    saved = sum(t.summary.ops[s].allocates for s in _kept_storages(t)
+                if stage_of[s] == 0 and program_of[s] == "F" and t.op_layer[s] is not None
+                and s not in t.summary.output_storages)
+    handed = sum(t.summary.ops[s].allocates for s in _handed_on(t).get(0, ()))
+    return saved, handed
 
 
 def _kept_storages(t: Template) -> frozenset[int]:
