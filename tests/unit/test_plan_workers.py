@@ -179,6 +179,32 @@ def test_children_get_every_near_group_but_the_first_and_rewrite_its_firsts_ahea
     other = autopar.Layout(dp=4, tp=2)
     group_of = lambda lay: lay.tp  # noqa: E731 - the groups of this test: by tp
     assert firsts([flat, template, zero1, other, later], group_of) == [flat, template, other]
+    # recomputation's variants share the group's costly part: each is rewritten ahead too
+    full = template.replace(recompute="full")
+    assert firsts([flat, template, full, zero1.replace(recompute="full")], group_of) == \
+        [flat, template, full, zero1.replace(recompute="full")]
+
+
+def test_a_group_retraces_once_for_every_dp_pp_and_recomputation(gpt8, monkeypatch):
+    """Tensor parallelism's solve and AMP's re-trace read tp, sequence parallelism and
+    AMP only (given a cluster): two pipelines of one micro-batch size that differ in dp,
+    pp and recomputation are one group, and their templates (two stages each, of 8 and
+    4 devices) share one re-trace; each prediction is what an Estimator of its own
+    computes."""
+    from autopar.compiler.ir import trace as T
+
+    model, batch = gpt8
+    a = autopar.Layout(dp=2, tp=2, pp=2, microbatches=2, amp="bf16")
+    b = autopar.Layout(dp=1, tp=2, pp=4, microbatches=4, amp="bf16", recompute="full")
+    fresh = [Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2).predict(lay)
+             for lay in (a, b)]
+    est = Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2)
+    assert est.group_of(a) == est.group_of(b)
+    retraces = []
+    original = T._trace_from
+    monkeypatch.setattr(T, "_trace_from", lambda source: retraces.append(1) or original(source))
+    assert [est.predict(lay) for lay in (a, b)] == fresh
+    assert len(retraces) == 2  # the micro-batch's trace, and one re-trace for both
 
 
 def test_what_a_child_rewrote_ahead_is_taken_without_asking(gpt8, monkeypatch):
@@ -236,5 +262,36 @@ def test_the_parent_rewrites_a_group_the_child_has_not_started_instead_of_waitin
         # while the child was at `slow`, the parent took `later` and rewrote it itself
         assert worker.claims[worker.slots[later]] == PARENT and later not in est.workers
         assert est.predict(second) == alone.predict(second)
+    finally:
+        worker.close()
+
+
+def test_the_parent_steals_first_a_group_whose_trace_it_has(gpt8, monkeypatch):
+    """Of the groups the child has not started, the parent takes back first one whose
+    trace it holds (a trace is a third of a group's rewrite), else the child's next."""
+    from autopar.compiler.planner.workers import RewriteWorker
+
+    model, batch = gpt8
+    candidates = S.candidate_layouts(CLUSTER, 16, 8, {"amp": "bf16"})
+    flat = [lay for lay in candidates if lay.pp == 1 and lay.microbatches == 1 and lay.zero == 0]
+    est = Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2)
+    groups = list(dict.fromkeys(est.group_of(lay) for lay in flat))[:4]
+    assert len({g[0] for g in groups}) == 4  # four micro-batch sizes: four traces
+    original = Estimator._run_passes
+
+    def slow_child(self, traced, trace_key, layout, options):
+        if self.group_of(layout) == groups[0]:
+            time.sleep(3)  # the child stays at the first group while the parent steals
+        return original(self, traced, trace_key, layout, options)
+
+    monkeypatch.setattr(Estimator, "_run_passes", slow_child)
+    ahead = [next(lay for lay in flat if est.group_of(lay) == g) for g in groups]
+    worker = RewriteWorker(est, ahead, groups)
+    try:
+        _wait_for_child(worker, groups[0])
+        assert worker.steal(lambda group: group == groups[3]) == (groups[3], ahead[3])
+        assert worker.steal(lambda group: False) == (groups[1], ahead[1])
+        assert [g for g, _ in worker.ahead] == [groups[0], groups[2]]
+        assert worker.claims[worker.slots[groups[3]]] == PARENT
     finally:
         worker.close()

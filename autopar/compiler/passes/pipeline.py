@@ -29,11 +29,20 @@ def forward_level_passes(layout: Layout) -> list[GraphPass]:
     return first
 
 
+def retrace_fields(layout: Layout) -> tuple:
+    """What the forward-level passes that re-trace (tensor parallelism, AMP) read of a
+    layout, given a cluster: each names its own pass (tensor parallelism costs its
+    placements on the cluster's devices, not on dp or pp; without a cluster it would
+    read world_size)."""
+    return layout.tp, layout.sequence_parallel, layout.amp
+
+
 def forward_level_fields(layout: Layout) -> tuple:
-    """What the forward-level passes read of a layout (world_size: tensor parallelism's
-    cost model; the rest names its own pass)."""
-    return (layout.tp, layout.sequence_parallel, layout.world_size, layout.amp,
-            layout.recompute)
+    """What the forward-level passes read of a layout, given a cluster: `retrace_fields`
+    and the recomputation policy; recompute="auto" reads the whole layout (its memory
+    budget is the step's peak under the layout)."""
+    fields = (*retrace_fields(layout), layout.recompute)
+    return fields + (layout,) if layout.recompute == "auto" else fields
 
 
 def default_passes(layout: Layout) -> list[GraphPass]:

@@ -23,7 +23,8 @@ from autopar.compiler.passes.base import GraphPass
 from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, OPTIMIZER_STATES,
                                                  Efficiency, predict, step_times)
 from autopar.compiler.passes.pipeline import (default_passes, forward_level_fields,
-                                              forward_level_passes, is_pipelined)
+                                              forward_level_passes, is_pipelined,
+                                              retrace_fields)
 from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.planner.memory import MemoryPrediction
 from autopar.compiler.planner.pipeline_cost import (ScheduleRun, StagePhases, p2p_time,
@@ -192,9 +193,11 @@ class Estimator:
         self.workers = {}
 
     def group_of(self, layout: Layout) -> tuple:
-        """The layouts that share a trace and the forward-level passes' graph: what a
-        worker rewrites together. Known without tracing."""
-        return self._trace_key(layout), forward_level_fields(layout)
+        """The layouts that share a trace and the forward-level passes' costly part (tensor
+        parallelism's solve and AMP's re-trace; recomputation's variants rewrite the graph
+        before it, `_forward_level`): what a worker rewrites together. Known without
+        tracing."""
+        return self._trace_key(layout), retrace_fields(layout)
 
     def export_entry(self, layout: Layout) -> tuple:
         """What `adopt` takes in another process: `layout`'s rewritten entry as plain
@@ -251,7 +254,8 @@ class Estimator:
                     return self.adopt(layout, *worker.ready.pop(key))
             # the child is busy with it (or with another group before answering): rather
             # than wait, rewrite here a group the child has not started
-            stolen = worker.steal()
+            stolen = worker.steal(lambda other: other[0] in self._traced
+                                  and self._traced[other[0]][1] is not None)
             if stolen is None:
                 break
             del self.workers[stolen[0]]

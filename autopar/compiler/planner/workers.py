@@ -2,14 +2,15 @@
 
 Most of a deep model's planning time is tracing and rewriting (export, the joint trace,
 the tensor-parallel and AMP re-trace, fusion), once per *group* of layouts that share a
-trace and the forward-level passes (`Estimator.group_of`). Groups are independent of
+trace and the re-tracing passes' graph (`Estimator.group_of`: the same micro-batch, tp,
+sequence parallelism and AMP; every dp, pp, ZeRO stage and recomputation policy). Groups are independent of
 one another, so `RewriteWorker` forks the Estimator once the search knows the order it
 will ask for them in (pipeline templates included: plan.rewrites_asked), keeps the
 first group for the parent, which needs it at once, and gives the children the others,
 round robin: the parent then costs (schedules, replicated pipelines) while they
 rewrite. A child rewrites ahead, one at a time, the first template and the first
-layout without one of each of its groups (the trace and forward-level passes they
-share are the costly part), sends each as soon as it is done, and answers the
+layout without one of each of its groups and recomputation policies (the trace and
+re-traces they share are the costly part), sends each as soon as it is done, and answers the
 parent's requests between them. What it sends is what the search reads: the
 summaries, the pipeline template, the tensor-parallel table and the trace's FLOPs
 (plain data; graphs stay in the process that made them). The parent keeps what was
@@ -35,7 +36,7 @@ from __future__ import annotations
 import multiprocessing
 import pickle
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import highspy
@@ -91,11 +92,14 @@ class RewriteWorker:
                 self.claims[slot] = PARENT
             return self.claims[slot] == PARENT
 
-    def steal(self) -> tuple[tuple, Layout] | None:
+    def steal(self, traced: Callable[[tuple], bool] = lambda group: False
+              ) -> tuple[tuple, Layout] | None:
         """(group, its first layout rewritten ahead) of the first group in the child's
         order that it has not started, taken back: the parent rewrites it while the
-        child finishes the one the parent waits for. None: the child has them all."""
-        for group, layout in self.ahead:
+        child finishes the one the parent waits for. First among those whose trace the
+        parent has (`traced(group)`): a trace is a third of a group's rewrite. None:
+        the child has them all."""
+        for group, layout in sorted(self.ahead, key=lambda item: not traced(item[0])):
             if self.take_back(group):
                 self.ahead = [(g, lay) for g, lay in self.ahead if g != group]
                 return group, layout
@@ -184,13 +188,14 @@ def _send(conn, message: tuple) -> bool:
 
 
 def firsts(order: Sequence[Layout], group_of) -> list[Layout]:
-    """What a child rewrites ahead, in the order the search will ask: of each group, its
-    first pipeline template and its first layout without one (the trace and the
-    forward-level passes they share are the costly part); the others (ZeRO stages,
-    bucket sizes) only when the parent asks."""
+    """What a child rewrites ahead, in the order the search will ask: of each group and
+    recomputation policy, its first pipeline template and its first layout without one
+    (the trace and the re-traces they share are the costly part; a policy adds only
+    recomputation and the joint-graph passes); the others (ZeRO stages, bucket sizes)
+    only when the parent asks."""
     seen, out = set(), []
     for layout in order:
-        key = (group_of(layout), layout.pp > 1)
+        key = (group_of(layout), layout.pp > 1, layout.recompute)
         if key not in seen:
             seen.add(key)
             out.append(layout)
