@@ -377,7 +377,7 @@ def send_releases(s: Schedule, rank: int,
     and the memory model let go of the same buffers at the same action."""
     position = s.__dict__.setdefault("_positions", {})  # rank -> {action: its index}
 
-    def index(q: int, action: Action) -> int:
+    def index(q: int, action: tuple[int, str, int]) -> int:
         if q not in position:
             position[q] = {a: k for k, a in enumerate(s.ranks[q])}
         return position[q][action]
@@ -395,38 +395,49 @@ def send_releases(s: Schedule, rank: int,
                     todo.append(up)
         leads_to[t] = seen
 
+    pp = s.pp
+    # (stage, phase) -> the stages on other ranks it sends to (and whether its backward
+    # proves them) or receives from, with their ranks: asked once per stage, not per
+    # action (actions are looked up as plain tuples: an Action equals its fields)
+    sends: dict[tuple[int, str], tuple[list[tuple[int, int]], bool]] = {}
+    receives: dict[tuple[int, str], list[tuple[int, int]]] = {}
     passed: dict[int, int] = {}  # peer rank -> the last index it is known to be past
     waiting: dict[int, list[tuple[int, int]]] = {}  # peer rank -> heap of (its receive, send)
     left: dict[int, int] = {}  # unproven send -> how many of its receivers are not proven
     forward: dict[tuple[int, int], int] = {}  # (stage, mb) -> its forward send, if RB proves it
     out: dict[int, tuple[int, ...]] = {}
-    for i, a in enumerate(s.ranks[rank]):
-        if a.kind in ("SF", "SB"):
-            phase, receive = a.kind[1], "R" + a.kind[1]
-            dsts = [d for d in sends_to(a.stage, phase) if s.rank_of(d) != rank]
+    for i, (stage, kind, microbatch) in enumerate(s.ranks[rank]):
+        if kind == "SF" or kind == "SB":
+            phase = kind[1]
+            if (stage, phase) not in sends:
+                dsts = [d for d in sends_to(stage, phase) if d % pp != rank]
+                sends[stage, phase] = ([(d, d % pp) for d in dsts], phase == "F" and bool(dsts)
+                                       and set(dsts) <= leads_to.get(stage, set()))
+            dsts, proven = sends[stage, phase]
             if not dsts:
                 continue
-            if phase == "F" and set(dsts) <= leads_to.get(a.stage, set()):
+            if proven:
                 # proven by the micro-batch's backward, before its environment (which
                 # holds what was sent) is dropped: no need to watch the receivers
-                forward[a.stage, a.microbatch] = i
+                forward[stage, microbatch] = i
                 left[i] = 1
                 continue
+            receive = "R" + phase
             need: dict[int, int] = {}
-            for dst in dsts:
-                q = s.rank_of(dst)
-                need[q] = max(need.get(q, -1), index(q, Action(dst, receive, a.microbatch)))
+            for dst, q in dsts:
+                need[q] = max(need.get(q, -1), index(q, (dst, receive, microbatch)))
             for q, k in need.items():
                 heapq.heappush(waiting.setdefault(q, []), (k, i))
             left[i] = len(need)
-        elif a.kind in ("RF", "RB"):
-            phase, send = a.kind[1], "S" + a.kind[1]
+        elif kind == "RF" or kind == "RB":
+            phase = kind[1]
+            if (stage, phase) not in receives:
+                receives[stage, phase] = [(src, src % pp) for src in receives_from(stage, phase)
+                                          if src % pp != rank]
+            send = "S" + phase
             done = []
-            for src in receives_from(a.stage, phase):
-                q = s.rank_of(src)
-                if q == rank:
-                    continue
-                passed[q] = max(passed.get(q, -1), index(q, Action(src, send, a.microbatch)))
+            for src, q in receives[stage, phase]:
+                passed[q] = max(passed.get(q, -1), index(q, (src, send, microbatch)))
                 heap = waiting.get(q, [])
                 while heap and heap[0][0] < passed[q]:
                     j = heapq.heappop(heap)[1]
@@ -435,8 +446,8 @@ def send_releases(s: Schedule, rank: int,
                         if not left[j]:
                             del left[j]
                             done.append(j)
-            if phase == "B" and forward.get((a.stage, a.microbatch), -1) in left:
-                j = forward.pop((a.stage, a.microbatch))
+            if phase == "B" and forward.get((stage, microbatch), -1) in left:
+                j = forward.pop((stage, microbatch))
                 del left[j]
                 done.append(j)
             if done:

@@ -125,18 +125,24 @@ def receive_costs(stages: StageSummary, cluster: ClusterSpec, layout: Layout,
     return out
 
 
-def rank_params(stages: StageSummary, layout: Layout) -> list[list[int]]:
-    """The parameters each pipeline rank holds (read by one of its stages)."""
-    held: list[list[int]] = [[] for _ in range(layout.pp)]
+def rank_params(summary: GraphSummary, stages: StageSummary, layout: Layout
+                ) -> list[list[tuple[int, int]]]:
+    """The parameters each pipeline rank holds (read by one of its stages), as (index,
+    count) pairs: index i stands for `count` of them with its element count, itemsize
+    and rows, all that the costs below read of a parameter (repeated blocks hold a few
+    shapes many times: each is costed once)."""
+    held: list[dict[tuple, list[int]]] = [{} for _ in range(layout.pp)]
+    rows = summary.param_rows or [0] * len(summary.param_numel)
     for i, readers in enumerate(stages.param_stages):
-        for rank in sorted({s % layout.pp for s in readers}):
-            held[rank].append(i)
-    return held
+        shape = (summary.param_numel[i], summary.param_itemsize[i], rows[i])
+        for rank in {s % layout.pp for s in readers}:
+            held[rank].setdefault(shape, [i, 0])[1] += 1
+    return [[(i, count) for i, count in sorted(shapes.values())] for shapes in held]
 
 
 def grad_sync_time(summary: GraphSummary, stages: StageSummary, cluster: ClusterSpec,
                    layout: Layout, eff: Efficiency = DEFAULT_EFFICIENCY,
-                   by_rank: list[list[int]] | None = None) -> list[float]:
+                   by_rank: list[list[tuple[int, int]]] | None = None) -> list[float]:
     """Per pipeline rank, as runtime/pipeline.py sums gradients: tied-weight all-reduces
     over the ranks sharing them, then over dp (in Layout.grad_comm_dtype when set) one
     flat all-reduce of the gradients it updates whole, and under ZeRO-2/3 a
@@ -158,14 +164,14 @@ def grad_sync_time(summary: GraphSummary, stages: StageSummary, cluster: Cluster
         return collective_time("reduce_scatter", _wire(block * layout.dp, summary, layout),
                                layout.dp, cluster, layout.tp, eff)
 
-    for rank, params in enumerate(by_rank or rank_params(stages, layout)):
+    for rank, params in enumerate(by_rank or rank_params(summary, stages, layout)):
         whole = 0
-        for i in params:
+        for i, count in params:
             block = zero_block_bytes(summary, i, layout) if layout.zero >= 2 else 0
             if block:
-                out[rank] += scatter(block)
+                out[rank] += count * scatter(block)
             else:
-                whole += summary.param_numel[i] * summary.param_itemsize[i]
+                whole += count * summary.param_numel[i] * summary.param_itemsize[i]
         out[rank] += collective_time("all_reduce", _wire(whole, summary, layout), layout.dp,
                                      cluster, layout.tp, eff)
     return out
@@ -173,7 +179,7 @@ def grad_sync_time(summary: GraphSummary, stages: StageSummary, cluster: Cluster
 
 def param_gather_time(summary: GraphSummary, stages: StageSummary, cluster: ClusterSpec,
                       layout: Layout, eff: Efficiency = DEFAULT_EFFICIENCY,
-                      by_rank: list[list[int]] | None = None) -> list[float]:
+                      by_rank: list[list[tuple[int, int]]] | None = None) -> list[float]:
     """Per pipeline rank: ZeRO's all-gather of each parameter it updates a block of (after
     the optimizer under ZeRO-1/2, before the schedule under ZeRO-3), one per parameter
     as the runtime issues them."""
@@ -184,17 +190,18 @@ def param_gather_time(summary: GraphSummary, stages: StageSummary, cluster: Clus
     def gather(block: int) -> float:
         return collective_time("all_gather", block * layout.dp, layout.dp, cluster, layout.tp, eff)
 
-    return [sum(gather(block)
-                for block in (zero_block_bytes(summary, i, layout) for i in params) if block)
-            for params in by_rank or rank_params(stages, layout)]
+    return [sum(count * gather(block) for block, count in
+                ((zero_block_bytes(summary, i, layout), count) for i, count in params) if block)
+            for params in by_rank or rank_params(summary, stages, layout)]
 
 
 def updated_bytes(summary: GraphSummary, stages: StageSummary, layout: Layout,
-                  by_rank: list[list[int]] | None = None) -> list[int]:
+                  by_rank: list[list[tuple[int, int]]] | None = None) -> list[int]:
     """Per pipeline rank: the bytes its optimizer step updates (ZeRO: its blocks)."""
-    return [sum(zero_block_bytes(summary, i, layout)
-                or summary.param_numel[i] * summary.param_itemsize[i] for i in params)
-            for params in by_rank or rank_params(stages, layout)]
+    return [sum(count * (zero_block_bytes(summary, i, layout)
+                         or summary.param_numel[i] * summary.param_itemsize[i])
+                for i, count in params)
+            for params in by_rank or rank_params(summary, stages, layout)]
 
 
 def _wire(nbytes: int, summary: GraphSummary, layout: Layout) -> float:
@@ -260,7 +267,7 @@ class ScheduleRun:
     schedule: Schedule
     timeline: Timeline
     ends: tuple[float, ...]
-    by_rank: list[list[int]]  # rank_params
+    by_rank: list[list[tuple[int, int]]]  # rank_params
 
 
 @dataclass(frozen=True)
@@ -269,7 +276,7 @@ class StagePhases:
     same for layouts that differ only in ZeRO), and the parameters of each rank."""
     phases: dict[tuple[int, str], PhaseTime]
     receives: dict[tuple[int, str], float]
-    by_rank: list[list[int]]  # rank_params
+    by_rank: list[list[tuple[int, int]]]  # rank_params
 
     @property
     def cost(self) -> dict[tuple[int, str], float]:
@@ -280,7 +287,8 @@ class StagePhases:
 def stage_phases(summary: GraphSummary, stages: StageSummary, cluster: ClusterSpec,
                  layout: Layout, eff: Efficiency = DEFAULT_EFFICIENCY) -> StagePhases:
     return StagePhases(stage_phase_times(summary, stages, cluster, layout, eff),
-                       receive_costs(stages, cluster, layout, eff), rank_params(stages, layout))
+                       receive_costs(stages, cluster, layout, eff),
+                       rank_params(summary, stages, layout))
 
 
 def run_schedule(summary: GraphSummary, stages: StageSummary, cluster: ClusterSpec,
@@ -297,7 +305,8 @@ def run_schedule(summary: GraphSummary, stages: StageSummary, cluster: ClusterSp
 
 def after_schedule(summary: GraphSummary, stages: StageSummary, cluster: ClusterSpec,
                    layout: Layout, optimizer: str, eff: Efficiency,
-                   by_rank: list[list[int]]) -> tuple[list[float], list[float], list[float]]:
+                   by_rank: list[list[tuple[int, int]]]
+                   ) -> tuple[list[float], list[float], list[float]]:
     """Per pipeline rank, after its last action: (gradient sync, ZeRO's parameter
     gather, optimizer step) seconds."""
     sync = grad_sync_time(summary, stages, cluster, layout, eff, by_rank)
