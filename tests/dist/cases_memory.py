@@ -110,6 +110,11 @@ memory_case("dp2_memory_model_gpt2_tied_adamw", gpt2, adamw, dp=2)
 memory_case("dp2_zero1_memory_model_llama_adamw", llama, adamw, dp=2, zero=1)
 memory_case("dp2_zero2_memory_model_gpt2_tied_adamw", gpt2, adamw, dp=2, zero=2)
 memory_case("dp2_zero3_memory_model_gpt2_tied_adamw", gpt2, adamw, dp=2, zero=3)
+# several buckets: each reduce-scatter waited for two buckets later frees its whole bucket
+memory_case("dp2_zero2_small_buckets_memory_model_gpt2_tied_adamw", gpt2, adamw, dp=2, zero=2,
+            bucket_mb=0.05)
+memory_case("dp2_zero3_small_buckets_memory_model_llama_sgd", llama, sgd, dp=2, zero=3,
+            bucket_mb=0.05)
 memory_case("tp2_memory_model_gpt2_tied_sgd", gpt2, sgd, tp=2)
 memory_case("pp2_1f1b_memory_model_gpt2_tied_adamw", lambda: gpt2(layers=4), adamw, pp=2,
             microbatches=4)

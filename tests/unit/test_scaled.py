@@ -60,6 +60,9 @@ def test_reduced_traces_the_first_blocks_and_restores_the_stack():
 
 @pytest.mark.parametrize("fields", [dict(dp=8), dict(dp=4, tp=2), dict(dp=8, zero=3),
                                     dict(dp=4, tp=2, zero=3, recompute="full", amp="bf16"),
+                                    # ZeRO-2's gather after the optimizer: one per block
+                                    # parameter of each copy (param_copies; -62% before)
+                                    dict(dp=8, zero=2),
                                     dict(dp=2, pp=4, microbatches=8),
                                     dict(dp=4, pp=2, microbatches=4, schedule="zero-bubble")])
 def test_scaled_predictions_match_exact_ones(fields):
@@ -78,3 +81,20 @@ def test_scaled_predictions_match_exact_ones(fields):
     assert approx.peak_memory_bytes == pytest.approx(exact.peak_memory_bytes, rel=rel)
     with pytest.raises(ValueError, match="trace_blocks must be a positive integer"):
         Estimator(model, c, batch, causal_lm_loss, trace_blocks=0)
+
+
+@pytest.mark.parametrize("fields", [dict(dp=8, zero=2, bucket_mb=1),
+                                    dict(dp=8, zero=3, bucket_mb=1, amp="bf16")])
+def test_a_scaled_step_holds_as_few_reduce_scattered_buckets_as_the_real_one(fields):
+    """Each reduce-scatter is waited for two buckets later (insert_allreduce): a bucket
+    let go of before the backward ends counts once in the scaled step, as the real step
+    holds as few at a time, of the same size (scaled by the gradient ratio, four blocks'
+    worth each: +4.5% and +10% over the exact peak). Within 5%; the step time is
+    not compared: a scaled step has fewer, larger buckets and undercounts their
+    per-message latency (-9% and -13% here)."""
+    model, batch = meta_gpt2(layers=8, hidden=256, heads=8, vocab=1000, batch=16, seq=64)
+    c = autopar.ClusterSpec.preset("dgx-h100")
+    layout = autopar.Layout(**fields)
+    exact = Estimator(model, c, batch, causal_lm_loss).predict(layout)
+    approx = Estimator(model, c, batch, causal_lm_loss, trace_blocks=2).predict(layout)
+    assert approx.peak_memory_bytes == pytest.approx(exact.peak_memory_bytes, rel=0.05)

@@ -24,7 +24,11 @@ Rewrites, in order:
    that are reduce-scattered instead: laid out block-major ([dp, n/dp], row r holding
    every gradient's r-th dim-0 block of ceil(rows/dp) rows, the last padded with zero
    rows), so each rank receives exactly its blocks, and the step returns that block
-   (`GraphSignature.grad_blocks`). An embedding table whose gradient comes from
+   (`GraphSignature.grad_blocks`). A reduce-scatter holds its input, a whole bucket,
+   until its wait: each is waited for right before the reduce-scatter
+   SCATTERS_IN_FLIGHT buckets later starts, so a rank holds a couple of whole buckets
+   at a time, not the whole gradient (until 2026-11-25 they were waited for at the
+   output too). An embedding table whose gradient comes from
    gathered rows (step 2) builds only this rank's block from them (rows of other
    blocks masked out; options["dp_rank"] says which block). The runtime's
    optimizer updates the block and gathers the blocks back into the parameter.
@@ -65,6 +69,9 @@ prims = torch.ops.prims
 # Layout.grad_comm_dtype -> the dtype gradient buckets travel in
 _WIRE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MiB = 1 << 20
+# ZeRO-2/3: a reduce-scatter is waited for right before the one this many buckets later
+# starts (its input, a whole bucket, is held until its wait; FSDP also keeps a few)
+SCATTERS_IN_FLIGHT = 2
 
 
 def plan_buckets(sizes_in_order: list[int], cap_bytes: float) -> list[list[int]]:
@@ -157,17 +164,25 @@ class InsertAllReduce(GraphPass):
             buckets += [([mine[k] for k in b], blocks)
                         for b in plan_buckets(sizes, ctx.layout.bucket_mb * MiB)]
         buckets.sort(key=lambda b: order[b[0][-1][0]])  # in the order backward completes them
+        waited: dict[fx.Node, fx.Node] = {}  # reduce-scatters waited for early: their waits
         if ctx.layout.overlap_comm:  # each bucket starts right after its last term
-            pending = [self._launch_bucket(build.at(max((t for t, _ in b), key=order.__getitem__)),
-                                           b, i, divisor, tag, wire, blocks)
-                       for i, (b, blocks) in enumerate(buckets)]
+            pending, scattering = [], []
+            for i, (b, blocks) in enumerate(buckets):
+                build.at(max((t for t, _ in b), key=order.__getitem__))
+                if blocks > 1:
+                    if len(scattering) >= SCATTERS_IN_FLIGHT:
+                        early = scattering.pop(0)
+                        waited[early] = build.call(c10d.wait_tensor.default, (early,))
+                pending.append(self._launch_bucket(build, b, i, divisor, tag, wire, blocks))
+                if blocks > 1:
+                    scattering.append(pending[-1][1])
         else:  # a baseline: all buckets start after the whole backward pass
             build.at(tg.output_node().prev)
             pending = [self._launch_bucket(build, b, i, divisor, tag, wire, blocks)
                        for i, (b, blocks) in enumerate(buckets)]
         loss = self._launch_loss(tg, build, dp, tag)
         tg.output_node().args = (tuple(self._wait_all(tg, build, pending, loss, grads,
-                                                      {i: dp for i in blocked})),)
+                                                      {i: dp for i in blocked}, waited)),)
         tg.graph.eliminate_dead_code()
         tg.gm.recompile()
         if blocked:
@@ -260,13 +275,14 @@ class InsertAllReduce(GraphPass):
         scaled = build.at(tg.loss_node()).call(aten.div.Tensor, (tg.loss_node(), dp))
         return build.call(c10d.all_reduce.default, (scaled, "sum", tag), **{M.COMM_KIND: "loss"})
 
-    def _wait_all(self, tg, build, pending, loss, grads, blocked) -> list[fx.Node]:
-        """Waits just before the output: every all-reduce stays in flight until then."""
+    def _wait_all(self, tg, build, pending, loss, grads, blocked, waited) -> list[fx.Node]:
+        """Waits just before the output for every collective not `waited` for already (a
+        reduce-scatter -> its wait): the all-reduces stay in flight until then."""
         outputs = tg.outputs()
         build.at(tg.output_node().prev)
         summed: dict[fx.Node, fx.Node] = {}
         for bucket, reduced, blocks in pending:
-            done = build.call(c10d.wait_tensor.default, (reduced,))
+            done = waited.get(reduced) or build.call(c10d.wait_tensor.default, (reduced,))
             grad_dtype = bucket[0][0].meta[M.VAL].dtype
             if done.meta[M.VAL].dtype != grad_dtype:  # back from grad_comm_dtype
                 done = build.call(prims.convert_element_type.default, (done, grad_dtype))

@@ -256,10 +256,13 @@ def zero_gather_time(summary: GraphSummary, cluster: ClusterSpec, layout: Layout
                      eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
     """ZeRO: after the optimizer step, the all-gather over dp of each parameter a rank
     updates a block of outside the graph (runtime/executor.py `_gather_zero_blocks`: one
-    collective per parameter), overlapped with nothing."""
+    collective per parameter; `param_copies` of them for a scaled summary's), overlapped
+    with nothing."""
     size, stride = mesh_dim_sizes(layout)["dp"]
-    return sum(collective_time("all_gather", block * size, size, cluster, stride, eff)
-               for block in outside_graph_blocks(summary, layout) if block)
+    blocks = outside_graph_blocks(summary, layout)
+    copies = summary.param_copies or (1,) * len(blocks)
+    return sum(k * collective_time("all_gather", block / k * size, size, cluster, stride, eff)
+               for block, k in zip(blocks, copies) if block)
 
 
 def step_time(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,

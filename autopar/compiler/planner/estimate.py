@@ -159,6 +159,14 @@ class Estimator:
         from the trace of its micro-batch (scaled to the whole stack with trace_blocks)."""
         return self._trace(layout)[2] * layout.dp * layout.microbatches
 
+    def most_shared(self, layouts: Sequence[Layout]) -> Layout:
+        """The first of `layouts` whose trace the most of them share: what to trace first
+        when any trace will do (the FLOP count, the parameters an embedding reads), so
+        that the search reuses it (a fork's workers inherit it), rather than a micro-batch
+        size it may never cost."""
+        counts = Counter(self._trace_key(layout) for layout in layouts)
+        return max(layouts, key=lambda layout: counts[self._trace_key(layout)])
+
     def counts(self) -> dict[str, int]:
         """How many traces and rewritten graphs the layouts costed so far needed."""
         return {"traces": len(self._traced), "rewrites": len(self._rewritten)}

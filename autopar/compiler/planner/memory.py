@@ -101,18 +101,20 @@ def static_lower_bound(param_bytes: int, layout: Layout,
     `bucketed`: (shape, itemsize) of each gradient a whole-graph data-parallel step
     (no pipeline, no micro-batches, dp > 1) sums in buckets (passes/insert_allreduce.py:
     every trainable parameter's but an embedding table's, whose rows may be gathered
-    instead). Each bucket waits for its collective just before the graph returns, and
-    until then the collective holds its input: the bucket, in Layout.grad_comm_dtype
-    when set, at least the smallest tensor-parallel piece of each gradient
-    (tp_piece_bytes). Under ZeRO-2/3 that is the whole gradient, not its 1/dp block,
-    beside the parameters and optimizer state."""
+    instead). An all-reduced bucket waits for its collective just before the graph
+    returns, and until then the collective holds its input: the bucket, in
+    Layout.grad_comm_dtype when set, at least the smallest tensor-parallel piece of each
+    gradient (tp_piece_bytes). So do ZeRO-2/3's reduce-scattered buckets without
+    overlap_comm (with it, each is waited for two buckets later: no bound from them):
+    the whole gradient, not its 1/dp block, beside the parameters and optimizer state."""
     share = param_bytes / (layout.tp * layout.pp)
     dp = layout.dp
     params = share / dp if layout.zero >= 3 and layout.pp == 1 else share
     grads = share / dp if layout.zero >= 2 else share
     states = optimizer_memory(optimizer).states * (share / dp if layout.zero >= 1 else share)
     held = params + grads + states
-    if bucketed and dp > 1 and layout.pp == layout.microbatches == 1:
+    at_output = layout.zero < 2 or not layout.overlap_comm  # where the buckets are waited for
+    if bucketed and dp > 1 and layout.pp == layout.microbatches == 1 and at_output:
         wire = WIRE_BYTES.get(layout.grad_comm_dtype)
         buckets = sum(tp_piece_bytes(shape, wire or itemsize, layout.tp) * count
                       for (shape, itemsize), count in Counter(bucketed).items())

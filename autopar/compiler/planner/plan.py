@@ -90,7 +90,8 @@ def _search(model, cluster, example_inputs, loss_fn, optimizer, efficiency, prog
     costed, pruned = prune_static(candidates, model, cluster, fraction, optimizer)
     if costed:
         costed, held = prune_static(costed, model, cluster, fraction, optimizer,
-                                    bucketed_gradients(model, estimator, costed[0]))
+                                    bucketed_gradients(model, estimator,
+                                                       estimator.most_shared(costed)))
         pruned += held
     step = None if progress is None else _counter(progress, len(costed))
     bound = compute_bound(estimator, costed, efficiency) if costed else None
@@ -216,7 +217,7 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
     step found."""
     cluster, model = estimator.cluster, estimator.model
     try:
-        total = estimator.step_model_flops(candidates[0]) * BOUND_MARGIN
+        total = estimator.step_model_flops(estimator.most_shared(candidates)) * BOUND_MARGIN
     except ValueError:  # the model does not trace: the search reports it for every layout
         total = 0.0
     dtypes = {"fp32"} | {DTYPE_NAMES.get(t.dtype) for t in (*model.parameters(), *model.buffers())

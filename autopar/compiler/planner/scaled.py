@@ -8,7 +8,9 @@ summaries are scaled to the whole model:
 
 - every op of block b runs m_b times (`OpRecord.repeat`: its compute, launch and
   collectives cost m_b times), its model FLOPs are multiplied by m_b, and so are the
-  parameters only block b reads;
+  parameters only block b reads (each stands for m_b parameters,
+  `GraphSummary.param_copies`: ZeRO-1/2's gather after the optimizer step issues m_b
+  gathers of a block's size, not one m_b times larger);
 - a block op's storage counts m_b times when it outlives its own pass over the
   blocks: read by the backward though made before it (saved activations, recomputed
   blocks' inputs), or returned by the step (gradients). Storage the forward or the
@@ -18,7 +20,11 @@ summaries are scaled to the whole model:
 - the gradient buckets (ops of the data-parallel pass, `autopar.bucket`) carry m_b
   times the gradients of each block: their bytes and their collectives' bytes are
   scaled by the ratio of whole-model to traced gradient bytes (fewer, larger
-  buckets than the real step: per-message latency is undercounted);
+  buckets than the real step: per-message latency is undercounted), and so is their
+  storage where the step holds it to its end (the all-reduced buckets, the blocks
+  ZeRO-2/3 returns); a bucket let go of before the backward ends (a reduce-scatter's
+  input, waited for two buckets later; its packing) counts once: the real step
+  holds as few at a time, of the same size;
 - a pipeline of several stages is costed from a two-block template instead
   (planner/replicated.py), whatever k is.
 
@@ -100,9 +106,24 @@ def scale_summary(summary: GraphSummary, tg: TrainGraph, counts: tuple[int, ...]
     ratio = whole / traced if traced else 1.0
     buckets = op_buckets(tg)
     kept = _kept_storages(summary, buckets)
-    ops = tuple(_scaled(op, counts[b] if b is not None else None, bucket, ratio, i in kept)
+    held = _held_to_end(summary)
+    ops = tuple(_scaled(op, counts[b] if b is not None else None, bucket,
+                        ratio, i in held if bucket else i in kept)
                 for i, (op, b, bucket) in enumerate(zip(summary.ops, op_layers(tg), buckets)))
-    return replace(summary, ops=ops, param_numel=numel)
+    return replace(summary, ops=ops, param_numel=numel,
+                   param_copies=tuple(counts[b] if b is not None else 1 for b in params))
+
+
+def _held_to_end(summary: GraphSummary) -> frozenset[int]:
+    """Storages alive after the last backward op: returned, or read (a collective's hold
+    on its input until its wait included) after it."""
+    ops = summary.ops
+    last = max((i for i, op in enumerate(ops) if op.role == "backward"), default=len(ops))
+    held = set(summary.output_storages)
+    for i, op in enumerate(ops[last + 1:], start=last + 1):
+        reads = op.uses + (ops[op.waits_on].uses if op.waits_on is not None else ())
+        held.update(s for s in (ops[u].storage for u in (*reads, i)) if s is not None)
+    return frozenset(held)
 
 
 def _kept_storages(summary: GraphSummary, buckets: tuple[bool, ...]) -> frozenset[int]:
@@ -124,6 +145,6 @@ def _scaled(op: OpRecord, count: int | None, bucket: bool, ratio: float, kept: b
         return replace(op, repeat=op.repeat * count, model_flops=op.model_flops * count,
                        allocates=op.allocates * count if kept else op.allocates)
     if bucket:
-        return replace(op, bytes=int(op.bytes * ratio), allocates=int(op.allocates * ratio),
-                       comm_bytes=int(op.comm_bytes * ratio))
+        return replace(op, bytes=int(op.bytes * ratio), comm_bytes=int(op.comm_bytes * ratio),
+                       allocates=int(op.allocates * ratio) if kept else op.allocates)
     return op

@@ -107,6 +107,10 @@ class GraphSummary:
     # dim-0 blocks ZeRO-3 cut it (the graph then takes one block); empty: unknown / whole
     param_rows: tuple[int, ...] = ()
     param_blocks: tuple[int, ...] = ()
+    # per parameter: how many of the model's parameters it stands for (a scaled
+    # summary's block parameters, planner/scaled.py: each of its m_b copies is gathered
+    # on its own); empty: one each
+    param_copies: tuple[int, ...] = ()
 
     @property
     def param_bytes(self) -> int:
