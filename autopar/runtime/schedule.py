@@ -261,8 +261,9 @@ DEFAULT_COST = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 class Timeline:
     """Start and end time of every compute action per rank, and the idle fractions."""
 
-    spans: list[list[tuple[Action, float, float]]]
+    spans: list[list[tuple[Action, float, float]]]  # empty lists: simulate(spans=False)
     makespan: float
+    ends: tuple[float, ...] = ()  # per rank: when its last compute action ends
 
     def busy(self, rank: int) -> float:
         return sum(end - start for _, start, end in self.spans[rank])
@@ -272,10 +273,11 @@ class Timeline:
         return 1.0 - self.busy(rank) / self.makespan
 
 
-def simulate(s: Schedule, cost: dict | None = None) -> Timeline:
+def simulate(s: Schedule, cost: dict | None = None, spans: bool = True) -> Timeline:
     """Run the per-rank lists in order: sends are asynchronous (cost 0), a receive
     waits for its send, compute takes `cost[(stage, kind)]` or else `cost[kind]`.
-    Raises ScheduleError on deadlock.
+    Raises ScheduleError on deadlock. `spans` False: each rank's end only (the planner
+    times thousands of actions per rank and reads the spans of one plan).
 
     Each rank runs until a receive whose send has not happened yet; the send wakes
     it. Times do not depend on which rank runs first (an action starts at its rank's
@@ -287,11 +289,13 @@ def simulate(s: Schedule, cost: dict | None = None) -> Timeline:
     waiting = [-1] * count  # the rank blocked on each send's receive
     clock = [0.0] * s.pp
     cursor = [0] * s.pp
-    spans: list[list[tuple[Action, float, float]]] = [[] for _ in range(s.pp)]
+    kept: list[list[tuple[Action, float, float]]] = [[] for _ in range(s.pp)]
+    ends = [0.0] * s.pp
     ready = list(range(s.pp - 1, -1, -1))
     while ready:
         r = ready.pop()
-        steps, k, now, mine = ranks[r], cursor[r], clock[r], spans[r]
+        steps, k, now, mine = ranks[r], cursor[r], clock[r], kept[r]
+        last = ends[r]
         while k < len(steps):
             a, key, need, send, computes = steps[k]
             if need >= 0:
@@ -308,15 +312,17 @@ def simulate(s: Schedule, cost: dict | None = None) -> Timeline:
                     ready.append(waiting[send])
                     waiting[send] = -1
             elif computes:
-                mine.append((a, now, end))
+                last = end
+                if spans:
+                    mine.append((a, now, end))
             now = end
             k += 1
-        cursor[r], clock[r] = k, now
+        cursor[r], clock[r], ends[r] = k, now, last
     stuck = {r: str(s.ranks[r][cursor[r]]) for r in range(s.pp) if cursor[r] < len(s.ranks[r])}
     if stuck:
         raise ScheduleError(f"deadlock: every rank waits on a receive whose send never comes "
                             f"first; blocked at {stuck}")
-    return Timeline(spans, max(clock))
+    return Timeline(kept, max(clock), tuple(ends))
 
 
 def rank_floors(name: str, pp: int, microbatches: int, virtual_stages: int = 1,

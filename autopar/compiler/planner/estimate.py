@@ -83,6 +83,8 @@ class Estimator:
             raise ValueError(f"trace_blocks must be a positive integer or None, got {trace_blocks!r}")
         self.trace_blocks = trace_blocks  # planner/scaled.py: trace a few blocks, scale
         self._traced: dict[tuple, tuple] = {}
+        self._trace_keys: dict[Layout, tuple] = {}  # _trace_key's
+        self._keys: dict[Layout, tuple] = {}  # _key's
         self._rewritten: dict[tuple, tuple] = {}
         self._tables: dict[tuple, dict] = {}
         self._replicas: dict[tuple, tuple] = {}
@@ -432,9 +434,14 @@ class Estimator:
         return layout.pp * layout.virtual_stages if is_pipelined(layout) else 1
 
     def _trace_key(self, layout: Layout) -> tuple:
-        local = _local_example(self.example_inputs, layout)
-        return (tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else repr(x) for x in local),
+        """(shapes of one rank's micro-batch, blocks kept): what a trace is shared by
+        (asked for every layout the search looks at: kept per layout)."""
+        if layout not in self._trace_keys:
+            local = _local_example(self.example_inputs, layout)
+            self._trace_keys[layout] = (
+                tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else repr(x) for x in local),
                 self._keep(layout))
+        return self._trace_keys[layout]
 
     def _trace(self, layout: Layout, graph: bool = False):
         """(key, traced graph, model FLOPs, scaling); a trace kept from a worker has no
@@ -456,6 +463,10 @@ class Estimator:
         return summary if scaling is None else scale_summary(summary, tg, scaling[1])
 
     def _key(self, layout: Layout) -> tuple:
+        """The key of `layout`'s rewritten graph in `_rewritten` (traced if new; kept per
+        layout: the search asks it for every layout it floors, times or costs)."""
+        if layout in self._keys:
+            return self._keys[layout]
         pipelined = is_pipelined(layout)
         # the passes of a pipelined step read its number of stages, not how the schedule
         # runs them nor dp (the runtime reduces its gradients; the micro-batch size is in
@@ -465,7 +476,8 @@ class Estimator:
             stages = 2
         fields = layout.replace(schedule="1f1b", microbatches=2, virtual_stages=1, dp=1, zero=0,
                                 pp=stages) if pipelined else layout
-        return self._trace(layout)[0], pipelined, fields
+        self._keys[layout] = (self._trace(layout)[0], pipelined, fields)
+        return self._keys[layout]
 
     def _template(self, layout: Layout) -> bool:
         """Whether `layout` is costed from a two-stage template (a scaled trace, several

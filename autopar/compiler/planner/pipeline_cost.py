@@ -38,7 +38,7 @@ from autopar.compiler.planner.memory import WIRE_BYTES, tp_piece_bytes, zero_blo
 from autopar.compiler.planner.stages import StageSummary
 from autopar.compiler.planner.summary import GraphSummary, changed
 from autopar.layout import Layout
-from autopar.runtime.schedule import Schedule, Timeline, build, rank_floors, simulate
+from autopar.runtime.schedule import COMPUTE, Schedule, Timeline, build, rank_floors, simulate
 
 PHASE_PROGRAMS = {"F": "F", "B": "IW", "I": "I", "W": "W"}
 
@@ -59,7 +59,7 @@ class PipelineTime:
     bubble_s: float
     optimizer_s: float
     critical_rank: int
-    timeline: Timeline  # the simulated schedule, seconds (the report draws it)
+    timeline: Timeline  # the simulated schedule, seconds (spans: run_schedule's `spans`)
     grad_sync_s: tuple[float, ...]  # per pipeline rank, after its last action
     optimizer_per_rank_s: tuple[float, ...]  # per pipeline rank, after its gradient sync
     # per pipeline rank, ZeRO's parameter all-gather: after the optimizer (ZeRO-1/2), before
@@ -250,10 +250,11 @@ def after_schedule_floor(params: Sequence[tuple[tuple[int, ...], int]], cluster:
 
 
 @functools.lru_cache(maxsize=64)
-def _simulated(schedule: tuple, cost: tuple) -> Timeline:
-    """simulate(build(*schedule), dict(cost)), once for the layouts that differ only in
-    what the schedule does not see (dp, ZeRO: the planner costs them one after another)."""
-    return simulate(build(*schedule), dict(cost))
+def _simulated(schedule: tuple, cost: tuple, spans: bool) -> Timeline:
+    """simulate(build(*schedule), dict(cost), spans), once for the layouts that differ
+    only in what the schedule does not see (dp, ZeRO: the planner costs them one after
+    another)."""
+    return simulate(build(*schedule), dict(cost), spans)
 
 
 @dataclass(frozen=True)
@@ -293,14 +294,15 @@ def stage_phases(summary: GraphSummary, stages: StageSummary, cluster: ClusterSp
 
 def run_schedule(summary: GraphSummary, stages: StageSummary, cluster: ClusterSpec,
                  layout: Layout, eff: Efficiency = DEFAULT_EFFICIENCY,
-                 known: StagePhases | None = None) -> ScheduleRun:
-    """Steps 1 and 2 of the module docstring (`known`: stage_phases of these arguments)."""
+                 known: StagePhases | None = None, spans: bool = False) -> ScheduleRun:
+    """Steps 1 and 2 of the module docstring (`known`: stage_phases of these arguments;
+    `spans`: keep every action's span in the timeline, for a report)."""
     known = known or stage_phases(summary, stages, cluster, layout, eff)
     schedule = build(layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages)
     timeline = _simulated((layout.schedule, layout.pp, layout.microbatches, layout.virtual_stages),
-                          tuple(sorted(known.cost.items())))
-    ends = tuple(max((end for _, _, end in spans), default=0.0) for spans in timeline.spans)
-    return ScheduleRun(known.phases, known.receives, schedule, timeline, ends, known.by_rank)
+                          tuple(sorted(known.cost.items())), spans)
+    return ScheduleRun(known.phases, known.receives, schedule, timeline, timeline.ends,
+                       known.by_rank)
 
 
 def after_schedule(summary: GraphSummary, stages: StageSummary, cluster: ClusterSpec,
@@ -342,10 +344,11 @@ def pipeline_time(summary: GraphSummary, stages: StageSummary, cluster: ClusterS
     sync, gather, optim = after_schedule(summary, stages, cluster, layout, optimizer, eff,
                                          run.by_rank)
     rank = max(range(layout.pp), key=lambda r: ends[r] + sync[r] + optim[r] + gather[r])
-    spans = timeline.spans[rank]
-    compute = sum(phases[(a.stage, a.kind)].compute_s for a, _, _ in spans)
-    inside_comm = sum(phases[(a.stage, a.kind)].comm_s for a, _, _ in spans)
-    inside_exposed = sum(end - start for _, start, end in spans) - compute
+    # the critical rank's compute actions, each its phase's time (simulate's span)
+    done = Counter((a.stage, a.kind) for a in run.schedule.ranks[rank] if a.kind in COMPUTE)
+    compute = sum(n * phases[key].compute_s for key, n in done.items())
+    inside_comm = sum(n * phases[key].comm_s for key, n in done.items())
+    inside_exposed = sum(n * phases[key].total_s for key, n in done.items()) - compute
     received = sum(receives.get((a.stage, a.kind), 0.0) for a in run.schedule.ranks[rank])
     bubble = max(0.0, ends[rank] - compute - inside_exposed - received)
     return PipelineTime(

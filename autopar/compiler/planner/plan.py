@@ -24,7 +24,8 @@ from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, Efficiency,
                                                  model_compute_floor)
 from autopar.compiler.planner.estimate import Estimator, template_fields
 from autopar.compiler.planner.memory import static_lower_bound
-from autopar.compiler.planner.pipeline_cost import after_schedule_floor, pipeline_time
+from autopar.compiler.planner.pipeline_cost import (after_schedule_floor, pipeline_time,
+                                                    run_schedule)
 from autopar.compiler.planner.search import (FLOOR_ONLY, MEMORY_FLOOR_ONLY, TIMED_ONLY,
                                              PlanError, candidate_layouts, check_constraints,
                                              costing_order, recompute_variants, refinements,
@@ -549,7 +550,8 @@ def timeline(estimator: Estimator, layout: Layout, cluster: ClusterSpec, eff: Ef
                  ("exposed comm", pred.breakdown["exposed_comm"]),
                  ("optimizer", pred.breakdown["optimizer"])]
         return _sequence(0, 0.0, parts)
-    times = pipeline_time(summary, stages, cluster, layout, optimizer, eff)
+    times = pipeline_time(summary, stages, cluster, layout, optimizer, eff,
+                          run_schedule(summary, stages, cluster, layout, eff, spans=True))
     events = []
     for rank, spans in enumerate(times.timeline.spans):
         gather = [("param gather", times.param_gather_s[rank])] if layout.zero else []
