@@ -68,6 +68,19 @@ def test_forward_precedes_backward_on_each_rank(args):
                 assert order[Action(a.stage, "F", a.microbatch)] < order[a]
 
 
+@settings(max_examples=60, deadline=None)
+@given(schedules(), st.lists(st.floats(0.1, 3.0), min_size=6, max_size=6))
+def test_a_simulation_without_spans_ends_each_rank_where_its_spans_end(args, times):
+    """simulate(spans=False), as the planner times schedules: no span kept, each rank's
+    end and the makespan the same as with them."""
+    s = make(*args)
+    cost = dict(zip(["F", "B", "I", "W", "RF", "RB"], times))
+    full, bare = simulate(s, cost), simulate(s, cost, spans=False)
+    assert bare.makespan == full.makespan and not any(bare.spans)
+    assert bare.ends == tuple(max(end for _, _, end in spans) for spans in full.spans)
+    assert full.ends == bare.ends
+
+
 @pytest.mark.parametrize("maker", [gpipe, one_f_one_b])
 @pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (4, 16), (3, 5)])
 def test_gpipe_and_1f1b_bubble_is_p_minus_1_over_m(maker, pp, m):
