@@ -12,6 +12,16 @@ The cost model multiplies peaks by Efficiency (0.7 compute, 0.8 memory and link 
 default); the YAML stores measured / efficiency, so that predictions with the
 default Efficiency reproduce what was measured.
 
+On a machine with CUDA GPUs (`device="cuda"`, the default there) the same figures are
+measured on the GPUs instead: matmul throughput per dtype (fp32, bf16, fp16; 8192²
+`mm`), device memory bandwidth (a 1 GiB copy), the cost of one kernel launch (a chain
+of one-element adds, synchronised), and NCCL all-reduce times between `nprocs` GPUs of
+this node, fitted the same way; the spec is `nprocs` GPUs of one node with NCCL, the
+device's own memory size, and the NVLink/PCIe figures for both links (one node: the
+network is not measured; for several nodes set `inter_node` in the YAML). Written
+without a GPU to run it on (none was lent to this project): it is tested on a CPU
+through the spec it writes, and on a GPU only when one is present.
+
 `fit_model` (`autopar calibrate --model MODEL`) then times one single-process step of
 the user's model op by op (its traced graph run node by node, median of a few runs)
 and the optimizer's step on its parameters, and stores measured / modelled time per
@@ -39,6 +49,8 @@ from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, Efficiency,
                                                  optimizer_time)
 
 ALL_REDUCE_SIZES = (2**12, 2**16, 2**20, 2**22, 2**24)  # bytes
+NCCL_SIZES = (2**16, 2**20, 2**24, 2**26, 2**28)  # bytes: NVLink needs larger ones to fit
+GPU_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -50,9 +62,24 @@ class Measurements:
     link_latency_s: float
     all_reduce: tuple[tuple[int, float], ...]  # (bytes, median seconds) as measured
     first_touch_bandwidth: float | None = None  # bytes/s of fresh pages from the OS
+    # a GPU's: its name and memory, and matmul FLOP/s per dtype (matmul_flops: fp32's)
+    gpu: str | None = None
+    gpu_memory_bytes: int = 0
+    gpu_flops: tuple[tuple[str, float], ...] = ()
 
     def cluster(self, nprocs: int, eff: Efficiency = DEFAULT_EFFICIENCY) -> ClusterSpec:
         link = {"bandwidth": self.link_bandwidth / eff.link, "latency_s": self.link_latency_s}
+        if self.gpu is not None:
+            device = {"name": f"{self.gpu} (calibrated)", "kind": "gpu",
+                      "peak_flops": {dtype: flops / eff.compute for dtype, flops in self.gpu_flops},
+                      "memory_bytes": self.gpu_memory_bytes,
+                      "memory_bandwidth": self.memory_bandwidth / eff.memory,
+                      "launch_overhead_s": self.launch_overhead_s}
+            # NOTE: one node measured: the network is not; both links get the node's
+            return ClusterSpec.from_dict({"name": "gpu-calibrated", "nodes": 1,
+                                          "devices_per_node": nprocs, "backend": "nccl",
+                                          "device": device, "intra_node": link,
+                                          "inter_node": link}, source="autopar calibrate")
         base = ClusterSpec.local(nprocs=nprocs).to_dict()
         device = {**base["device"], "name": "cpu (calibrated)",
                   "peak_flops": {"fp32": self.matmul_flops / eff.compute},
@@ -98,45 +125,74 @@ def measure_first_touch(nbytes: int = 2**28, repeats: int = 5) -> float:
     return nbytes / (fresh - refill)
 
 
-def _all_reduce_worker(rank: int, nprocs: int, store_path: str, sizes, repeats, out) -> None:
+def _cuda_time(fn: Callable[[], object], repeats: int) -> float:
+    """_median_time of work queued on the GPU: each run waits for it to finish."""
+    def run():
+        fn()
+        torch.cuda.synchronize()
+    return _median_time(run, repeats)
+
+
+def measure_gpu_matmul(dtype: str, n: int = 8192, repeats: int = 5) -> float:
+    """FLOP/s of a square `mm` in `dtype` on the current GPU (fp32 without TF32, as
+    torch's default)."""
+    a = torch.randn(n, n, device="cuda", dtype=GPU_DTYPES[dtype])
+    b = torch.randn(n, n, device="cuda", dtype=GPU_DTYPES[dtype])
+    return 2 * n**3 / _cuda_time(lambda: torch.mm(a, b), repeats)
+
+
+def measure_gpu_memory_bandwidth(nbytes: int = 2**30, repeats: int = 5) -> float:
+    src = torch.ones(nbytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _cuda_time(lambda: dst.copy_(src), repeats)
+
+
+def _all_reduce_worker(rank: int, nprocs: int, store_path: str, sizes, repeats, out,
+                       backend: str = "gloo") -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     store = dist.FileStore(store_path, nprocs)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=nprocs)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=nprocs)
+    timed = _cuda_time if backend == "nccl" else _median_time
     try:
         for nbytes in sizes:
-            t = torch.ones(nbytes // 4)
+            t = torch.ones(nbytes // 4, device="cuda" if backend == "nccl" else "cpu")
             dist.barrier()
-            seconds = _median_time(lambda: dist.all_reduce(t), repeats)
+            seconds = timed(lambda: dist.all_reduce(t), repeats)
             if rank == 0:
                 out.put((nbytes, seconds))
     finally:
         dist.destroy_process_group()
 
 
-def measure_launch_overhead(ops: int = 2000, repeats: int = 5) -> float:
-    """Seconds per op of a chain of tiny adds: eager dispatch, no arithmetic to speak of."""
-    x = torch.ones(1)
+def measure_launch_overhead(ops: int = 2000, repeats: int = 5, device: str = "cpu") -> float:
+    """Seconds per op of a chain of tiny adds: eager dispatch, no arithmetic to speak of
+    (on "cuda": per kernel, the chain waited for at the end)."""
+    x = torch.ones(1, device=device)
 
     def chain():
         y = x
         for _ in range(ops):
             y = torch.add(y, x)
         return y
-    return _median_time(chain, repeats) / ops
+    return (_cuda_time if device == "cuda" else _median_time)(chain, repeats) / ops
 
 
-def measure_all_reduce(nprocs: int = 2, sizes=ALL_REDUCE_SIZES,
-                       repeats: int = 7) -> list[tuple[int, float]]:
-    """Median seconds of a gloo all-reduce of each size (bytes) over `nprocs` processes."""
+def measure_all_reduce(nprocs: int = 2, sizes=ALL_REDUCE_SIZES, repeats: int = 7,
+                       backend: str = "gloo") -> list[tuple[int, float]]:
+    """Median seconds of an all-reduce of each size (bytes) over `nprocs` processes:
+    gloo on CPU tensors, or NCCL on one GPU each."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_all_reduce_worker, args=(r, nprocs, store, sizes, repeats, out))
+        procs = [ctx.Process(target=_all_reduce_worker,
+                             args=(r, nprocs, store, sizes, repeats, out, backend))
                  for r in range(nprocs)]
         for p in procs:
             p.start()
@@ -171,7 +227,14 @@ def fit_ring(samples: list[tuple[int, float]], nprocs: int) -> tuple[float, floa
     return 1 / slope, max(intercept, 1e-7) / (2 * (nprocs - 1))
 
 
-def calibrate(nprocs: int = 2) -> Measurements:
+def calibrate(nprocs: int = 2, device: str | None = None) -> Measurements:
+    """This machine's figures: its CPU processes over gloo, or (`device="cuda"`, the
+    default where CUDA is available) `nprocs` of its GPUs over NCCL."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"calibrate's device is 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda":
+        return calibrate_gpu(nprocs)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -182,6 +245,25 @@ def calibrate(nprocs: int = 2) -> Measurements:
     samples = measure_all_reduce(nprocs)
     link_bw, latency = fit_ring(samples, nprocs)
     return Measurements(flops, bandwidth, launch, link_bw, latency, tuple(samples), touch)
+
+
+def calibrate_gpu(nprocs: int = 2) -> Measurements:
+    """The first GPU's matmul (per dtype), memory bandwidth and launch cost, and NCCL
+    all-reduces over GPUs 0 .. nprocs-1."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count < max(nprocs, 2):
+        raise RuntimeError(f"calibrating NCCL needs {max(nprocs, 2)} GPUs on this machine "
+                           f"(--nproc {nprocs}); it has {count}. Use --device cpu to calibrate "
+                           f"its CPU, or --nproc {count} if it has two or more")
+    flops = {dtype: measure_gpu_matmul(dtype) for dtype in GPU_DTYPES
+             if dtype != "bf16" or torch.cuda.is_bf16_supported()}
+    samples = measure_all_reduce(nprocs, NCCL_SIZES, backend="nccl")
+    link_bw, latency = fit_ring(samples, nprocs)
+    props = torch.cuda.get_device_properties(0)
+    return Measurements(flops["fp32"], measure_gpu_memory_bandwidth(),
+                        measure_launch_overhead(device="cuda"), link_bw, latency, tuple(samples),
+                        gpu=props.name, gpu_memory_bytes=props.total_memory,
+                        gpu_flops=tuple(flops.items()))
 
 
 # -- fitting the cost model to one model's step ----------------------------------------------

@@ -4,7 +4,7 @@
     autopar train MODEL --dp 2      train under torchrun, with progress (also --tp, --pp, ...)
     autopar estimate MODEL --cluster dgx-h100 --dp 8    predicted step time and memory
     autopar plan MODEL --cluster dgx-h100 --report plan.html   the fastest layout that fits
-    autopar calibrate --output local.yaml    measure this machine (matmul, memory, gloo)
+    autopar calibrate --output local.yaml    measure this machine (matmul, memory, gloo; NCCL on GPUs)
     autopar validate MODEL --cluster local.yaml   predicted vs measured step times
     autopar kernels MODEL --out DIR  the fused Triton kernels of MODEL's training step
 

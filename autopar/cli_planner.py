@@ -106,17 +106,38 @@ class _PlanProgress:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from autopar.calibrate import calibrate
 
-    measured = calibrate(args.nproc)
+    import torch
+
+    device = args.device if args.device != "auto" else (
+        "cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and args.model:
+        raise SystemExit("autopar calibrate: --model fits per-op factors by running the model "
+                         "op by op on this CPU; with --device cuda that is not built yet: "
+                         "calibrate the GPUs without --model")
+    try:
+        measured = calibrate(args.nproc, device)
+    except RuntimeError as exc:  # too few GPUs, a machine too busy to measure
+        raise SystemExit(f"autopar calibrate: {exc}") from exc
     spec = measured.cluster(args.nproc)
     if args.model:
         spec = _fit_to_model(spec, args.model, args.nproc)
     spec.to_yaml(args.output)
-    _console().print(f"matmul {measured.matmul_flops / 1e9:.1f} GFLOP/s, memory "
-                  f"{measured.memory_bandwidth / 1e9:.1f} GB/s (fresh pages "
-                  f"{measured.first_touch_bandwidth / 1e9:.1f} GB/s), "
-                  f"{measured.launch_overhead_s * 1e6:.1f} us per op per process; gloo all-reduce "
-                  f"{measured.link_bandwidth / 1e9:.2f} GB/s, {measured.link_latency_s * 1e6:.0f} us "
-                  f"per step (fit over {len(measured.all_reduce)} sizes)")
+    if measured.gpu is not None:
+        peaks = ", ".join(f"{dtype} {flops / 1e12:.1f}" for dtype, flops in measured.gpu_flops)
+        _console().print(f"{measured.gpu}: matmul TFLOP/s {peaks}, memory "
+                         f"{measured.memory_bandwidth / 1e9:.0f} GB/s, "
+                         f"{measured.launch_overhead_s * 1e6:.1f} us per kernel; NCCL all-reduce "
+                         f"{measured.link_bandwidth / 1e9:.1f} GB/s, "
+                         f"{measured.link_latency_s * 1e6:.1f} us per step (fit over "
+                         f"{len(measured.all_reduce)} sizes)")
+    else:
+        _console().print(f"matmul {measured.matmul_flops / 1e9:.1f} GFLOP/s, memory "
+                         f"{measured.memory_bandwidth / 1e9:.1f} GB/s (fresh pages "
+                         f"{measured.first_touch_bandwidth / 1e9:.1f} GB/s), "
+                         f"{measured.launch_overhead_s * 1e6:.1f} us per op per process; gloo "
+                         f"all-reduce {measured.link_bandwidth / 1e9:.2f} GB/s, "
+                         f"{measured.link_latency_s * 1e6:.0f} us per step (fit over "
+                         f"{len(measured.all_reduce)} sizes)")
     _console().print(f"cluster spec written to {args.output} (peaks = measured / efficiency)")
     return 0
 
@@ -195,7 +216,11 @@ def add_planner_commands(sub) -> None:
     plan.set_defaults(func=cmd_plan)
 
     cal = sub.add_parser("calibrate", help="measure this machine, write a ClusterSpec YAML")
-    cal.add_argument("--nproc", type=int, default=2, help="processes for the gloo all-reduce")
+    cal.add_argument("--nproc", type=int, default=2,
+                     help="processes (CPU) or GPUs (CUDA) for the all-reduce")
+    cal.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                     help="measure the CPU (gloo) or the GPUs (NCCL); auto: the GPUs where "
+                          "CUDA is available")
     cal.add_argument("--output", default="cluster.yaml", help="where to write the spec")
     cal.add_argument("--model", default=None,
                      help="also fit per-op time factors to one step of this model (a built-in "

@@ -136,3 +136,53 @@ def test_fit_model_on_this_machine_and_the_spec_reads_back(tmp_path):
     fitted.to_yaml(tmp_path / "c.yaml")
     assert autopar.ClusterSpec.from_yaml(tmp_path / "c.yaml") == fitted
     assert cal.measure_first_touch(2**26, 3) > 1e8
+
+
+# -- GPUs: the spec a GPU calibration writes (on this CPU), the measurements on a GPU ------------
+
+def test_a_gpu_calibration_writes_gpus_over_nccl_with_a_peak_per_dtype(tmp_path):
+    m = cal.Measurements(matmul_flops=5e13, memory_bandwidth=3e12, launch_overhead_s=5e-6,
+                         link_bandwidth=2e11, link_latency_s=8e-6, all_reduce=(),
+                         gpu="NVIDIA H100 80GB HBM3", gpu_memory_bytes=85 * 10**9,
+                         gpu_flops=(("fp32", 5e13), ("bf16", 7e14), ("fp16", 7.2e14)))
+    spec = m.cluster(4)
+    spec.to_yaml(tmp_path / "gpu.yaml")
+    again = autopar.ClusterSpec.from_yaml(tmp_path / "gpu.yaml")
+    assert again == spec
+    assert (spec.device.kind, spec.backend, spec.world_size) == ("gpu", "nccl", 4)
+    eff = cm.DEFAULT_EFFICIENCY
+    assert {d: f * eff.compute for d, f in spec.device.peak_flops.items()} == pytest.approx(
+        {"fp32": 5e13, "bf16": 7e14, "fp16": 7.2e14})
+    assert spec.device.memory_bytes == 85 * 10**9 and spec.device.first_touch_bandwidth is None
+    assert spec.intra_node.bandwidth * eff.link == pytest.approx(2e11)
+    # the planner reads it as any preset: bf16 steps are costed at the bf16 peak
+    assert spec.peak_flops_for("bf16") > spec.peak_flops_for("fp32")
+
+
+def test_calibrating_gpus_without_enough_of_them_says_how_many_there_are(capsys):
+    import torch
+
+    from autopar.cli import main
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has the GPUs")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(RuntimeError, match=f"needs 2 GPUs on this machine .* it has {count}"):
+        cal.calibrate(2, "cuda")
+    with pytest.raises(SystemExit, match="--device cpu"):
+        main(["calibrate", "--device", "cuda", "--output", "unused.yaml"])
+    with pytest.raises(SystemExit, match="not built yet"):
+        main(["calibrate", "--device", "cuda", "--model", "gpt2-small4"])
+    with pytest.raises(ValueError, match="'cpu' or 'cuda'"):
+        cal.calibrate(2, "tpu")
+
+
+@pytest.mark.skipif("not __import__('torch').cuda.is_available() or "
+                    "__import__('torch').cuda.device_count() < 2", reason="needs two GPUs")
+def test_measurements_on_this_machines_gpus():
+    m = cal.calibrate_gpu(2)
+    peaks = dict(m.gpu_flops)
+    assert peaks["fp32"] > 1e12 and peaks.get("bf16", peaks["fp16"]) > peaks["fp32"]
+    assert m.memory_bandwidth > 1e11 and 0 < m.launch_overhead_s < 1e-3
+    assert m.link_bandwidth > 1e9 and m.gpu_memory_bytes > 0
+    assert m.cluster(2).backend == "nccl"
