@@ -16,7 +16,8 @@ def parser(description: str, steps: int) -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=steps, help="timed steps per round and side")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--model", default="gpt2-small4")
+    p.add_argument("--model", default="gpt2-small4",
+                   help="a built-in example or module:factory (the benchmark folder is on the path)")
     return p
 
 
@@ -75,11 +76,11 @@ def start(args: argparse.Namespace):
     (rank, world size, example)."""
     import torch
 
-    from autopar.examples import load_example
+    from autopar.examples import load_model_spec
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    return dist.get_rank(), dist.get_world_size(), load_example(args.model)
+    return dist.get_rank(), dist.get_world_size(), load_model_spec(args.model)
 
 
 def compile_timed(example, layout, optimizer):

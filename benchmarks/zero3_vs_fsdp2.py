@@ -10,6 +10,10 @@ the most storage the step had alive at once (target <= FSDP2's).
 
     OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 2 \\
         benchmarks/zero3_vs_fsdp2.py --rounds 5 --steps 3
+
+`--model zero3_vs_fsdp2:gradient_heavy --bucket-mb 1` runs a model whose gradients
+outweigh its activations (8 blocks of hidden 256, vocabulary 256, 4 x 32 tokens), in
+autopar's buckets of 1 MiB: where the peak is the gradient buckets a ZeRO step holds.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 import autopar
+from autopar.examples import Example, gpt2
 from autopar.runtime.live_bytes import LiveBytes
 import common  # benchmarks/common.py (the script's own folder is on sys.path)
 
@@ -52,12 +57,21 @@ def step_peak(step, batch) -> int:
     return live.peak_bytes
 
 
+def gradient_heavy() -> Example:
+    """GPT-2 of 8 blocks, hidden 256, vocabulary 256, 4 x 32 tokens: 25 MB of fp32
+    gradients against well under 1 MB of activations."""
+    return gpt2(layers=8, hidden=256, heads=8, vocab=256, batch=4, seq=32)
+
+
 def main() -> None:
     parser = common.parser(__doc__.splitlines()[0], steps=3)
+    parser.add_argument("--bucket-mb", type=float, default=autopar.Layout().bucket_mb,
+                        help="autopar's gradient bucket size (Layout.bucket_mb)")
     args = parser.parse_args()
     rank, world, example = common.start(args)
     batch = example.batch
-    ours, compile_s = common.compile_timed(example, autopar.Layout(dp=world, zero=3), adamw)
+    ours, compile_s = common.compile_timed(
+        example, autopar.Layout(dp=world, zero=3, bucket_mb=args.bucket_mb), adamw)
     theirs, fsdp_model, fsdp_opt = fsdp2_step_fn(copy.deepcopy(example.model), example.loss_fn,
                                                  rank, world)
     medians = common.alternate({"autopar": ours, "fsdp2": theirs}, batch, args.rounds,
@@ -83,6 +97,7 @@ def main() -> None:
              "fsdp2": theirs_bytes["params"] + theirs_bytes["optimizer"] + step_peak(theirs, batch)}
     if rank == 0:
         result = {"benchmark": "zero3_vs_fsdp2", "model": args.model, "world": world,
+                  "bucket_mb": args.bucket_mb,
                   "rounds": args.rounds, "steps_per_round": args.steps,
                   "median_step_s": medians,
                   "ratio_autopar_over_fsdp2": medians["autopar"] / medians["fsdp2"],
