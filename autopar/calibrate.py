@@ -227,10 +227,15 @@ def fit_ring(samples: list[tuple[int, float]], nprocs: int) -> tuple[float, floa
     return 1 / slope, max(intercept, 1e-7) / (2 * (nprocs - 1))
 
 
+def default_device() -> str:
+    """What `calibrate` measures unless told: the GPUs where CUDA is available."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def calibrate(nprocs: int = 2, device: str | None = None) -> Measurements:
     """This machine's figures: its CPU processes over gloo, or (`device="cuda"`, the
     default where CUDA is available) `nprocs` of its GPUs over NCCL."""
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or default_device()
     if device not in ("cpu", "cuda"):
         raise ValueError(f"calibrate's device is 'cpu' or 'cuda', got {device!r}")
     if device == "cuda":

@@ -104,12 +104,9 @@ class _PlanProgress:
 # -- autopar calibrate / validate -----------------------------------------------------------
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from autopar.calibrate import calibrate
+    from autopar.calibrate import calibrate, default_device
 
-    import torch
-
-    device = args.device if args.device != "auto" else (
-        "cuda" if torch.cuda.is_available() else "cpu")
+    device = args.device if args.device != "auto" else default_device()
     if device == "cuda" and args.model:
         raise SystemExit("autopar calibrate: --model fits per-op factors by running the model "
                          "op by op on this CPU; with --device cuda that is not built yet: "

@@ -11,9 +11,9 @@ import torch
 
 import autopar
 from autopar.compiler.passes.assign_stages import StageError
-from autopar.compiler.planner.estimate import Estimator, _compute_dtype
+from autopar.compiler.planner.estimate import Estimator
 from autopar.compiler.planner.replicated import (first_rank_saved_floor,
-                                                 pipeline_memory_from_summary, saved_per_block)
+                                                 pipeline_memory_from_summary)
 from autopar.examples import causal_lm_loss
 from tests.unit.test_cost_model import meta_gpt2
 
@@ -199,13 +199,13 @@ def test_each_ranks_memory_on_one_stage_of_each_kind_is_the_whole_pipelines(gpt8
         assert len(few.ops) < len(whole.ops) if repeated else len(few.ops) == len(whole.ops)
         ranks = pipeline_memory_from_summary(whole, stages, layout)
         assert pipeline_memory_from_summary(few, few_stages, layout) == ranks, layout
-        assert _compute_dtype(few, few_stages) == whole.compute_dtype()  # predict's MFU
+        assert few.compute_dtype(few_stages.op_copies()) == whole.compute_dtype()  # MFU's
         assert floor == max(ranks[0].peak_bytes, ranks[-1].peak_bytes), layout
         # asked with a limit, lesser floors come first: the first rank's saved
         # activations from the template alone, then the end ranks replayed keeping no
         # send past its micro-batch; each below the exact one, given when neither is over
         pattern = est._rewritten[est._entry(layout)][3]
-        saved = first_rank_saved_floor(pattern, layout, saved_per_block(pattern))
+        saved = first_rank_saved_floor(pattern, layout)
         assert saved <= ranks[0].peak_bytes
         if layout.recompute == "none" or pattern.blocks_per_stage(layout.pp)[0] > 1:
             assert (saved > 0) == (layout.virtual_stages == 1), layout

@@ -31,7 +31,7 @@ from autopar.compiler.planner.pipeline_cost import (ScheduleRun, StagePhases, p2
                                                     run_schedule, schedule_floor, stage_phases)
 from autopar.compiler.planner.pipeline_memory import pipeline_memory_per_rank
 from autopar.compiler.planner.replicated import (TEMPLATE_BLOCKS, Template, block_work_floor,
-                                                 first_rank_saved_floor, saved_per_block,
+                                                 first_rank_saved_floor,
                                                  pipeline_memory_from_summary,
                                                  replicate, stage_programs, template_of)
 from autopar.compiler.planner.scaled import multiplicities, reduced, scale_summary
@@ -91,7 +91,6 @@ class Estimator:
         self._timing_replicas: dict[tuple, tuple] = {}  # rewritten(timing=True)'s
         self._timing_programs: dict[tuple, tuple] = {}  # memory_floor's: (programs, replays)
         self._kind_programs: dict[tuple, dict] = {}  # stage_programs' `shared`, per template
-        self._saved: dict[tuple, tuple[int, int]] = {}  # replicated.saved_per_block, per template
         self._forward: dict[tuple, TrainGraph] = {}  # graphs after the forward-level passes
         self._predictions: dict[Layout, Prediction] = {}
         self._last_times: tuple = (None, None)  # (layout, its step_times): predict's next
@@ -115,7 +114,8 @@ class Estimator:
                 model_flops=model_flops, stages=stages,
                 memory=self._pipeline_memory(layout, summary, stages),
                 times=self._step_times(layout, summary, stages),
-                compute_dtype=_compute_dtype(summary, stages))
+                compute_dtype=summary.compute_dtype(
+                    None if stages is None else stages.op_copies()))
         return self._predictions[layout]
 
     def step_time(self, layout: Layout) -> float:
@@ -334,9 +334,7 @@ class Estimator:
             return 0
         check_stage_count(layout, pattern.blocks)
         if limit is not None:  # the first rank's saved activations alone, before any replica
-            if key not in self._saved:
-                self._saved[key] = saved_per_block(pattern)
-            saved = first_rank_saved_floor(pattern, layout, self._saved[key])
+            saved = first_rank_saved_floor(pattern, layout)
             if saved > limit:
                 return saved
         summary, stages, _ = self.rewritten(layout, timing=True)
@@ -474,8 +472,7 @@ class Estimator:
         stages = self._stages(layout)
         if self._template(layout):
             stages = 2
-        fields = layout.replace(schedule="1f1b", microbatches=2, virtual_stages=1, dp=1, zero=0,
-                                pp=stages) if pipelined else layout
+        fields = template_fields(layout, stages) if pipelined else layout
         self._keys[layout] = (self._trace(layout)[0], pipelined, fields)
         return self._keys[layout]
 
@@ -591,23 +588,11 @@ class Estimator:
         return self._forward[key]
 
 
-def _compute_dtype(summary: GraphSummary, stages: StageSummary | None) -> str:
-    """GraphSummary.compute_dtype of the whole step: of a replica with one stage of each
-    kind, each stage's FLOPs counted once per stage of its kind."""
-    if stages is None or not stages.kinds:
-        return summary.compute_dtype()
-    copies = Counter(stages.kinds)
-    by_dtype: dict[str, int] = {}
-    for op, stage in zip(summary.ops, stages.stage_of):
-        if op.flops and op.dtype:
-            weight = copies[stages.kinds[stage]] if stage is not None else 1
-            by_dtype[op.dtype] = by_dtype.get(op.dtype, 0) + op.flops * weight
-    return max(by_dtype, key=by_dtype.__getitem__) if by_dtype else "fp32"
-
-
-def template_fields(layout: Layout) -> Layout:
-    """What a pipeline template's passes read of a layout (Estimator._key's fields)."""
-    return layout.replace(schedule="1f1b", microbatches=2, virtual_stages=1, dp=1, zero=0, pp=2)
+def template_fields(layout: Layout, stages: int = 2) -> Layout:
+    """What the passes of a pipeline of `stages` stages read of a layout (Estimator._key's
+    fields; two: a template's)."""
+    return layout.replace(schedule="1f1b", microbatches=2, virtual_stages=1, dp=1, zero=0,
+                          pp=stages)
 
 
 def _boundary_sends(t) -> tuple[tuple[int, int], tuple[int, int]]:

@@ -146,7 +146,7 @@ def graph_liveness(summary: GraphSummary, fallbacks: bool = False) -> GraphLiven
     `fallbacks`: fused regions run their eager fallback (a CPU), which holds its
     intermediates and outputs (`OpRecord.scratch`) while it runs."""
     ops = summary.ops
-    last_use = _last_uses(summary)
+    last_use = last_uses(summary)
     freed_after: dict[int, list[int]] = {}
     for s, last in last_use.items():
         freed_after.setdefault(last, []).append(s)
@@ -168,14 +168,13 @@ def graph_liveness(summary: GraphSummary, fallbacks: bool = False) -> GraphLiven
     return GraphLiveness(peak, peak_op, at_peak, saved or 0, live["gradients"])
 
 
-def _last_uses(summary: GraphSummary) -> dict[int, int]:
+def last_uses(summary: GraphSummary) -> dict[int, int]:
+    """Storage -> the last op that makes or reads it (GraphSummary.reads: a collective's
+    hold on its input until its wait included)."""
     last: dict[int, int] = {}
     ops = summary.ops
     for i, op in enumerate(ops):
-        reads = list(op.uses)
-        if op.waits_on is not None:  # NOTE: an issued collective holds its input until waited
-            reads += ops[op.waits_on].uses
-        for s in [op.storage] + [ops[u].storage for u in reads]:
+        for s in [op.storage] + [ops[u].storage for u in summary.reads(i)]:
             if s is not None:
                 last[s] = i
     return last

@@ -78,6 +78,29 @@ class Template:
         the last stage may hold only the head)."""
         return _blocks_per_stage(self.blocks, n_stages, self.block_s, self.head_s, self.tail_s)
 
+    # worked out once per template, for every depth replicated or floored from it
+    @functools.cached_property
+    def kept(self) -> frozenset[int]:
+        """Storages read by another program of their own stage, or returned by the step."""
+        return _kept_storages(self)
+
+    @functools.cached_property
+    def handed_on(self) -> dict[int, frozenset[int]]:
+        """_handed_on of the template."""
+        return _handed_on(self)
+
+    @functools.cached_property
+    def saved_per_block(self) -> tuple[int, int]:
+        """(bytes the forward of the first stage's block keeps for the stage's other
+        programs (its saved activations), bytes of its output a next block on the stage
+        keeps (_handed_on)), per micro-batch."""
+        stage_of, program_of = self.stages.stage_of, self.stages.program_of
+        saved = sum(self.summary.ops[s].allocates for s in self.kept
+                    if stage_of[s] == 0 and program_of[s] == "F"
+                    and self.op_layer[s] is not None and s not in self.summary.output_storages)
+        handed = sum(self.summary.ops[s].allocates for s in self.handed_on.get(0, ()))
+        return saved, handed
+
 
 @functools.lru_cache(maxsize=1024)
 def _blocks_per_stage(blocks: int, n_stages: int, block_s: float, head_s: float,
@@ -156,18 +179,18 @@ def _selection(t: Template, stage: int, n_stages: int, blocks: int) -> tuple[int
     return 1, [i for i in ops if t.op_layer[i] is not None]
 
 
-def first_rank_saved_floor(t: Template, layout: Layout, per_block: tuple[int, int]) -> int:
+def first_rank_saved_floor(t: Template, layout: Layout) -> int:
     """Bytes below the peak of a pipeline's first rank replicated from `t`
     (pipeline_memory_from_summary), from the template alone. Until its first backward,
     the rank holds every micro-batch it has run forward, and each forward of its stage
-    of c_0 blocks keeps at least c_0 times what `per_block` says (saved_per_block: its
+    of c_0 blocks keeps at least c_0 times what `t.saved_per_block` says (its
     saved activations, and with more than one block what it hands the next, as
     replicate counts them); its static memory and all else only add. 0 under an
     interleaved schedule (the rank runs several stages)."""
     if layout.virtual_stages != 1:
         return 0
     blocks = t.blocks_per_stage(layout.pp)[0]
-    saved, handed = per_block
+    saved, handed = t.saved_per_block
     return _first_forwards(layout.schedule, layout.pp, layout.microbatches) \
         * blocks * (saved + (handed if blocks > 1 else 0))
 
@@ -181,18 +204,6 @@ def _first_forwards(schedule: str, pp: int, microbatches: int) -> int:
             break
         forwards += action.kind == "F"
     return forwards
-
-
-def saved_per_block(t: Template) -> tuple[int, int]:
-    """(bytes the forward of the first stage's block keeps for the stage's other programs
-    (its saved activations), bytes of its output a next block on the stage keeps
-    (_handed_on)), per micro-batch."""
-    stage_of, program_of = t.stages.stage_of, t.stages.program_of
-    saved = sum(t.summary.ops[s].allocates for s in _kept_storages(t)
-                if stage_of[s] == 0 and program_of[s] == "F" and t.op_layer[s] is not None
-                and s not in t.summary.output_storages)
-    handed = sum(t.summary.ops[s].allocates for s in _handed_on(t).get(0, ()))
-    return saved, handed
 
 
 def _kept_storages(t: Template) -> frozenset[int]:
@@ -244,8 +255,7 @@ def replicate(t: Template, n_stages: int, representatives: bool = False
     other stages as messages, not as uses (Estimator.memory_floor replays the end ranks
     on it)."""
     counts = t.blocks_per_stage(n_stages)
-    kept = _kept_storages(t)
-    handed_on = _handed_on(t)
+    kept, handed_on = t.kept, t.handed_on
     handed: list[int] = []
     n_inputs = sum(1 for s in t.stages.stage_of if s is None)
     ops: list[OpRecord] = list(t.summary.ops[:n_inputs])

@@ -42,6 +42,7 @@ import torch
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.annotate import repeated_block_container
 from autopar.compiler.ir.graph import TrainGraph
+from autopar.compiler.planner.memory import last_uses
 from autopar.compiler.planner.summary import GraphSummary, OpRecord
 
 
@@ -115,15 +116,12 @@ def scale_summary(summary: GraphSummary, tg: TrainGraph, counts: tuple[int, ...]
 
 
 def _held_to_end(summary: GraphSummary) -> frozenset[int]:
-    """Storages alive after the last backward op: returned, or read (a collective's hold
-    on its input until its wait included) after it."""
+    """Storages alive after the last backward op: returned, or made or read (a
+    collective's hold on its input until its wait included) after it."""
     ops = summary.ops
     last = max((i for i, op in enumerate(ops) if op.role == "backward"), default=len(ops))
-    held = set(summary.output_storages)
-    for i, op in enumerate(ops[last + 1:], start=last + 1):
-        reads = op.uses + (ops[op.waits_on].uses if op.waits_on is not None else ())
-        held.update(s for s in (ops[u].storage for u in (*reads, i)) if s is not None)
-    return frozenset(held)
+    return frozenset(summary.output_storages) | {
+        s for s, use in last_uses(summary).items() if use > last}
 
 
 def _kept_storages(summary: GraphSummary, buckets: tuple[bool, ...]) -> frozenset[int]:
@@ -133,9 +131,8 @@ def _kept_storages(summary: GraphSummary, buckets: tuple[bool, ...]) -> frozense
     ops = summary.ops
     boundary = next((i for i, op in enumerate(ops) if op.role == "backward"), len(ops))
     kept = set(summary.output_storages)
-    for i, op in enumerate(ops):
-        reads = op.uses + (ops[op.waits_on].uses if op.waits_on is not None else ())
-        kept.update(s for s in (ops[u].storage for u in reads)
+    for i in range(len(ops)):
+        kept.update(s for s in (ops[u].storage for u in summary.reads(i))
                     if s is not None and (buckets[i] or s < boundary <= i))
     return frozenset(kept)
 

@@ -12,6 +12,7 @@ after it, like the scaled backward seed, run with their latest input, as in
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -48,6 +49,14 @@ class StageSummary:
     # replicated stages: ops whose output the stage's next blocks keep for their backward
     # (replicated._handed_on), counted as read by a later program of the stage
     handed: tuple[int, ...] = ()
+
+    def op_copies(self) -> tuple[int, ...] | None:
+        """Per op: the stages of its stage's kind (a replica with one stage of each kind
+        stands for them all); None when every stage is its own."""
+        if not self.kinds:
+            return None
+        count = Counter(self.kinds)
+        return tuple(count[self.kinds[s]] if s is not None else 1 for s in self.stage_of)
 
     def programs(self) -> dict[tuple[int, str], list[int]]:
         """(stage, program) -> indices of its ops, in order."""

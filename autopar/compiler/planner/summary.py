@@ -17,6 +17,7 @@ step returns); the op owns the outputs nobody takes.
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -112,6 +113,12 @@ class GraphSummary:
     # on its own); empty: one each
     param_copies: tuple[int, ...] = ()
 
+    def reads(self, i: int) -> tuple[int, ...]:
+        """The ops whose storage op i keeps alive: its inputs and, for a wait, its
+        collective's (an issued collective holds its input until waited for)."""
+        op = self.ops[i]
+        return op.uses if op.waits_on is None else op.uses + self.ops[op.waits_on].uses
+
     @property
     def param_bytes(self) -> int:
         return sum(n * s for n, s in zip(self.param_numel, self.param_itemsize))
@@ -124,12 +131,15 @@ class GraphSummary:
     def model_flops(self) -> int:
         return sum(op.model_flops for op in self.ops)
 
-    def compute_dtype(self) -> str:
-        """The dtype that carries most FLOPs (fp32 when nothing has FLOPs)."""
+    def compute_dtype(self, copies: Sequence[int] | None = None) -> str:
+        """The dtype that carries most FLOPs (fp32 when nothing has FLOPs); `copies`: per
+        op, how many times it counts (StageSummary.op_copies of a replica with one stage
+        of each kind)."""
         by_dtype: dict[str, int] = {}
-        for op in self.ops:
+        for i, op in enumerate(self.ops):
             if op.flops and op.dtype:
-                by_dtype[op.dtype] = by_dtype.get(op.dtype, 0) + op.flops
+                weight = copies[i] if copies is not None else 1
+                by_dtype[op.dtype] = by_dtype.get(op.dtype, 0) + op.flops * weight
         return max(by_dtype, key=by_dtype.__getitem__) if by_dtype else "fp32"
 
 
