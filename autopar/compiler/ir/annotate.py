@@ -35,7 +35,7 @@ def annotate(tg: TrainGraph, blocks: tuple[str, int] | None) -> TrainGraph:
     return tg
 
 
-def _module_of(node: fx.Node) -> tuple[str | None, str | None]:
+def module_of(node: fx.Node) -> tuple[str | None, str | None]:
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return None, None
@@ -59,10 +59,10 @@ def _user_path(path: str) -> str | None:
 def _annotate_modules(nodes: list[fx.Node]) -> None:
     by_seq: dict[int, fx.Node] = {}
     for node in nodes:
-        path, type_name = _module_of(node)
+        path, type_name = module_of(node)
         node.meta[M.MODULE_PATH] = path
         node.meta[M.MODULE_TYPE] = type_name
-        node.meta[M.SOURCE] = _source_of(node)
+        node.meta[M.SOURCE] = source_of(node)
         if path is not None and "seq_nr" in node.meta and not node.meta.get("autograd_backward"):
             by_seq.setdefault(node.meta["seq_nr"], node)
     for node in nodes:
@@ -77,7 +77,7 @@ def _annotate_modules(nodes: list[fx.Node]) -> None:
 _FILE_LINE = re.compile(r'File "([^"]+)", line (\d+)')
 
 
-def _source_of(node: fx.Node) -> str | None:
+def source_of(node: fx.Node) -> str | None:
     trace = node.meta.get("stack_trace")
     if not trace:
         return None

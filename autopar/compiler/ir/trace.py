@@ -176,12 +176,42 @@ class _HookedInterpreter(fx.Interpreter):
         return super().run_node(n)
 
     def call_function(self, target, args, kwargs):
+        if target in METADATA_ASSERTS and _changed_by_hooks(self.node, args, kwargs):
+            # NOTE: the assertion checks the metadata the value had when exported; a hook
+            # changed that on purpose (AMP's dtype, tensor parallelism's local shape), so
+            # the assertion no longer describes the value and goes (as the shape asserts
+            # of the joint graph do, _drop_shape_asserts)
+            return None
         def run(a, k, hooks=self.hooks):
             if not hooks:  # innermost: the op itself
                 return super(_HookedInterpreter, self).call_function(target, a, k)
             return hooks[-1].call_function(self.node, a, k,
                                            lambda a2, k2: run(a2, k2, hooks[:-1]))
         return run(args, kwargs)
+
+
+# ops that only check a value's traced metadata (dtype, shape, device, a size's range)
+METADATA_ASSERTS = frozenset({
+    torch.ops.aten._assert_tensor_metadata.default,
+    torch.ops.aten._assert_scalar.default,
+    torch.ops.aten.sym_constrain_range_for_size.default,
+    torch.ops.aten._assert_async.msg,
+})
+
+
+def _changed_by_hooks(node: fx.Node, args: tuple, kwargs: dict) -> bool:
+    """Whether a tensor argument of `node` differs in dtype, shape or device from the value
+    the exported graph recorded for it (arguments paired by position in the flattened
+    (args, kwargs), which the interpreter fills from the node's own)."""
+    traced = torch.utils._pytree.tree_leaves((node.args, node.kwargs))
+    running = torch.utils._pytree.tree_leaves((args, kwargs))
+    for arg, new in zip(traced, running):
+        old = arg.meta.get("val") if isinstance(arg, fx.Node) else None
+        if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and (
+                old.dtype, tuple(old.shape), old.device.type) != (
+                new.dtype, tuple(new.shape), new.device.type):
+            return True
+    return False
 
 
 def _export(wrapper: torch.nn.Module, model: torch.nn.Module,

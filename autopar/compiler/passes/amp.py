@@ -42,7 +42,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
-from autopar.compiler.ir.annotate import _module_of
+from autopar.compiler.ir.annotate import module_of
 from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.ir.trace import retrace
 from autopar.compiler.passes.amp_policy import (BLACK, GRAY, HALF_DTYPES, WHITE, AmpPolicy,
@@ -62,7 +62,7 @@ class AmpHook:
         self.casts = 0
         self.opaque: dict[str, str] = {}  # higher-order ops whose inner ops are not seen
         self._cast_of: WeakIdKeyDictionary = WeakIdKeyDictionary()  # source -> {dtype: cast}
-        self._source_of: WeakIdKeyDictionary = WeakIdKeyDictionary()  # cast -> source
+        self.source_of: WeakIdKeyDictionary = WeakIdKeyDictionary()  # cast -> source
 
     def call_function(self, node: fx.Node, args: tuple, kwargs: dict, run) -> Any:
         op = node.target
@@ -100,7 +100,7 @@ class AmpHook:
         """x in `dtype`: at most one cast per (leaf tensor, dtype) per trace."""
         if x.dtype == dtype:
             return x
-        source = self._source_of.get(x, x)
+        source = self.source_of.get(x, x)
         if source.dtype == dtype:  # casting back: the original is still there
             return source
         # NOTE: only tensors without a grad_fn (weights, inputs, buffers) share one cast,
@@ -114,7 +114,7 @@ class AmpHook:
         done = self._cast_of.setdefault(source, {})
         if dtype not in done:
             done[dtype] = source.to(dtype)
-            self._source_of[done[dtype]] = source
+            self.source_of[done[dtype]] = source
             self.casts += 1
         return done[dtype]
 
@@ -122,7 +122,7 @@ class AmpHook:
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         ins = [t for t in tree_flatten((args, kwargs))[0] if is_castable(t)]
         self.decisions[node.name] = {
-            "node": node.name, "op": op_key(op), "module": _module_of(node)[0],
+            "node": node.name, "op": op_key(op), "module": module_of(node)[0],
             "list": kind, "reason": reason,
             "inputs": sorted({_short(t.dtype) for t in ins}),
             "dtype": _short(outs[0].dtype) if outs else None,

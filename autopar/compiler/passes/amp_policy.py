@@ -8,8 +8,9 @@ the same shapes (nothing is computed):
 - no autocast kernel for the device (`_dispatch_has_kernel_for_dispatch_key(op,
   "AutocastCPU")` is False) and the op does not decompose
   (CompositeImplicitAutograd) into ops that have one           -> gray (no cast)
-- fp32 inputs come out in the half dtype                        -> white
-- half inputs come out in fp32                                  -> black
+- fp32 inputs come out in the half dtype, and do not without
+  autocast (`x.to(torch.bfloat16)` does either way: gray)       -> white
+- half inputs come out in fp32, and do not without autocast     -> black
 - otherwise (autocast's "promote" ops such as cat)              -> gray, and mixed
   floating inputs are cast to the widest one, as autocast does.
 
@@ -105,18 +106,24 @@ def probe(op, args: tuple, kwargs: dict, device_type: str, half: torch.dtype) ->
         return GRAY
     with disable_proxy_modes_tracing():
         try:
-            from_fp32 = _probe_output_dtype(op, args, kwargs, device_type, half, torch.float32)
-            from_half = _probe_output_dtype(op, args, kwargs, device_type, half, half)
+            out = {(dtype, auto): _probe_output_dtype(op, args, kwargs, device_type, half,
+                                                      dtype, auto)
+                   for dtype in (torch.float32, half) for auto in (True, False)}
         except Exception:  # noqa: BLE001 - an op the probe cannot run is left alone
             return GRAY
-    if from_fp32 == half:
+    # NOTE: a list is what autocast changes. An output dtype the op's own arguments fix
+    # (x.to(torch.bfloat16): fp32 in, half out) is the same without autocast, and puts the
+    # op on no list; read as white, it was cached for the op and every later `.float()`
+    # in the process went through the half dtype first.
+    if out[torch.float32, True] == half != out[torch.float32, False]:
         return WHITE
-    if from_half == torch.float32:
+    if out[half, True] == torch.float32 != out[half, False]:
         return BLACK
     return GRAY
 
 
-def _probe_output_dtype(op, args, kwargs, device_type, half, input_dtype) -> torch.dtype | None:
+def _probe_output_dtype(op, args, kwargs, device_type, half, input_dtype,
+                        autocast: bool) -> torch.dtype | None:
     def fake(x):
         if not isinstance(x, torch.Tensor):
             return x
@@ -125,7 +132,7 @@ def _probe_output_dtype(op, args, kwargs, device_type, half, input_dtype) -> tor
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         fargs, fkwargs = tree_map(fake, (args, kwargs))
-        with _autocast_state(device_type, half):
+        with _autocast_state(device_type, half) if autocast else contextlib.nullcontext():
             out = op(*fargs, **fkwargs)
     floats = [t.dtype for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)
               and t.is_floating_point()]

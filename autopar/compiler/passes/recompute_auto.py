@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import highspy
 
+from autopar.compiler.highs import new_model
 from autopar.cluster import ClusterSpec
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.graph import TrainGraph
@@ -119,8 +120,7 @@ def plan_auto(tg: TrainGraph, ctx: PassContext) -> dict:
 
 def _knapsack(layers: list, options: dict, need: int) -> dict | None:
     """The fastest policy per layer that frees at least `need` bytes (None: none does)."""
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    h = new_model()
     x = {key: h.addBinary(obj=float(seconds)) for key, (_, seconds) in options.items()}
     for layer in layers:
         h.addConstr(sum(x[layer, k] for k in POLICIES) == 1)

@@ -45,7 +45,7 @@ from torch.export.graph_signature import InputKind
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from autopar.compiler.ir.annotate import _module_of, tensor_bytes
+from autopar.compiler.ir.annotate import module_of, tensor_bytes
 from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.ir.trace import canonical_state_names, retrace, strip_wrapper
 from autopar.compiler.passes import tp_comm
@@ -66,6 +66,19 @@ def local_shape(shape, placement: Placement, tp: int) -> list[int]:
     return out
 
 
+def local_view_args(node: fx.Node, args: tuple, placement: Placement, tp: int) -> tuple:
+    """The arguments of a view that names output sizes, rewritten for the local block: the
+    shape of view/reshape/expand, the sizes of unflatten. Views that name only dims
+    (flatten, squeeze, permute, ...) run on the block as they are."""
+    if node.target in SHAPE_ARG_VIEWS:
+        return (args[0], local_shape(node.meta["val"].shape, placement, tp)) + tuple(args[2:])
+    if node.target == aten.unflatten.int:
+        dim = args[1] % node.args[0].meta["val"].dim()
+        local = local_shape(node.meta["val"].shape, placement, tp)
+        return (args[0], args[1], local[dim:dim + len(args[2])]) + tuple(args[3:])
+    return args
+
+
 class TensorParallelHook:
     """The ForwardHook that runs each exported op on this rank's shards by the plan."""
 
@@ -75,8 +88,6 @@ class TensorParallelHook:
         self._converted: WeakIdKeyDictionary = WeakIdKeyDictionary()  # value -> {key: tensor}
 
     def call_function(self, node: fx.Node, args: tuple, kwargs: dict, run) -> Any:
-        if node.target == aten._assert_tensor_metadata.default:
-            return None  # asserts global shapes; the program's shapes are local
         strategy = self.plan.choice.get(node.name)
         if strategy is None:  # getitem: indexes its producer's (local) outputs
             return run(args, kwargs)
@@ -89,9 +100,7 @@ class TensorParallelHook:
                                        strategy.inputs[slot] == R and strategy.splits_work)
                 slot += 1
         args, kwargs = tree_unflatten(flat, spec)
-        if node.target in SHAPE_ARG_VIEWS:
-            shape = local_shape(node.meta["val"].shape, strategy.output, self.group.size)
-            args = (args[0], shape) + tuple(args[2:])
+        args = local_view_args(node, args, strategy.output, self.group.size)
         if strategy.lowering:
             return _LOWERINGS[strategy.lowering](self, node, args, kwargs, run)
         return run(args, kwargs)
@@ -319,7 +328,7 @@ def placement_table(graph: fx.Graph, plan: TPPlan, params_of: dict[str, str]) ->
         elif node.op == "call_function" and node.name in plan.choice:
             s: Strategy = plan.choice[node.name]
             rows.append({"node": node.name, "op": str(node.target),
-                         "module": _module_of(node)[0], "strategy": s.describe()})
+                         "module": module_of(node)[0], "strategy": s.describe()})
     return {"params": params, "ops": rows, "replicated_why": why}
 
 

@@ -38,9 +38,11 @@ from typing import Any, Union
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor._ops._view_ops import (Flatten, InputDim, Split, dim_maps,
-                                                     view_groups)
+from torch.distributed.tensor._ops._view_ops import (Flatten, InputDim, Singleton, Split,
+                                                     dim_maps, view_groups)
 from torch.utils._pytree import tree_flatten
+
+from autopar.compiler.ir.annotate import module_of, source_of
 
 aten = torch.ops.aten
 
@@ -78,6 +80,30 @@ class Strategy:
     def describe(self) -> str:
         text = f"{', '.join(show(p) for p in self.inputs)} -> {show(self.output)}"
         return text + (f" [{self.lowering}]" if self.lowering else "")
+
+
+class ShardingRuleError(ValueError):
+    """A sharding rule could not read an op of the user's forward: the message names the
+    op, its module and source line, and what the user can do."""
+
+    def __init__(self, node: fx.Node, tp: int, cause: BaseException):
+        path, _ = module_of(node)
+        where = source_of(node) or "an unknown source line"
+        owner = f" in module `{path}`" if path else ""
+        super().__init__(
+            f"tensor parallelism (tp={tp}) cannot read {node.target} (node {node.name}) at "
+            f"{where}{owner}: its sharding rule failed with {type(cause).__name__}: {cause}. "
+            f"Train this model with Layout(tp=1) (dp, pp and ZeRO do not need the rule), or "
+            f"write that line with another op; please report the op and its arguments "
+            f"{_describe_args(node)}")
+
+
+def _describe_args(node: fx.Node) -> str:
+    def show_arg(a):
+        val = a.meta.get("val") if isinstance(a, fx.Node) else None
+        return f"Tensor{list(val.shape)}" if isinstance(val, torch.Tensor) else repr(a)
+    return "(" + ", ".join([show_arg(a) for a in node.args]
+                           + [f"{k}={show_arg(v)}" for k, v in node.kwargs.items()]) + ")"
 
 
 def is_tensor_node(arg: Any) -> bool:
@@ -118,7 +144,11 @@ def strategies(node: fx.Node, tp: int) -> list[Strategy]:
     rule = _rule_for(node.target)
     if rule is not None:
         ins, outs = [a.meta["val"] for a in tensor_inputs(node)], output_vals(node)
-        for s in rule(node, tp):
+        try:
+            found = rule(node, tp)
+        except Exception as exc:  # noqa: BLE001 - re-raised naming the op and the user's line
+            raise ShardingRuleError(node, tp, exc) from exc
+        for s in found:
             if s in options or len(s.inputs) != len(ins):
                 continue
             if all(fits(v, p, tp) for v, p in zip(ins, s.inputs)) \
@@ -182,32 +212,59 @@ def _pointwise_rule(node: fx.Node, tp: int) -> list[Strategy]:
     return options
 
 
-# views: the aten op -> (torch function of dim_maps, how to call it with the node's args)
-_VIEW_MAPS: dict[Any, Callable[[torch.Tensor, tuple], tuple]] = {
-    aten.view.default: lambda x, a: view_groups(list(x.shape), list(a[0])),
-    aten.reshape.default: lambda x, a: view_groups(list(x.shape), list(a[0])),
-    aten._unsafe_view.default: lambda x, a: view_groups(list(x.shape), list(a[0])),
-    aten.expand.default: lambda x, a: dim_maps[torch.Tensor.expand](x, a[0]),
-    aten.unsqueeze.default: lambda x, a: dim_maps[torch.unsqueeze](x, a[0]),
-    aten.transpose.int: lambda x, a: dim_maps[torch.transpose](x, *a),
-    aten.t.default: lambda x, a: dim_maps[torch.transpose](x, 0, 1),
-    aten.permute.default: lambda x, a: dim_maps[torch.permute](x, a[0]),
-    aten.squeeze.dim: lambda x, a: dim_maps[torch.squeeze](x, a[0]),
-    aten.flatten.using_ints: lambda x, a: dim_maps[torch.flatten](x, *a),
+# Views. A reshape keeps the elements in their order: which input dims become which
+# output dims depends on the two shapes alone, whatever the op and however its arguments
+# are written (flatten's start and end, unflatten's sizes, squeeze of all dims or of a
+# list, a shape with -1), so DTensor's `view_groups` maps the recorded shapes. The other
+# views reorder or repeat dims: DTensor's `dim_maps` entry for the torch function of the
+# same meaning, called with the aten op's arguments put in that function's signature.
+RESHAPES = frozenset({
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.view_copy.default,
+    aten.flatten.using_ints, aten.unflatten.int, aten.squeeze.default, aten.squeeze.dim,
+    aten.squeeze.dims, aten.unsqueeze.default, aten.alias.default,
+})
+_REORDERING_VIEWS: dict[Any, Callable[[torch.Tensor, tuple, dict], tuple]] = {
+    aten.expand.default: lambda x, a, k: dim_maps[torch.Tensor.expand](x, *a[0]),
+    aten.transpose.int: lambda x, a, k: dim_maps[torch.transpose](x, *a),
+    # t of fewer than 2 dims (a scalar too, which transpose's map refuses) is the identity
+    aten.t.default: lambda x, a, k: dim_maps[torch.transpose](x, 0, 1) if x.dim() == 2
+    else tuple(InputDim(d) for d in range(x.dim())),
+    aten.permute.default: lambda x, a, k: dim_maps[torch.permute](x, a[0]),
+    aten.swapaxes.default: lambda x, a, k: dim_maps[torch.transpose](x, *a),
+    aten.swapdims.default: lambda x, a, k: dim_maps[torch.transpose](x, *a),
+    aten.mT.default: lambda x, a, k: dim_maps[torch.transpose](x, -2, -1),
+    aten.adjoint.default: lambda x, a, k: dim_maps[torch.transpose](x, -2, -1),
+    aten.movedim.int: lambda x, a, k: dim_maps[torch.movedim](x, *a),
+    aten.movedim.intlist: lambda x, a, k: dim_maps[torch.movedim](x, *a),
+    # repeat(()) of a scalar (the only tensor it takes) is the identity; the map wants a size
+    aten.repeat.default: lambda x, a, k: dim_maps[torch.Tensor.repeat](x, *a[0]) if a[0]
+    else (),
 }
+VIEWS = RESHAPES | frozenset(_REORDERING_VIEWS)
+SQUEEZES = frozenset({aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims})
 # views whose argument is the output shape: the hook rewrites it to the local shape
 SHAPE_ARG_VIEWS = frozenset({aten.view.default, aten.reshape.default,
-                             aten._unsafe_view.default, aten.expand.default})
+                             aten._unsafe_view.default, aten.view_copy.default,
+                             aten.expand.default})
+
+
+def _view_spec(node: fx.Node) -> tuple:
+    """DTensor's DimSpec of each output dim: where its elements come from in the input."""
+    x = node.args[0].meta["val"]
+    if node.target in RESHAPES:
+        sizes, out = list(x.shape), list(node.meta["val"].shape)
+        if not sizes or not out:  # (view_groups indexes sizes[0])
+            return tuple(Singleton() for _ in out)  # to or from a scalar: all dims are 1
+        return tuple(view_groups(sizes, out))
+    return tuple(_REORDERING_VIEWS[node.target](x, tuple(node.args[1:]), dict(node.kwargs)))
 
 
 def view_dim_map(node: fx.Node) -> dict[int, int]:
     """input dim -> output dim for the input dims a view keeps as a block: a dim that
     becomes an output dim, the first (outer) dim of a flattened group, or a dim split
     into pieces whose outer piece takes it."""
-    x = node.args[0].meta["val"]
-    spec = _VIEW_MAPS[node.target](x, tuple(node.args[1:]))
     out: dict[int, int] = {}
-    for o, s in enumerate(spec):
+    for o, s in enumerate(_view_spec(node)):
         if isinstance(s, InputDim):
             out[s.input_dim] = o
         elif isinstance(s, Flatten) and isinstance(s.input_dims[0], InputDim):
@@ -217,11 +274,14 @@ def view_dim_map(node: fx.Node) -> dict[int, int]:
     return out
 
 
-@_rule(*_VIEW_MAPS)
+@_rule(*VIEWS)
 def _view_rule(node: fx.Node, tp: int) -> list[Strategy]:
     options = [Strategy((P,), P)]
     out = node.meta["val"]
+    x = node.args[0].meta["val"]
     for d, o in view_dim_map(node).items():
+        if node.target in SQUEEZES and x.shape[d] == tp:
+            continue  # its local size would be 1, and the local squeeze would drop it
         # a split dim keeps a block only if its outer piece divides too (checked by fits)
         if out.shape[o] % tp == 0:
             options.append(Strategy((d,), o))
@@ -404,7 +464,7 @@ def _other_dims(x: torch.Tensor, dim: int) -> list[int]:
     return [d for d in range(x.dim()) if d != dim % x.dim()]
 
 
-@_rule(aten.slice.Tensor)
+@_rule(aten.slice.Tensor, aten.narrow.default)
 def _slice_rule(node: fx.Node, tp: int) -> list[Strategy]:
     x = node.args[0].meta["val"]
     dim = node.args[1] if len(node.args) > 1 else 0
@@ -415,7 +475,19 @@ def _slice_rule(node: fx.Node, tp: int) -> list[Strategy]:
 def _select_rule(node: fx.Node, tp: int) -> list[Strategy]:
     x = node.args[0].meta["val"]
     dim = node.args[1] % x.dim()
-    return [Strategy((d,), d - (d > dim), 1 / tp) for d in _other_dims(x, dim)]
+    # indexing is linear: a partial sum stays one
+    return [Strategy((d,), d - (d > dim), 1 / tp) for d in _other_dims(x, dim)] + [
+        Strategy((P,), P)]
+
+
+@_rule(aten.unbind.int)
+def _unbind_rule(node: fx.Node, tp: int) -> list[Strategy]:
+    """Every piece drops `dim`; a split of another dim splits each piece."""
+    x = node.args[0].meta["val"]
+    dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % x.dim()
+    n = len(output_vals(node))
+    return [Strategy((d,), tuple(d - (d > dim) for _ in range(n)), 1 / tp)
+            for d in _other_dims(x, dim)]
 
 
 @_rule(aten.cat.default)

@@ -33,6 +33,7 @@ import highspy
 import torch
 import torch.fx as fx
 
+from autopar.compiler.highs import new_model
 from autopar.compiler.ir.annotate import node_bytes, node_flops, tensor_bytes
 from autopar.compiler.passes.tp_rules import (P, R, Placement, Strategy, is_tensor_node,
                                               output_vals, strategies, tensor_inputs)
@@ -262,8 +263,7 @@ class _Model:
     """The integer program, with constant folding for nodes that have one option."""
 
     def __init__(self, costs: TPCosts):
-        self.h = highspy.Highs()
-        self.h.setOptionValue("output_flag", False)
+        self.h = new_model()
         self.constant = 0.0
         self.replicated = 0.0  # the objective of the all-replicated plan
         self.has_choices = False
