@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from autopar.compiler.ir.graph import TrainGraph
-from autopar.compiler.ir.trace import LossFn, batch_dims_of, trace_train_step
+from autopar.compiler.ir.batch import Batch, LossFn, Objective
+from autopar.compiler.ir.trace import batch_dims_of, trace_train_step
 from autopar.compiler.lower import to_program
 from autopar.compiler.lower_pipeline import lower_pipeline
 from autopar.compiler.passes.amp_policy import parse_amp_lists
@@ -35,21 +36,28 @@ def _default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimize
     return torch.optim.AdamW(params, lr=1e-3)
 
 
-def trace(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
-          loss_fn: LossFn | None = None) -> TrainGraph:
-    """The joint forward + loss + backward graph of one step on `example_inputs`."""
-    return trace_train_step(model, tuple(example_inputs), loss_fn)
+def trace(model: torch.nn.Module, example_inputs: Batch,
+          loss_fn: LossFn | None = None, example_targets: Batch | None = None) -> TrainGraph:
+    """The joint forward + loss + backward graph of one step on the example batch."""
+    objective, flat = Objective.from_example(example_inputs, example_targets, loss_fn)
+    return trace_train_step(model, flat, objective)
 
 
 def compile(model: torch.nn.Module, cluster: Any = None,  # noqa: A001 - the contract's name
-            example_inputs: Sequence[torch.Tensor] = (), loss_fn: LossFn | None = None,
+            example_inputs: Batch = (), loss_fn: LossFn | None = None,
             optimizer: OptimizerFactory = _default_optimizer, layout: Layout | Plan | None = None,
             passes: Sequence[GraphPass | str] | None = None,
-            amp_lists: dict[str, Sequence[str]] | None = None) -> DistributedStep | PipelineStep:
+            amp_lists: dict[str, Sequence[str]] | None = None,
+            example_targets: Batch | None = None) -> DistributedStep | PipelineStep:
     """Compile one training step of `model` for this job's processes and return it.
 
-    `example_inputs` is one global batch (every rank passes the same one to the
-    step). `layout=None` plans it: `autopar.plan` on `cluster` (default
+    `example_inputs` is what the model takes of one global batch: a tuple of tensors
+    (`model(*inputs)`), one tensor, or a dict (`model(**inputs)`); `example_targets`
+    what only the loss takes (`loss_fn(output, *targets)`); without targets the loss
+    takes the output and the inputs. The step is called with the batch as the model
+    is, targets after inputs: `step(x, y)`, `step(**batch)` (compiler/ir/batch.py).
+    Every rank passes the same global batch; the step takes its slice. `layout=None`
+    plans it: `autopar.plan` on `cluster` (default
     `ClusterSpec.local` of this job's processes), which must have this job's world
     size; every rank plans the same layout (the plan is a pure function of the traced
     graph and the cluster), and the plan is on `step.plan`. `passes` replaces the default
@@ -59,10 +67,12 @@ def compile(model: torch.nn.Module, cluster: Any = None,  # noqa: A001 - the con
     """
     configure_from_env()
     world = launched_world_size()
-    example_inputs = tuple(example_inputs)
+    objective, example_inputs = Objective.from_example(example_inputs, example_targets, loss_fn)
+    if example_inputs:  # a batch that does not fit forward fails before planning
+        objective.check_signatures(model)
     plan = layout if isinstance(layout, Plan) else None
     if layout is None:
-        plan = _plan_for_job(model, cluster, example_inputs, loss_fn, optimizer, world)
+        plan = _plan_for_job(model, cluster, example_inputs, objective, optimizer, world)
     layout = plan.layout if plan is not None else layout
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be an autopar.Layout or Plan, got {type(layout).__name__}")
@@ -71,7 +81,7 @@ def compile(model: torch.nn.Module, cluster: Any = None,  # noqa: A001 - the con
     if not example_inputs:
         raise ValueError("compile needs example_inputs: one global batch, as passed to the step")
     local = _local_example(example_inputs, layout)
-    tg = trace_train_step(model, local, loss_fn)
+    tg = trace_train_step(model, local, objective)
     options = {"amp_lists": amp_lists} if amp_lists else {}
     if layout.tp > 1:  # each rank's program holds its own blocks (tp is the inner mesh dim)
         options["tp_rank"] = launched_rank() % layout.tp
@@ -86,9 +96,9 @@ def compile(model: torch.nn.Module, cluster: Any = None,  # noqa: A001 - the con
     for r in results:
         log.info("%s", r.summary())
     if is_pipelined(layout):
-        step = PipelineStep(lower_pipeline(tg, layout), model, optimizer)
+        step = PipelineStep(lower_pipeline(tg, layout), model, optimizer, objective=objective)
     else:
-        step = DistributedStep(to_program(tg, layout), model, optimizer)
+        step = DistributedStep(to_program(tg, layout), model, optimizer, objective=objective)
     step.pass_results = results
     step.train_graph = tg  # the rewritten graph the step runs (to inspect, or cost)
     step.plan = plan  # the Plan it came from (layout=None or a Plan), else None

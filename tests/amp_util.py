@@ -6,18 +6,14 @@ import copy
 
 import torch
 
+from autopar.compiler.ir.batch import as_objective
 from autopar.compiler.passes.amp_policy import HALF_DTYPES
-
-
-def pick_loss(out, batch, loss_fn):
-    if loss_fn is not None:
-        return loss_fn(out, *batch)
-    return out if isinstance(out, torch.Tensor) else out.loss
 
 
 def autocast_train(model, batches, loss_fn, optimizer_factory, amp: str, growth_interval=2000,
                    init_scale=2.0**16):
     """Eager autocast training on one process: (losses, state, scales, skipped steps).
+    `loss_fn` is an Objective or a loss function of the output and every input.
 
     Scales and skipped steps are GradScaler's (fp16 only): the scale used at each step
     and the indices of the steps whose optimizer step was skipped."""
@@ -29,7 +25,7 @@ def autocast_train(model, batches, loss_fn, optimizer_factory, amp: str, growth_
     losses, scales, skipped = [], [], []
     for i, batch in enumerate(batches):
         with torch.autocast("cpu", dtype=HALF_DTYPES[amp]):
-            loss = pick_loss(model(*batch), batch, loss_fn)
+            loss = as_objective(loss_fn, len(batch)).loss(model, batch)
         opt.zero_grad(set_to_none=True)
         if scaler is None:
             loss.backward()

@@ -30,4 +30,5 @@ def to_program(tg: TrainGraph, layout: Layout) -> Program:
         layout=layout.to_dict(),
         grad_blocks=sig.grad_blocks,
         param_blocks=sig.param_blocks,
+        normalizers=tg.loss_normalizers,
     )

@@ -79,6 +79,7 @@ def lower_pipeline(tg: TrainGraph, layout: Layout) -> PipelineProgram:
         values=specs,
         mesh=(("dp", layout.dp), ("pp", layout.pp)) + ((("tp", layout.tp),) if layout.tp > 1 else ()),
         grad_divisor=grad_divisor,
+        normalizers=tg.loss_normalizers,
         layout=layout.to_dict(),
     )
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from autopar.compiler.ir.batch import BatchError, Objective, normalizer_means
 from autopar.runtime import checkpoint as ckpt
 from autopar.runtime.loss_scaler import LossScaler
 from autopar.runtime.mesh import Mesh, build_mesh
@@ -19,10 +20,6 @@ from autopar.runtime.shards import block_of, gather_into, gathered, own_block, w
 log = logging.getLogger("autopar.runtime")
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
-
-
-class BatchError(ValueError):
-    """A batch passed to the step does not match the shapes the program was compiled for."""
 
 
 def _pad_rows(block: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -45,7 +42,8 @@ class DistributedStep:
     """
 
     def __init__(self, program: Program, model: torch.nn.Module,
-                 optimizer: OptimizerFactory, *, mesh: Mesh | None = None):
+                 optimizer: OptimizerFactory, *, mesh: Mesh | None = None,
+                 objective: Objective | None = None):
         self.program = program
         self.mesh = mesh or build_mesh(program.mesh)
         self.gm = bind_groups(program.gm, self.mesh.group_names) if self.mesh.group_names \
@@ -76,12 +74,15 @@ class DistributedStep:
         # an fp16 AMP step takes the loss scale as its trailing input (not the user's)
         scaled = bool(program.inputs) and program.inputs[-1].name == LOSS_SCALE_INPUT
         self.loss_scaler = LossScaler() if scaled else None
-        self._n_user_inputs = len(program.inputs) - scaled
+        self._n_user_inputs = len(program.inputs) - scaled - len(program.normalizers)
+        # how a call's arguments make the flat batch (default: the tensors positionally)
+        self.objective = objective or Objective(None, self._n_user_inputs)
 
     # -- the step ---------------------------------------------------------------------------
 
-    def __call__(self, *global_batch: torch.Tensor) -> torch.Tensor:
-        local = self.local_batch(global_batch)
+    def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        """One step on a global batch, passed as the example batch was (see Objective)."""
+        local = self.local_batch(self.objective.flatten(args, kwargs))
         scale = [self.loss_scaler.scale_input()] if self.loss_scaler else []
         with torch.no_grad():
             outs = self.gm(*self.graph_params, *self.buffers, *local, *scale)
@@ -113,7 +114,9 @@ class DistributedStep:
         return sum(x.numel() * x.element_size() for x in self.local_batch(global_batch))
 
     def local_batch(self, global_batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """This rank's slice of the global batch along each input's batch dimension."""
+        """This rank's slice of the global batch along each input's batch dimension, and
+        after it the divisor of each batch-decided count the loss divides by
+        (global_loss_mean.py)."""
         spec = self.program.inputs[:self._n_user_inputs]
         if len(global_batch) != len(spec):
             raise BatchError(f"the step takes {len(spec)} input tensors (as the example inputs), "
@@ -133,7 +136,8 @@ class DistributedStep:
                 raise BatchError(f"{entry.name}: shape {tuple(x.shape)} per rank, the program was "
                                  f"compiled for {entry.shape}")
             out.append(x)
-        return out
+        return out + normalizer_means(self.program.normalizers, global_batch,
+                                      self.program.batch_dims, dp)
 
     def _sync_initial_weights(self) -> None:
         """Every rank starts from rank 0's weights (as DDP does)."""

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from autopar.compiler.ir.batch import Objective, normalizer_means
 from autopar.runtime.loss_scaler import LossScaler
 from autopar.runtime.mesh import Mesh, build_mesh
 from autopar.runtime.program import LOSS_SCALE_INPUT, TensorEntry, bind_groups
@@ -78,6 +79,8 @@ class PipelineProgram:
     # the summed gradients are divided by this (fp16 steps, whose backward seed is
     # d(loss * scale) and not scaled by 1/(microbatches * dp) in the graph)
     grad_divisor: int = 1
+    # batch-decided counts the loss divides by (compiler/ir/batch.LossNormalizer)
+    normalizers: tuple = ()
 
     @property
     def loss_scaled(self) -> bool:
@@ -112,8 +115,11 @@ class PipelineStep:
 
     def __init__(self, program: PipelineProgram, model: torch.nn.Module,
                  optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
-                 *, mesh: Mesh | None = None):
+                 *, mesh: Mesh | None = None, objective: Objective | None = None):
         self.program = program
+        # how a call's arguments make the flat batch (default: the tensors positionally)
+        self.objective = objective or Objective(
+            None, len(program.inputs) - program.loss_scaled - len(program.normalizers))
         self.mesh = mesh or build_mesh(program.mesh)
         self.pp, self.dp = dict(program.mesh)["pp"], dict(program.mesh)["dp"]
         self.tp = dict(program.mesh).get("tp", 1)
@@ -205,8 +211,9 @@ class PipelineStep:
 
     # -- the step ------------------------------------------------------------------------------
 
-    def __call__(self, *global_batch: torch.Tensor) -> torch.Tensor:
-        micro = self._micro_batches(global_batch)
+    def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        """One step on a global batch, passed as the example batch was (see Objective)."""
+        micro = self._micro_batches(self._with_counts(self.objective.flatten(args, kwargs)))
         self._gather_params()
         if self.loss_scaler is not None:  # the step's trailing input: the loss scale
             scale = self.loss_scaler.scale_input()
@@ -300,9 +307,17 @@ class PipelineStep:
         return mine + [self.tensor_of[k] for k in self.program.keys[n:n + len(self.program.buffers)]]
 
     def batch_bytes(self, global_batch) -> int:
-        """Bytes of this rank's micro-batches of the global batch."""
-        return sum(x.numel() * x.element_size() for mb in self._micro_batches(global_batch)
-                   for x in mb)
+        """Bytes of this rank's micro-batches of the global batch (and the counts the loss
+        divides by)."""
+        return sum(x.numel() * x.element_size()
+                   for mb in self._micro_batches(self._with_counts(global_batch)) for x in mb)
+
+    def _with_counts(self, global_batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The flat global batch and, after it, the divisor of each batch-decided count
+        the loss divides by (global_loss_mean.py), the same for every micro-batch."""
+        return (*global_batch, *normalizer_means(
+            self.program.normalizers, global_batch, self.program.batch_dims,
+            self.dp * self.program.schedule.microbatches))
 
     def _inputs_env(self, micro_inputs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         env = dict(self.tensor_of)

@@ -66,6 +66,9 @@ class Program:
     # ZeRO-3: per param, into how many dim-0 blocks its input is cut (the step takes this
     # rank's block, entry.shape is the block's, and gathers the whole where it is used)
     param_blocks: tuple[int, ...] = ()
+    # batch-decided counts the loss divides by (compiler/ir/batch.LossNormalizer): the
+    # step takes each one's mean over the global batch's shards, after the batch inputs
+    normalizers: tuple = ()
 
     @property
     def world_size(self) -> int:

@@ -25,6 +25,7 @@ from autopar.examples import gpt2, llama, mlp
 from autopar.runtime.loss_scaler import LossScaler
 from autopar.testing import make_batches
 from tests.amp_util import autocast_train
+from autopar.compiler.ir.batch import Objective
 from tests.dist.registry import case
 
 STEPS = 4
@@ -35,33 +36,44 @@ def sgd(params):
     return torch.optim.SGD(params, lr=0.05)
 
 
-def _compiled(example, amp, **layout):
+def _compiled(example, amp, targets=None, **layout):
     model = copy.deepcopy(example.model)
     step = autopar.compile(model, autopar.ClusterSpec.local(dist.get_world_size()),
-                           example_inputs=example.batch, loss_fn=example.loss_fn, optimizer=sgd,
+                           example_inputs=example.batch, example_targets=targets,
+                           loss_fn=example.loss_fn, optimizer=sgd,
                            layout=autopar.Layout(amp=amp, **(layout or {"dp": 2})))
     return model, step
 
 
-def check_amp_parity(example, amp, roundings=1, **layout):
+def check_amp_parity(example, amp, roundings=1, targets=None, batches=None, noise_floor=False,
+                     **layout):
+    """As check_parity (cases_dp.py), against torch.autocast, within the tolerance above.
+    `noise_floor`: a weight may also be off by one rounding of the half dtype of the
+    largest movement of any weight (for weights whose true gradient is zero, such as key
+    biases under softmax, which move by rounding noise alone)."""
+    objective, flat = Objective.from_example(example.batch, targets, example.loss_fn)
     init = {k: v.clone() for k, v in example.model.state_dict().items()}
-    batches = make_batches(example.batch, STEPS)
+    batches = batches or make_batches(flat, STEPS)
     ref_losses, ref_state, ref_scales, _ = autocast_train(example.model, batches,
-                                                          example.loss_fn, sgd, amp)
-    model, step = _compiled(example, amp, **layout)
-    losses = [step(*b).item() for b in batches]
+                                                          objective, sgd, amp)
+    model, step = _compiled(example, amp, targets, **layout)
+    losses = []
+    for b in batches:
+        args, kwargs = objective.unflatten(b)
+        losses.append(step(*args, **kwargs).item())
     eps = EPS[amp]
     loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
     assert loss_err <= eps, (losses, ref_losses)
     state = step.full_state_dict()
-    for name, ref in ref_state.items():
-        if not ref.is_floating_point():
-            continue
-        moved = (ref - init[name]).abs().max().item()
+    moves = {name: (ref - init[name]).abs().max().item() for name, ref in ref_state.items()
+             if ref.is_floating_point()}
+    noise = eps * max(moves.values()) if noise_floor else 0.0
+    for name, moved in moves.items():
+        ref = ref_state[name]
         err = (state[name] - ref).abs().max().item()
         # plus one fp32 rounding of the weight per step (the update w - lr * g)
         floor = STEPS * torch.finfo(torch.float32).eps * ref.abs().max().item()
-        assert err <= roundings * eps * moved + floor, (name, err, moved)
+        assert err <= max(roundings * eps * moved, noise) + floor, (name, err, moved)
     if amp == "fp16":
         assert step.loss_scaler.get_scale() == 2.0 ** 16 == ref_scales[-1]
     return step
@@ -134,7 +146,8 @@ def dp2_microbatches2_grad_comm_bf16_parity_llama():
 @case(world=2)
 def dp2_grad_comm_bf16_parity_gpt2():
     step = _grad_comm_bf16_parity(gpt2(), dp=2)
-    assert step.pass_results[0].stats["grad_comm_dtype"] == "torch.bfloat16"
+    result = {r.name: r for r in step.pass_results}["insert_allreduce"]
+    assert result.stats["grad_comm_dtype"] == "torch.bfloat16"
 
 
 def _grad_comm_bf16_parity(example, **layout):

@@ -21,7 +21,8 @@ from autopar.compiler.passes.base import PassContext
 from autopar.examples import gpt2, llama, mlp
 from autopar.layout import Layout, LayoutError
 from autopar.testing import make_batches, reference_train
-from tests.amp_util import autocast_train, pick_loss
+from autopar.compiler.ir.batch import as_objective
+from tests.amp_util import autocast_train
 
 STEPS = 3
 
@@ -68,7 +69,7 @@ def eager_ops(example, amp):
     model = copy.deepcopy(example.model)
     rec = _EagerOps(model)
     with rec, torch.autocast("cpu", dtype=HALF_DTYPES.get(amp), enabled=amp != "off"):
-        pick_loss(model(*example.batch), example.batch, example.loss_fn)
+        as_objective(example.loss_fn, len(example.batch)).loss(model, example.batch)
     return rec.ops
 
 

@@ -160,9 +160,9 @@ def test_unknown_op_and_list_names_suggest_a_fix():
 
 def test_wiring_amp_after_tensor_parallel_and_fp16_micro_batches():
     assert [p.name for p in default_passes(Layout(amp="bf16", dp=2, fusion=False))] == [
-        "amp", "insert_allreduce"]
+        "amp", "global_loss_mean", "insert_allreduce"]
     assert [p.name for p in default_passes(Layout(amp="bf16", dp=2, tp=2, fusion=False))] == [
-        "tensor_parallel", "amp", "insert_allreduce"]  # AMP's hook wraps TP's
+        "tensor_parallel", "amp", "global_loss_mean", "insert_allreduce"]  # AMP wraps TP
     assert [p.name for p in default_passes(Layout(fusion=False))] == []
     example = mlp()
     accumulated = autopar.compile(copy.deepcopy(example.model), None, example.batch,

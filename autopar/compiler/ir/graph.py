@@ -99,6 +99,9 @@ class TrainGraph:
     # re-traces from the source anyway (trace.retrace(..., deferred=True); the
     # PassManager traces it, `trace.materialize`, before any other pass)
     retrace_pending: bool = False
+    # counts the loss divides by that the batch decides (global_loss_mean.py): the step
+    # takes each one's mean over the global batch's shards as an input
+    loss_normalizers: tuple = ()
 
     @property
     def graph(self) -> fx.Graph:

@@ -35,10 +35,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.annotate import annotate, repeated_block_container
+from autopar.compiler.ir.batch import BatchError, LossFn, Objective, as_objective
 from autopar.compiler.ir.graph import GraphSignature, TensorSpec, TrainGraph
 from autopar.runtime.program import LOSS_SCALE_INPUT
 
-LossFn = Callable[..., torch.Tensor]
 _WRAPPED = "model"  # attribute name of the user's model inside the loss wrapper
 
 
@@ -47,36 +47,18 @@ class TraceError(RuntimeError):
 
 
 class _ModelWithLoss(torch.nn.Module):
-    """model + loss as one module, so export captures the loss too."""
+    """model + loss as one module taking the flat batch, so export captures the loss too."""
 
-    def __init__(self, model: torch.nn.Module, loss_fn: LossFn | None):
+    def __init__(self, model: torch.nn.Module, objective: Objective):
         super().__init__()
         self.model = model
-        self.loss_fn = loss_fn
+        self.objective = objective
 
-    def forward(self, *inputs):
-        out = self.model(*inputs)
-        return _pick_loss(out, inputs, self.loss_fn)
-
-
-def _pick_loss(out: Any, inputs: Sequence[Any], loss_fn: LossFn | None) -> torch.Tensor:
-    if loss_fn is not None:
-        loss = loss_fn(out, *inputs)
-        where = "loss_fn(output, *inputs)"
-    elif isinstance(out, torch.Tensor):
-        loss, where = out, "the model's output"
-    elif getattr(out, "loss", None) is not None:
-        loss, where = out.loss, "the model's output.loss"
-    else:
-        raise TraceError(
-            f"the model returned {type(out).__name__} with no .loss; pass "
-            "loss_fn=lambda output, *inputs: ... to autopar (or make the model return "
-            "a scalar loss; Hugging Face models compute .loss when given labels)")
-    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.is_floating_point()):
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        hint = "" if loss_fn else "; pass loss_fn=lambda output, *inputs: ... to autopar"
-        raise TraceError(f"{where} must be a scalar floating-point tensor, got {shape}{hint}")
-    return loss
+    def forward(self, *flat):
+        try:
+            return self.objective.loss(self.model, flat)
+        except BatchError as exc:  # no loss to differentiate: the trace cannot go on
+            raise TraceError(str(exc)) from None
 
 
 class ForwardHook(Protocol):
@@ -107,14 +89,22 @@ class TraceSource:
 
 
 def trace_train_step(model: torch.nn.Module, example_inputs: Sequence[Any],
-                     loss_fn: LossFn | None = None) -> TrainGraph:
-    """Trace one training step of `model` on `example_inputs` (a local batch).
+                     loss_fn: LossFn | Objective | None = None) -> TrainGraph:
+    """Trace one training step of `model` on `example_inputs` (a local batch, flat).
 
-    Works on real, meta or fake tensors: nothing is computed. The model's own
-    parameters are not modified.
+    `loss_fn` is an Objective (batch.py: which tensors go to the model, which to the
+    loss), or a plain loss function taking the output and every input. Works on real,
+    meta or fake tensors: nothing is computed. The model's own parameters are not
+    modified.
     """
     example_inputs = tuple(example_inputs)
-    wrapper = _ModelWithLoss(model, loss_fn)
+    bad = [type(a).__name__ for a in example_inputs if not isinstance(a, torch.Tensor)]
+    if bad:
+        raise TraceError(f"example_inputs must all be tensors (got {bad}); bind other "
+                         "arguments inside loss_fn or a wrapper module")
+    objective = as_objective(loss_fn, len(example_inputs))
+    objective.check_signatures(model)
+    wrapper = _ModelWithLoss(model, objective)
     source = TraceSource(_export(wrapper, model, example_inputs), example_inputs,
                          _alias_groups(model), repeated_block_container(model))
     return _trace_from(source)
@@ -221,7 +211,7 @@ def _export(wrapper: torch.nn.Module, model: torch.nn.Module,
         # export's training IR keeps in-place ops (BatchNorm's running stats); an empty
         # decomposition table only functionalises them into buffer-mutation outputs
         return ep.run_decompositions({}) if _mutates(ep.graph) else ep
-    except TraceError:
+    except (TraceError, BatchError):
         raise
     except Exception as exc:  # noqa: BLE001 - every export failure is re-raised with context
         raise TraceError(_explain_trace_failure(exc, model)) from exc
@@ -241,11 +231,7 @@ def _trace_joint(source: TraceSource) -> tuple[fx.GraphModule, GraphSignature]:
     trainable = [n for n in unique if isinstance(state[n], torch.nn.Parameter) and state[n].requires_grad]
     # frozen parameters travel with the buffers: no gradient, not optimised
     buffers = [n for n in unique if n not in trainable]
-    user_inputs = [a for a in example_inputs if isinstance(a, torch.Tensor)]
-    if len(user_inputs) != len(example_inputs):
-        bad = [type(a).__name__ for a in example_inputs if not isinstance(a, torch.Tensor)]
-        raise TraceError(f"example_inputs must all be tensors (got {bad}); bind other "
-                         "arguments inside loss_fn or a wrapper module")
+    user_inputs = list(example_inputs)  # all tensors (trace_train_step checked)
     mutated = [(spec.target, i) for i, spec in enumerate(sig.output_specs)
                if spec.kind == OutputKind.BUFFER_MUTATION]
     loss_index = next(i for i, spec in enumerate(sig.output_specs)

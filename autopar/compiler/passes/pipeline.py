@@ -6,6 +6,7 @@ from autopar.compiler.passes.amp import AutoMixedPrecision
 from autopar.compiler.passes.assign_stages import AssignStages
 from autopar.compiler.passes.base import GraphPass
 from autopar.compiler.passes.fuse_regions import FuseRegions
+from autopar.compiler.passes.global_loss_mean import GlobalLossMean
 from autopar.compiler.passes.insert_allreduce import InsertAllReduce
 from autopar.compiler.passes.recompute import Recompute
 from autopar.compiler.passes.shard_parameters import ShardParameters
@@ -46,8 +47,8 @@ def forward_level_fields(layout: Layout) -> tuple:
 
 
 def default_passes(layout: Layout) -> list[GraphPass]:
-    """amp -> tensor_parallel -> recompute -> pipeline_split -> data_parallel/zero ->
-    comm scheduling -> fusion; only the passes that have landed appear.
+    """tensor_parallel -> amp -> recompute -> global_loss_mean -> pipeline stages or
+    data-parallel sync (-> zero-3 parameter sharding) -> fusion.
 
     Pipelined steps sum gradients over data-parallel ranks after the last micro-batch
     (in the pipeline runtime), so they get no all-reduce pass."""
@@ -55,6 +56,9 @@ def default_passes(layout: Layout) -> list[GraphPass]:
     # pass; AMP's hook wraps tensor parallelism's: it casts each op's inputs by its lists
     # before the op runs on local shards (collectives then carry half-precision values)
     first = forward_level_passes(layout)
+    # the batch is cut into dp * microbatches shards: a loss over a count the batch
+    # decides must divide by the whole batch's count
+    first += [GlobalLossMean()] if layout.dp * layout.microbatches > 1 else []
     last = [FuseRegions()] if layout.fusion else []
     if is_pipelined(layout):
         return first + [AssignStages()] + last

@@ -17,7 +17,8 @@ import torch
 
 from autopar.api import _local_example, run_passes
 from autopar.cluster import ClusterSpec
-from autopar.compiler.ir.trace import LossFn, batch_dims_of, trace_train_step
+from autopar.compiler.ir.batch import Batch, LossFn, Objective
+from autopar.compiler.ir.trace import batch_dims_of, trace_train_step
 from autopar.compiler.passes.assign_stages import check_stage_count
 from autopar.compiler.passes.base import GraphPass
 from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, OPTIMIZER_STATES,
@@ -45,17 +46,20 @@ RUNS_KEPT = 64  # Estimator._schedule_run: the search times ZeRO siblings close 
 
 
 def estimate(model: torch.nn.Module, cluster: ClusterSpec, layout: Layout,
-             example_inputs: Sequence[torch.Tensor], loss_fn: LossFn | None = None,
+             example_inputs: Batch, loss_fn: LossFn | None = None,
              optimizer: str = "adamw", efficiency: Efficiency = DEFAULT_EFFICIENCY,
-             passes: Sequence[GraphPass | str] | None = None) -> Prediction:
+             passes: Sequence[GraphPass | str] | None = None,
+             example_targets: Batch | None = None) -> Prediction:
     """Predict one training step of `model` on `cluster` under `layout`.
 
-    `example_inputs` is one global batch. `optimizer` is the optimizer's kind for the
+    `example_inputs` (and `example_targets`) is one global batch, as `autopar.compile`
+    takes it. `optimizer` is the optimizer's kind for the
     memory and time of its step: "adamw", "adam", "sgd-momentum" or "sgd". `passes`
     replaces the default pipeline, to score your own passes.
     """
     check_layout(layout, cluster)
-    return Estimator(model, cluster, example_inputs, loss_fn, optimizer, efficiency,
+    objective, flat = Objective.from_example(example_inputs, example_targets, loss_fn)
+    return Estimator(model, cluster, flat, objective, optimizer, efficiency,
                      passes).predict(layout)
 
 

@@ -18,7 +18,8 @@ import torch
 from autopar.cluster import ClusterSpec
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.annotate import repeated_block_container
-from autopar.compiler.ir.trace import LossFn, batch_dims_of
+from autopar.compiler.ir.batch import Batch, LossFn, Objective
+from autopar.compiler.ir.trace import batch_dims_of
 from autopar.compiler.passes.assign_stages import node_time
 from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, Efficiency,
                                                  model_compute_floor)
@@ -40,12 +41,12 @@ MAX_WORKERS = 2  # plan(workers=None): a large search rewrites a few groups (one
 LARGER_CLUSTERS = (2, 4, 8)
 
 
-def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs: Sequence[torch.Tensor],
+def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs: Batch,
          loss_fn: LossFn | None = None, optimizer: str = "adamw",
          efficiency: Efficiency = DEFAULT_EFFICIENCY,
          progress: Callable[[int, int, Layout], None] | None = None,
          trace_blocks: int | None = None, workers: int | None = None,
-         **constraints: Any) -> Plan:
+         example_targets: Batch | None = None, **constraints: Any) -> Plan:
     """The fastest layout of `model` on `cluster` that fits memory, and every other one
     with why not. Constraints fix Layout fields (tp=2, amp="bf16") or set
     max_memory_fraction (default 0.9). `progress(done, total, layout)` is called
@@ -54,15 +55,17 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs: Sequence[
     (planner/scaled.py): faster for deep models, approximate. `workers=k` forks k
     processes that rewrite graphs while the search costs (planner/workers.py: the same
     plan, sooner on more than one core; only with trace_blocks, on Linux); None: one per
-    CPU up to MAX_WORKERS; 0: none."""
+    CPU up to MAX_WORKERS; 0: none. The batch is passed as to `autopar.compile`
+    (`example_inputs` to the model, `example_targets` only to the loss)."""
     if workers is not None and (not isinstance(workers, int) or workers < 0):
         raise ValueError(f"workers must be a count of processes (0: none) or None, got "
                          f"{workers!r}")
     if not isinstance(cluster, ClusterSpec):
         raise TypeError(f"cluster must be an autopar.ClusterSpec, got {type(cluster).__name__}")
     fixed, fraction = check_constraints(constraints)
+    objective, flat = Objective.from_example(example_inputs, example_targets, loss_fn)
     with collector_paused():
-        return _search(model, cluster, tuple(example_inputs), loss_fn, optimizer, efficiency,
+        return _search(model, cluster, flat, objective, optimizer, efficiency,
                        progress, trace_blocks, workers, constraints, fixed, fraction)
 
 
