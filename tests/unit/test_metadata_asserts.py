@@ -165,8 +165,8 @@ def test_amp_traces_user_dtype_changes_like_autocast(chains, loss_chain, amp):
 
 def test_to_is_on_no_amp_list_whatever_dtype_it_was_first_probed_with():
     """`x.to(torch.bfloat16)` comes out half because its argument says so, not autocast:
-    probed first, it once put aten.to on the white list for the whole process, and every
-    later `.float()` of an fp32 value went through bf16 (measured: gradients 0.9% off)."""
+    on the white list (the probe caches per op, for the process) it would send every
+    later `.float()` of an fp32 value through bf16 (gradients 0.9% off)."""
     x = torch.randn(6, 8)
     for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
         for device_type in ("cpu", "cuda"):
@@ -224,8 +224,9 @@ def _local_with_bf16(nprocs: int) -> autopar.ClusterSpec:
     lambda: hf_tiny("qwen2", batch=2, seq=8),
 ], ids=["llama", "qwen2"])
 def test_float_logits_loss_under_bf16(factory):
-    """The loss `cross_entropy(logits.flatten(0, 1).float(), ...)`: AMP once failed its
-    `.float()`'s assertion ("Tensor dtype mismatch"), and tp=2 crashed on the flatten."""
+    """The loss `cross_entropy(logits.flatten(0, 1).float(), ...)` under bf16: export
+    asserts the `.float()`'s input is fp32, which AMP changes ("Tensor dtype mismatch"
+    if the assertion stayed), and tp=2 must read the flatten."""
     ex = factory()
     tg, _ = run_passes(autopar.trace(ex.model, ex.batch, _logits_loss), autopar.Layout(amp="bf16"))
     ops = {(r["op"], r["module"]): r for r in tg.attrs["amp"]["ops"]}  # "": the loss's

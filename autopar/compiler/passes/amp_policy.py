@@ -113,8 +113,8 @@ def probe(op, args: tuple, kwargs: dict, device_type: str, half: torch.dtype) ->
             return GRAY
     # NOTE: a list is what autocast changes. An output dtype the op's own arguments fix
     # (x.to(torch.bfloat16): fp32 in, half out) is the same without autocast, and puts the
-    # op on no list; read as white, it was cached for the op and every later `.float()`
-    # in the process went through the half dtype first.
+    # op on no list; read as white, it would be cached for the op and send every later
+    # `.float()` in the process through the half dtype first.
     if out[torch.float32, True] == half != out[torch.float32, False]:
         return WHITE
     if out[half, True] == torch.float32 != out[half, False]:

@@ -71,16 +71,17 @@ class GlobalLossMean(GraphPass):
         if shards == 1:
             return tg, PassResult(self.name, changed=False,
                                   declined=[("global loss mean", "one shard: the batch is whole")])
-        tg = tg.copy()
         n_user = _n_user_inputs(tg)
         found = _batch_counts(tg, n_user)
         declined = [(f"division by {c.name}", "a value of the batch that is not a count (a "
                      "sum over elements): each shard divides by its own")
                     for c, form in found.items() if form == "not a count"]
-        found = {c: form for c, form in found.items() if form != "not a count"}
-        if not found:
+        if all(form == "not a count" for form in found.values()):
             return tg, PassResult(self.name, changed=False, stats={"normalizers": 0},
                                   declined=declined)
+        tg = tg.copy()  # found on the input graph; rewritten on the copy, node by name
+        by_name = {n.name: n for n in tg.graph.nodes}
+        found = {by_name[c.name]: form for c, form in found.items() if form != "not a count"}
         sig = tg.signature
         placeholders = tg.placeholders()
         last_input = placeholders[len(sig.params) + len(sig.buffers) + n_user - 1]
@@ -245,8 +246,8 @@ def _divide_nll_by(build: NodeBuilder, total: fx.Node, mean: fx.Node) -> None:
 
 def _subgraph(tg: TrainGraph, count: fx.Node, n_user: int) -> fx.GraphModule:
     """count as a function of the user inputs (every one, in order; it reads only some).
-    nll's total weight reads only the shape of its log-probabilities: the subgraph gives
-    it zeros of that shape, so it needs no parameter."""
+    nll's total weight is computed from its targets (and class weights) alone, so the
+    subgraph reads no parameter and no logits."""
     needed: set[fx.Node] = set()
     stack = [count]
     while stack:
@@ -263,15 +264,35 @@ def _subgraph(tg: TrainGraph, count: fx.Node, n_user: int) -> fx.GraphModule:
         if node not in needed or node in env:
             continue
         if node.target in NLL_FORWARD:
-            logp = node.args[0].meta[M.VAL]
-            zeros = graph.call_function(aten.zeros.default, (list(logp.shape),),
-                                        {"dtype": logp.dtype})
-            env[node] = graph.node_copy(node, lambda n: zeros if n is node.args[0] else env[n])
+            env[node] = _nll_total_weight(graph, node, env)
         else:
             env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(env[count])
     constants = {n.target: _attr(tg.gm, n.target) for n in graph.nodes if n.op == "get_attr"}
     return fx.GraphModule(constants, graph)
+
+
+def _nll_total_weight(graph: fx.Graph, nll: fx.Node, env: dict) -> fx.Node:
+    """(None, total weight): what nll's getitem 1 reads, from the targets alone: the
+    class weight of each target that is not ignore_index (1 without class weights),
+    summed. Running nll itself would need log-probabilities of the logits' size."""
+    target = env[nll.args[1]]
+    weight = _weight(nll)
+    ignore = nll.args[4] if len(nll.args) > 4 else nll.kwargs.get("ignore_index", -100)
+    dtype = nll.args[0].meta[M.VAL].dtype
+    kept = graph.call_function(aten.ne.Scalar, (target, ignore))
+    if weight is None:
+        per_target = graph.call_function(aten._to_copy.default, (kept,), {"dtype": dtype})
+    else:
+        index = graph.call_function(aten.clamp_min.default, (target, 0))
+        picked = graph.call_function(aten.index.Tensor, (env[weight], [index]))
+        per_target = graph.call_function(aten.mul.Tensor, (picked, kept))
+    total = graph.call_function(aten.sum.default, (per_target,))
+    return graph.call_function(_pair, (total,))
+
+
+def _pair(total: torch.Tensor) -> tuple[None, torch.Tensor]:
+    return None, total
 
 
 def _attr(module: torch.nn.Module, target: str):
