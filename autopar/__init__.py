@@ -1,20 +1,22 @@
 """autopar: turn a single-device PyTorch training step into an equivalent parallel one.
 
-Public names only; see DESIGN.md's contract and docs/.
+Public names only (the contract users, docs and tests rely on); docs/architecture.md
+maps the package behind them.
 """
 
-from autopar.api import compile, run_passes, trace
+from autopar.api import compile, trace
 from autopar.cluster import ClusterSpec
 from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.ir.trace import TraceError
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
+from autopar.compiler.passes.defaults import default_passes, run_passes
 from autopar.compiler.passes.manager import PassManager, register_pass
-from autopar.compiler.passes.pipeline import default_passes
-from autopar.compiler.planner.cost_model import Efficiency
 from autopar.compiler.planner.estimate import estimate
 from autopar.compiler.planner.plan import plan
+from autopar.compiler.planner.result import Plan, Prediction
 from autopar.compiler.planner.search import PlanError
-from autopar.layout import Layout, LayoutError, Plan, Prediction
+from autopar.costs import Efficiency
+from autopar.layout import Layout, LayoutError
 from autopar.runtime.checkpoint import CheckpointError
 from autopar.runtime.mesh import WorldSizeError
 

@@ -1,4 +1,4 @@
-"""autopar.compile and autopar.trace: the entry points of the public contract (DESIGN.md).
+"""autopar.compile and autopar.trace: the entry points of the public contract.
 
 Environment variables are read here and nowhere deeper: AUTOPAR_DUMP (a directory:
 the IR after each pass), AUTOPAR_LOGS (see autopar.logs).
@@ -13,17 +13,17 @@ from typing import Any
 
 import torch
 
-from autopar.compiler.ir.graph import TrainGraph
+from autopar.compiler.analysis.memory import profile_optimizer
 from autopar.compiler.ir.batch import Batch, LossFn, Objective
-from autopar.compiler.ir.trace import batch_dims_of, trace_train_step
-from autopar.compiler.lower import to_program
-from autopar.compiler.lower_pipeline import lower_pipeline
+from autopar.compiler.ir.graph import TrainGraph
+from autopar.compiler.ir.trace import local_example, trace_train_step
+from autopar.compiler.lowering.lower import to_program
+from autopar.compiler.lowering.lower_pipeline import lower_pipeline
 from autopar.compiler.passes.amp_policy import parse_amp_lists
-from autopar.compiler.planner.memory import profile_optimizer
-from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
-from autopar.compiler.passes.manager import PassManager, get_pass
-from autopar.compiler.passes.pipeline import default_passes, is_pipelined
-from autopar.layout import Layout, LayoutError, Plan
+from autopar.compiler.passes.base import GraphPass
+from autopar.compiler.passes.defaults import is_pipelined, run_passes
+from autopar.compiler.planner.result import Plan
+from autopar.layout import Layout, LayoutError
 from autopar.logs import configure_from_env
 from autopar.runtime.executor import DistributedStep, OptimizerFactory
 from autopar.runtime.mesh import launched_rank, launched_world_size
@@ -61,7 +61,7 @@ def compile(model: torch.nn.Module, cluster: Any = None,  # noqa: A001 - the con
     `ClusterSpec.local` of this job's processes), which must have this job's world
     size; every rank plans the same layout (the plan is a pure function of the traced
     graph and the cluster), and the plan is on `step.plan`. `passes` replaces the default
-    pipeline (`autopar.default_passes(layout)`) with your own list of passes or
+    pass list (`autopar.default_passes(layout)`) with your own list of passes or
     registered pass names. `amp_lists={"white": [...], "black": [...], "gray": [...]}`
     moves aten ops ("mm" or "aten.mm") between AMP's lists (with Layout.amp on).
     """
@@ -80,7 +80,7 @@ def compile(model: torch.nn.Module, cluster: Any = None,  # noqa: A001 - the con
     parse_amp_lists(amp_lists)  # a misspelt op fails before the (slow) trace
     if not example_inputs:
         raise ValueError("compile needs example_inputs: one global batch, as passed to the step")
-    local = _local_example(example_inputs, layout)
+    local = local_example(example_inputs, layout)
     tg = trace_train_step(model, local, objective)
     options = {"amp_lists": amp_lists} if amp_lists else {}
     if layout.tp > 1:  # each rank's program holds its own blocks (tp is the inner mesh dim)
@@ -89,7 +89,8 @@ def compile(model: torch.nn.Module, cluster: Any = None,  # noqa: A001 - the con
         options["optimizer_memory"] = profile_optimizer(optimizer)
     if layout.zero >= 2:  # which block of each gathered embedding table this rank keeps
         options["dp_rank"] = launched_rank() // (layout.tp * layout.pp) % layout.dp
-    tg, results = run_passes(tg, layout, cluster, passes, options=options)
+    tg, results = run_passes(tg, layout, cluster, passes, options=options,
+                             dump_dir=os.environ.get("AUTOPAR_DUMP"))
     if layout.amp != "off" and "amp" not in tg.provides:
         raise LayoutError(f"Layout.amp={layout.amp!r} but the passes given to compile have no "
                           "'amp' pass: add \"amp\" first in passes=, or use amp='off'")
@@ -146,28 +147,3 @@ def optimizer_kind(factory: OptimizerFactory) -> str:
     raise ValueError(f"layout=None plans the layout with the cost model, which knows AdamW, "
                      f"Adam and SGD; the optimizer factory built {type(opt).__name__}: pass a "
                      "layout= (or a Plan from autopar.plan(..., optimizer=...)) instead")
-
-
-def run_passes(tg: TrainGraph, layout: Layout, cluster: Any = None,
-               passes: Sequence[GraphPass | str] | None = None,
-               dump_dir: str | None = None,
-               options: dict[str, Any] | None = None) -> tuple[TrainGraph, list[PassResult]]:
-    """Rewrite `tg` with the default pipeline for `layout` (or `passes`); `options`
-    become PassContext.options (e.g. "amp_lists")."""
-    pipeline = default_passes(layout) if passes is None else [
-        get_pass(p) if isinstance(p, str) else p for p in passes]
-    manager = PassManager(pipeline, dump_dir=dump_dir or os.environ.get("AUTOPAR_DUMP"))
-    return manager.run(tg, PassContext(layout=layout, cluster=cluster, options=options or {}))
-
-
-def _local_example(example_inputs: tuple, layout: Layout) -> tuple:
-    """One micro-batch of one data-parallel rank: the shapes the graph is traced for."""
-    dims = batch_dims_of([x for x in example_inputs if isinstance(x, torch.Tensor)])
-    if not any(d is not None for d in dims):
-        return example_inputs
-    batch = next(x.shape[d] for x, d in zip(example_inputs, dims) if d is not None)
-    layout.check_batch(batch)
-    local = batch // (layout.dp * layout.microbatches)
-    return tuple(x.narrow(d, 0, local) if d is not None else x
-                 for x, d in zip(example_inputs, dims))
-

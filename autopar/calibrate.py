@@ -45,8 +45,7 @@ import torch
 import torch.fx as fx
 
 from autopar.cluster import ClusterSpec
-from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, Efficiency, kernel_time,
-                                                 optimizer_time)
+from autopar.costs import DEFAULT_EFFICIENCY, Efficiency, kernel_time, optimizer_time
 
 ALL_REDUCE_SIZES = (2**12, 2**16, 2**20, 2**22, 2**24)  # bytes
 NCCL_SIZES = (2**16, 2**20, 2**24, 2**26, 2**28)  # bytes: NVLink needs larger ones to fit
@@ -309,8 +308,8 @@ def fit_model(model: torch.nn.Module, example_inputs: tuple, loss_fn, cluster: C
     """Measured / modelled seconds per aten op of one step of `model` on
     `example_inputs` (one process, one thread), and per optimizer kind ("optimizer.adamw")
     on its parameters: the DeviceSpec.op_time_factors of `cluster`'s device."""
+    from autopar.compiler.analysis.summary import summarize
     from autopar.compiler.ir.trace import trace_train_step
-    from autopar.compiler.planner.summary import summarize
 
     data = cluster.to_dict()
     cluster = ClusterSpec.from_dict({**data, "device": {**data["device"], "op_time_factors": {}}})

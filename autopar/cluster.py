@@ -25,8 +25,15 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
-                      ValidationInfo, field_validator)
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 Kind = Literal["bytes", "bandwidth", "flops", "seconds"]
 Dtype = Literal["fp64", "fp32", "tf32", "bf16", "fp16", "fp8", "int8"]

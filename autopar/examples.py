@@ -154,7 +154,6 @@ def hf_tiny(model_type: str, batch: int = 8, seq: int = 32, seed: int = 0) -> Ex
     """A tiny randomly initialised model of any transformers architecture, by its config
     name ("qwen2", "mistral", "gpt_neox", "bert", ...), trained as a causal LM."""
     import transformers
-
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     if model_type not in CONFIG_MAPPING_NAMES:

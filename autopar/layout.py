@@ -1,4 +1,4 @@
-"""Layout (how one training step is parallelised), Prediction and Plan.
+"""Layout: how one training step is parallelised.
 
 A Layout is plain data: every field has a default, `validate` checks it on its own
 and `check_world_size` checks it against a number of processes.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero-bubble")
@@ -131,72 +131,6 @@ class Layout:
 def _check_choice(name: str, value: Any, choices: tuple) -> None:
     if value not in choices:
         raise LayoutError(f"Layout.{name} must be one of {list(choices)}, got {value!r}")
-
-
-@dataclass
-class Prediction:
-    """What the cost model predicts for one training step (see DESIGN.md)."""
-
-    step_time_s: float
-    flops_per_step: float
-    tflops_per_device: float
-    mfu: float
-    peak_memory_bytes: int
-    bubble_fraction: float = 0.0
-    breakdown: dict[str, float] = field(default_factory=dict)
-    # bytes per rank by category (parameters, gradients, optimizer_states, activations,
-    # ...); peak_memory_bytes is their sum
-    memory: dict[str, int] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Prediction:
-        return cls(**data)
-
-
-@dataclass
-class Plan:
-    """What `autopar.plan` chose and why (see docs/planner.md).
-
-    alternatives: every other costed layout, fitting ones fastest first, then the ones
-    over memory, each with why it lost; skipped: layouts compile or the cost model
-    refuse, with the reason; details: JSON-able facts for the report (the chosen
-    layout's simulated schedule, tensor-parallel placements, per-layer costs)."""
-
-    layout: Layout
-    predicted: Prediction
-    alternatives: list[tuple[Layout, Prediction, str]] = field(default_factory=list)
-    skipped: list[tuple[Layout, str]] = field(default_factory=list)
-    cluster: dict[str, Any] = field(default_factory=dict)
-    max_memory_fraction: float = 0.9
-    details: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"layout": self.layout.to_dict(), "predicted": self.predicted.to_dict(),
-                "alternatives": [{"layout": lay.to_dict(), "predicted": pred.to_dict(),
-                                  "why_not": why} for lay, pred, why in self.alternatives],
-                "skipped": [{"layout": lay.to_dict(), "reason": why} for lay, why in self.skipped],
-                "cluster": self.cluster, "max_memory_fraction": self.max_memory_fraction,
-                "details": self.details}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Plan:
-        return cls(layout=Layout.from_dict(data["layout"]),
-                   predicted=Prediction.from_dict(data["predicted"]),
-                   alternatives=[(Layout.from_dict(a["layout"]), Prediction.from_dict(a["predicted"]),
-                                  a["why_not"]) for a in data["alternatives"]],
-                   skipped=[(Layout.from_dict(s["layout"]), s["reason"]) for s in data["skipped"]],
-                   cluster=data["cluster"], max_memory_fraction=data["max_memory_fraction"],
-                   details=data["details"])
-
-    def save_report(self, path) -> None:
-        """Write the planning report; the suffix picks the form: .html (one offline
-        page, inline SVG charts), .md, or .json (reads back with `Plan.from_dict`)."""
-        from autopar.compiler.planner.report import save_report  # the report needs the compiler
-
-        save_report(self, path)
 
 
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(Layout))

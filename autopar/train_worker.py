@@ -30,7 +30,8 @@ def make_optimizer(name: str, lr: float):
 
 
 def main(argv: list[str] | None = None) -> None:
-    import autopar
+    from autopar.api import compile as compile_step
+    from autopar.layout import Layout
     from autopar.examples import load_model_spec
     from autopar.runtime.mesh import launched_rank
 
@@ -47,11 +48,11 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
 
     example = load_model_spec(args.model)
-    layout = None if args.layout == "plan" else autopar.Layout.from_dict(json.loads(args.layout))
+    layout = None if args.layout == "plan" else Layout.from_dict(json.loads(args.layout))
     optimizer = make_optimizer(args.optimizer, args.lr)
     initial = copy.deepcopy(example.model) if args.parity else None
     start = time.perf_counter()
-    step = autopar.compile(example.model, None, example.batch, example.loss_fn,
+    step = compile_step(example.model, None, example.batch, example.loss_fn,
                            optimizer=optimizer, layout=layout)
     rank0 = launched_rank() == 0
     if step.plan is not None and layout is None:

@@ -65,7 +65,7 @@ def validate(model: str, cluster: ClusterSpec, layouts: Sequence[Layout] = DEFAU
              progress: Callable[[Row], None] | None = None) -> list[Row]:
     import torch
 
-    import autopar
+    from autopar.compiler.planner.estimate import estimate
     from autopar.examples import load_model_spec
 
     with torch.device("meta"):
@@ -74,7 +74,7 @@ def validate(model: str, cluster: ClusterSpec, layouts: Sequence[Layout] = DEFAU
     for layout in layouts:
         spec = ClusterSpec.from_dict({**cluster.to_dict(), "nodes": 1,
                                       "devices_per_node": layout.world_size})
-        pred = autopar.estimate(example.model, spec, layout, example.batch, example.loss_fn)
+        pred = estimate(example.model, spec, layout, example.batch, example.loss_fn)
         rows.append(Row(layout, pred.step_time_s, measure(model, layout, steps, warmup)))
         if progress is not None:
             progress(rows[-1])

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import autopar
 import common  # benchmarks/common.py (the script's own folder is on sys.path)
-from autopar.compiler.passes.pipeline import default_passes
+from autopar.compiler.passes.defaults import default_passes
 from autopar.examples import load_model_spec
 
 

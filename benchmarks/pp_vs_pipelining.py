@@ -24,7 +24,7 @@ from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline
 import autopar
 import common  # benchmarks/common.py (the script's own folder is on sys.path)
 from autopar.examples import causal_lm_loss, load_example
-from autopar.runtime.schedule import simulate
+from autopar.compiler.ir.schedule import simulate
 
 MICROBATCHES = 4
 

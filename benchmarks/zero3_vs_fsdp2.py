@@ -27,7 +27,7 @@ from torch.distributed.fsdp import fully_shard
 
 import autopar
 from autopar.examples import Example, gpt2
-from autopar.runtime.live_bytes import LiveBytes
+from autopar.compiler.analysis.live_bytes import LiveBytes
 import common  # benchmarks/common.py (the script's own folder is on sys.path)
 
 
@@ -88,7 +88,7 @@ def main() -> None:
                     "grads": held_bytes(p.grad for p in fsdp_params if p.grad is not None),
                     "optimizer": state_bytes(fsdp_opt)}
     # the peak of a step: what is held before it plus the most storage the step itself
-    # had alive at once (counted as ops run: autopar.runtime.live_bytes)
+    # had alive at once (counted as ops run: autopar.compiler.analysis.live_bytes)
     # FSDP2's old gradients are dropped (zero_grad) before its backward, so they are
     # released first: what it holds is then counted without them, and the new ones as
     # the step makes them

@@ -11,11 +11,18 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autopar.compiler.ir.batch import BatchError, Objective, normalizer_means
+from autopar.compiler.ir.program import LOSS_SCALE_INPUT, Program, bind_groups
 from autopar.runtime import checkpoint as ckpt
 from autopar.runtime.loss_scaler import LossScaler
 from autopar.runtime.mesh import Mesh, build_mesh
-from autopar.runtime.program import LOSS_SCALE_INPUT, Program, bind_groups
-from autopar.runtime.shards import block_of, gather_into, gathered, own_block, whole, zero_block
+from autopar.runtime.shards import (
+    block_of,
+    gather_into,
+    gathered,
+    own_block,
+    whole,
+    zero_block,
+)
 
 log = logging.getLogger("autopar.runtime")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.program import TensorEntry, block_rows
+from autopar.compiler.ir.program import TensorEntry, block_rows
 
 
 def own_block(t: torch.Tensor, entry: TensorEntry, tp_rank: int, tp: int) -> torch.Tensor:

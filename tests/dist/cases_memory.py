@@ -7,11 +7,11 @@ from __future__ import annotations
 import torch.distributed as dist
 
 import autopar
-from autopar.compiler.planner.memory import profile_optimizer, step_memory
+from autopar.compiler.analysis.memory import profile_optimizer, step_memory
 from autopar.compiler.planner.pipeline_memory import pipeline_memory
-from autopar.compiler.planner.summary import summarize
+from autopar.compiler.analysis.summary import summarize
 from autopar.examples import gpt2, llama
-from autopar.runtime.live_bytes import measure_step
+from autopar.compiler.analysis.live_bytes import measure_step
 from tests.dist.cases_dp import adamw, check_parity, sgd
 from tests.dist.registry import case
 

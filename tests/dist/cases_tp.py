@@ -79,9 +79,8 @@ def adamw_eps6(params):
     fp32 rounding of tensor parallelism's other summation order into ~0.1 lr there
     (1.2e-4 on a weight that moves 1.5e-3; the same with sdpa attention, not with dp=2).
     eps 1e-6 leaves every other update as it was and those near-zero ones near zero.
-    GPT-2 below too: on some hosts (2026-11-25, a Xeon with AMX) its c_fc weight met the
-    same (6.7e-5 on a weight that moves 5.0e-3, 1.3% of its move, at eps 1e-8; the
-    commit that passed the day before failed the same way there)."""
+    GPT-2 below too: on some hosts (a Xeon with AMX) its c_fc weight meets the same
+    (6.7e-5 on a weight that moves 5.0e-3, 1.3% of its move, at eps 1e-8)."""
     return torch.optim.AdamW(params, lr=1e-3, eps=1e-6)
 
 

@@ -16,7 +16,7 @@ from autopar.compiler.ir.verify import verify
 from autopar.compiler.passes.amp import AutoMixedPrecision
 from autopar.compiler.passes.amp_policy import HALF_DTYPES, AmpListError, op_key, parse_amp_lists
 from autopar.compiler.passes.base import PassContext
-from autopar.compiler.passes.pipeline import default_passes
+from autopar.compiler.passes.defaults import default_passes
 from autopar.examples import mlp
 from autopar.layout import Layout, LayoutError
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 
 import autopar
-from autopar.compiler.planner.summary import summarize
+from autopar.compiler.analysis.summary import summarize
 from autopar.examples import gpt2
 from benchmarks.bucket_rule import BucketPerBlock, predict
 

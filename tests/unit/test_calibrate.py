@@ -7,8 +7,9 @@ import pytest
 
 import autopar
 from autopar import calibrate as cal
+from autopar import costs
 from autopar.compiler.planner import cost_model as cm
-from autopar.compiler.planner.summary import GraphSummary, OpRecord
+from autopar.compiler.analysis.summary import GraphSummary, OpRecord
 from tests.unit.test_cost_model import EXACT, cluster
 
 
@@ -41,7 +42,7 @@ def test_measured_spec_reproduces_the_measurements_with_default_efficiency(tmp_p
     spec.to_yaml(tmp_path / "c.yaml")
     again = autopar.ClusterSpec.from_yaml(tmp_path / "c.yaml")
     assert again == spec and again.world_size == 2
-    eff = cm.DEFAULT_EFFICIENCY
+    eff = costs.DEFAULT_EFFICIENCY
     assert again.device.peak_flops["fp32"] * eff.compute == pytest.approx(7e10)
     assert again.intra_node.bandwidth * eff.link == pytest.approx(1e9)
     assert again.device.launch_overhead_s == pytest.approx(2e-6)
@@ -65,22 +66,22 @@ def _device(c: autopar.ClusterSpec, **fields) -> autopar.ClusterSpec:
 def test_large_fresh_allocations_pay_first_touch_small_ones_do_not():
     c = _device(cluster(), first_touch_bandwidth=1e9)
     big, small = 64 * 2**20, 2**20
-    assert cm.MMAP_THRESHOLD < big
-    plain = cm.kernel_time("clone", 0, big, 0, "fp32", c, EXACT)
+    assert costs.MMAP_THRESHOLD < big
+    plain = costs.kernel_time("clone", 0, big, 0, "fp32", c, EXACT)
     assert plain == pytest.approx(big / 1e11)
-    assert cm.kernel_time("clone", 0, big, big, "fp32", c, EXACT) == pytest.approx(plain + big / 1e9)
-    assert cm.kernel_time("clone", 0, small, small, "fp32", c, EXACT) == pytest.approx(small / 1e11)
-    assert cm.kernel_time("clone", 0, big, big, "fp32", cluster(), EXACT) == pytest.approx(plain)
+    assert costs.kernel_time("clone", 0, big, big, "fp32", c, EXACT) == pytest.approx(plain + big / 1e9)
+    assert costs.kernel_time("clone", 0, small, small, "fp32", c, EXACT) == pytest.approx(small / 1e11)
+    assert costs.kernel_time("clone", 0, big, big, "fp32", cluster(), EXACT) == pytest.approx(plain)
 
 
 def test_fitted_factors_scale_their_op_and_the_optimizer_step():
     c = _device(cluster(), op_time_factors={"mm": 3.0, "optimizer.adamw": 2.0})
-    assert cm.kernel_time("mm", 1e12, 0, 0, "fp32", c, EXACT) == pytest.approx(3.0)
-    assert cm.kernel_time("addmm", 1e12, 0, 0, "fp32", c, EXACT) == pytest.approx(1.0)
-    base = cm.optimizer_time(10**9, "adamw", cluster(), EXACT)
+    assert costs.kernel_time("mm", 1e12, 0, 0, "fp32", c, EXACT) == pytest.approx(3.0)
+    assert costs.kernel_time("addmm", 1e12, 0, 0, "fp32", c, EXACT) == pytest.approx(1.0)
+    base = costs.optimizer_time(10**9, "adamw", cluster(), EXACT)
     assert base == pytest.approx(7e9 / 1e11)  # param + grad + 2 states read, param + states written
-    assert cm.optimizer_time(10**9, "adamw", c, EXACT) == pytest.approx(2 * base)
-    assert cm.optimizer_time(10**9, "sgd", c, EXACT) == pytest.approx(3e9 / 1e11)
+    assert costs.optimizer_time(10**9, "adamw", c, EXACT) == pytest.approx(2 * base)
+    assert costs.optimizer_time(10**9, "sgd", c, EXACT) == pytest.approx(3e9 / 1e11)
 
 
 def test_fused_region_costs_its_members_on_a_cpu_and_one_kernel_on_a_gpu():
@@ -104,7 +105,7 @@ def test_fused_region_costs_its_members_on_a_cpu_and_one_kernel_on_a_gpu():
 
 
 def test_op_factors_are_measured_over_modelled_per_op():
-    from autopar.compiler.planner.summary import summarize
+    from autopar.compiler.analysis.summary import summarize
     from autopar.examples import load_example
 
     ex = load_example("mlp")
@@ -113,7 +114,7 @@ def test_op_factors_are_measured_over_modelled_per_op():
     c = cluster(flops=1e9, bandwidth=1e9)
     records = dict(zip(tg.call_nodes(), summary.ops[len(summary.ops) - len(tg.call_nodes()):]))
     # pretend every mm ran 2x and every other op with work 5x its modelled time
-    measured = {n: cm.kernel_time(op.target, op.flops, op.bytes, op.allocates, op.dtype, c)
+    measured = {n: costs.kernel_time(op.target, op.flops, op.bytes, op.allocates, op.dtype, c)
                 * (2.0 if op.target == "mm" else 5.0) for n, op in records.items()}
     factors = cal._op_factors(tg, summary, measured, c, min_seconds=0.0)
     assert factors["mm"] == pytest.approx(2.0)
@@ -130,7 +131,7 @@ def test_fit_model_on_this_machine_and_the_spec_reads_back(tmp_path):
     c = _device(cluster(flops=5e10, bandwidth=2e10), first_touch_bandwidth=2e9)
     factors = cal.fit_model(ex.model, ex.batch, ex.loss_fn, c, repeats=2, min_seconds=0.0)
     assert "addmm" in factors or "mm" in factors
-    assert {f"optimizer.{k}" for k in cm.OPTIMIZER_STATES} <= set(factors)
+    assert {f"optimizer.{k}" for k in costs.OPTIMIZER_STATES} <= set(factors)
     assert all(v > 0 for v in factors.values())
     fitted = _device(c, op_time_factors=factors)
     fitted.to_yaml(tmp_path / "c.yaml")
@@ -150,7 +151,7 @@ def test_a_gpu_calibration_writes_gpus_over_nccl_with_a_peak_per_dtype(tmp_path)
     again = autopar.ClusterSpec.from_yaml(tmp_path / "gpu.yaml")
     assert again == spec
     assert (spec.device.kind, spec.backend, spec.world_size) == ("gpu", "nccl", 4)
-    eff = cm.DEFAULT_EFFICIENCY
+    eff = costs.DEFAULT_EFFICIENCY
     assert {d: f * eff.compute for d, f in spec.device.peak_flops.items()} == pytest.approx(
         {"fp32": 5e13, "bf16": 7e14, "fp16": 7.2e14})
     assert spec.device.memory_bytes == 85 * 10**9 and spec.device.first_touch_bandwidth is None

@@ -13,11 +13,12 @@ from hypothesis import strategies as st
 import autopar
 from autopar.compiler.ir.trace import trace_train_step
 from autopar.cluster import ClusterSpec, LinkSpec
+from autopar import costs
 from autopar.compiler.planner import cost_model as cm
-from autopar.compiler.planner.summary import GraphSummary, OpRecord, summarize
+from autopar.compiler.analysis.summary import GraphSummary, OpRecord, summarize
 from autopar.examples import causal_lm_loss, gpt2
 
-EXACT = cm.Efficiency(compute=1.0, memory=1.0, link=1.0)
+EXACT = costs.Efficiency(compute=1.0, memory=1.0, link=1.0)
 
 
 def cluster(nodes=1, per_node=4, intra=(100e9, 1e-6), inter=(10e9, 10e-6), flops=1e12,
@@ -34,25 +35,25 @@ def cluster(nodes=1, per_node=4, intra=(100e9, 1e-6), inter=(10e9, 10e-6), flops
 
 def test_roofline_compute_bound_and_memory_bound():
     # 1e12 FLOPs at 1e12 FLOP/s * 0.5 = 2 s; 1e9 bytes at 1e10 B/s * 0.5 = 0.2 s
-    eff = cm.Efficiency(compute=0.5, memory=0.5)
-    assert cm.op_time(1e12, 1e9, 1e12, 1e10, eff) == pytest.approx(2.0)
+    eff = costs.Efficiency(compute=0.5, memory=0.5)
+    assert costs.op_time(1e12, 1e9, 1e12, 1e10, eff) == pytest.approx(2.0)
     # 1e9 FLOPs -> 2 ms; 1e11 bytes -> 20 s: memory-bound
-    assert cm.op_time(1e9, 1e11, 1e12, 1e10, eff) == pytest.approx(20.0)
+    assert costs.op_time(1e9, 1e11, 1e12, 1e10, eff) == pytest.approx(20.0)
 
 
 def test_ring_tree_and_all_gather_by_hand():
     link = LinkSpec(bandwidth=1e9, latency_s=1e-6)
     # ring, p=4, 1 GB: 2*3/4 * 1 s + 6 * 1 us
-    assert cm.ring_all_reduce(1e9, 4, link) == pytest.approx(1.5 + 6e-6)
+    assert costs.ring_all_reduce(1e9, 4, link) == pytest.approx(1.5 + 6e-6)
     # tree, p=4: 2 * 1 s + 2 * log2(4) * 1 us; p=5 rounds the depth up to 3
-    assert cm.tree_all_reduce(1e9, 4, link) == pytest.approx(2.0 + 4e-6)
-    assert cm.tree_all_reduce(1e9, 5, link) == pytest.approx(2.0 + 6e-6)
+    assert costs.tree_all_reduce(1e9, 4, link) == pytest.approx(2.0 + 4e-6)
+    assert costs.tree_all_reduce(1e9, 5, link) == pytest.approx(2.0 + 6e-6)
     # all-gather / reduce-scatter: 3/4 * 1 s + 3 * 1 us
-    assert cm.ring_all_gather(1e9, 4, link) == pytest.approx(0.75 + 3e-6)
-    assert cm.ring_all_reduce(1e9, 1, link) == cm.tree_all_reduce(1e9, 1, link) == 0.0
+    assert costs.ring_all_gather(1e9, 4, link) == pytest.approx(0.75 + 3e-6)
+    assert costs.ring_all_reduce(1e9, 1, link) == costs.tree_all_reduce(1e9, 1, link) == 0.0
     # a tiny message on many ranks: the tree's log-depth latency wins
-    assert cm.flat_all_reduce(8, 64, link) == cm.tree_all_reduce(8, 64, link) \
-        < cm.ring_all_reduce(8, 64, link)
+    assert costs.flat_all_reduce(8, 64, link) == costs.tree_all_reduce(8, 64, link) \
+        < costs.ring_all_reduce(8, 64, link)
 
 
 def test_hierarchical_all_reduce_by_hand():
@@ -63,9 +64,9 @@ def test_hierarchical_all_reduce_by_hand():
     inter_ring = 2 * 1 / 2 * shard / 10e9 + 2 * 1e-5
     inter_tree = 2 * shard / 10e9 + 2 * 1 * 1e-5
     expected = 2 * reduce_scatter + min(inter_ring, inter_tree)
-    assert cm.hierarchical_all_reduce(n, 4, 2, intra, inter) == pytest.approx(expected)
+    assert costs.hierarchical_all_reduce(n, 4, 2, intra, inter) == pytest.approx(expected)
     c = cluster(nodes=2, per_node=4, intra=(100e9, 1e-6), inter=(10e9, 1e-5))
-    assert cm.collective_time("all_reduce", n, 8, c, 1, EXACT) == pytest.approx(expected)
+    assert costs.collective_time("all_reduce", n, 8, c, 1, EXACT) == pytest.approx(expected)
 
 
 def test_a_strided_group_all_reduces_across_the_network_with_the_ranks_each_node_holds():
@@ -74,31 +75,31 @@ def test_a_strided_group_all_reduces_across_the_network_with_the_ranks_each_node
     one's all-reduce is a flat one between the nodes (each device's own port)."""
     c = cluster(nodes=4, per_node=4, intra=(100e9, 1e-6), inter=(10e9, 1e-5))
     n = 8e9
-    two = cm.collective_time("all_reduce", n, 8, c, 2, EXACT)
-    assert two == pytest.approx(cm.hierarchical_all_reduce(n, 2, 4, c.intra_node, c.inter_node))
-    one = cm.collective_time("all_reduce", n, 4, c, 4, EXACT)
-    assert one == pytest.approx(cm.flat_all_reduce(n, 4, c.inter_node))
+    two = costs.collective_time("all_reduce", n, 8, c, 2, EXACT)
+    assert two == pytest.approx(costs.hierarchical_all_reduce(n, 2, 4, c.intra_node, c.inter_node))
+    one = costs.collective_time("all_reduce", n, 4, c, 4, EXACT)
+    assert one == pytest.approx(costs.flat_all_reduce(n, 4, c.inter_node))
     # by hand: a ring of 4 nodes, 2 * 3/4 of 8 GB at 10 GB/s, 6 hops of 10 us
     assert one == pytest.approx(2 * 3 / 4 * 8e9 / 10e9 + 6 * 1e-5)
     # the same 4 ranks packed in one node stay on NVLink; spread, they are slower
-    assert cm.collective_time("all_reduce", n, 4, c, 1, EXACT) < one
+    assert costs.collective_time("all_reduce", n, 4, c, 1, EXACT) < one
     # gathers and scatters ring over the network whatever the stride
-    assert cm.collective_time("all_gather", n, 4, c, 4, EXACT) == \
-        pytest.approx(cm.ring_all_gather(n, 4, c.inter_node))
+    assert costs.collective_time("all_gather", n, 4, c, 4, EXACT) == \
+        pytest.approx(costs.ring_all_gather(n, 4, c.inter_node))
 
 
 def test_collective_time_picks_the_link_of_the_group():
     c = cluster(nodes=2, per_node=4)
-    inside = cm.collective_time("all_reduce", 1e8, 4, c, 1, EXACT)
-    assert inside == pytest.approx(cm.flat_all_reduce(1e8, 4, c.intra_node))
-    gather = cm.collective_time("all_gather", 1e8, 8, c, 1, EXACT)
-    assert gather == pytest.approx(cm.ring_all_gather(1e8, 8, c.inter_node))
-    assert cm.group_spans_nodes(4, 1, c) is False and cm.group_spans_nodes(8, 1, c) is True
-    assert cm.collective_time("all_reduce", 1e8, 1, c) == 0.0
+    inside = costs.collective_time("all_reduce", 1e8, 4, c, 1, EXACT)
+    assert inside == pytest.approx(costs.flat_all_reduce(1e8, 4, c.intra_node))
+    gather = costs.collective_time("all_gather", 1e8, 8, c, 1, EXACT)
+    assert gather == pytest.approx(costs.ring_all_gather(1e8, 8, c.inter_node))
+    assert costs.group_spans_nodes(4, 1, c) is False and costs.group_spans_nodes(8, 1, c) is True
+    assert costs.collective_time("all_reduce", 1e8, 1, c) == 0.0
     with pytest.raises(ValueError, match="unknown collective 'broadcast'"):
-        cm.collective_time("broadcast", 1e8, 4, c)
+        costs.collective_time("broadcast", 1e8, 4, c)
     with pytest.raises(ValueError, match=r"Efficiency.link must be in \(0, 1\]"):
-        cm.Efficiency(link=1.5)
+        costs.Efficiency(link=1.5)
 
 
 # -- stream simulation ---------------------------------------------------------------------
@@ -115,7 +116,7 @@ def summary_of(ops, outputs=()):
 def test_overlap_hides_comm_behind_the_remaining_backward():
     c = cluster(intra=(1e9, 1e-12))
     layout = autopar.Layout(dp=2)
-    comm = cm.collective_time("all_reduce", 1e9, 2, c, False, EXACT)  # ~1 s
+    comm = costs.collective_time("all_reduce", 1e9, 2, c, False, EXACT)  # ~1 s
     ops = [compute_op("a", 0.25, c),
            OpRecord("ar", "comm", collective="all_reduce", comm_bytes=int(1e9), group="dp"),
            compute_op("b", 0.5, c),
@@ -163,9 +164,9 @@ def test_overlap_bounds_and_more_bandwidth_is_never_slower(summary, bandwidth, f
 def test_collectives_grow_with_bytes_and_shrink_with_bandwidth(kind, nbytes, factor, p, stride):
     c, faster = cluster(nodes=8, per_node=8), cluster(nodes=8, per_node=8, intra=(100e9 * factor, 1e-6),
                                                       inter=(10e9 * factor, 10e-6))
-    t = cm.collective_time(kind, nbytes, p, c, stride)
-    assert cm.collective_time(kind, nbytes * factor, p, c, stride) >= t
-    assert cm.collective_time(kind, nbytes, p, faster, stride) <= t
+    t = costs.collective_time(kind, nbytes, p, c, stride)
+    assert costs.collective_time(kind, nbytes * factor, p, c, stride) >= t
+    assert costs.collective_time(kind, nbytes, p, faster, stride) <= t
 
 
 # -- FLOPs of a GPT ------------------------------------------------------------------------
@@ -286,7 +287,7 @@ def test_zero_moves_what_its_collectives_move():
     gathers the parameters for the forward and again for the backward (1.5x). A
     reduce-scatter is costed by its input, the whole gradient, not by its output."""
     from autopar.compiler.planner.cost_model import zero_gather_time
-    from autopar.compiler.planner.summary import summarize
+    from autopar.compiler.analysis.summary import summarize
 
     model, batch = meta_gpt2(layers=2, hidden=1024, heads=8, vocab=32000, batch=16, seq=64)
     data = ClusterSpec.preset("dgx-h100").to_dict()
@@ -301,7 +302,7 @@ def test_zero_moves_what_its_collectives_move():
     for z in (0, 2):
         local = (batch[0][: batch[0].shape[0] // 8],)
         lay = autopar.Layout(dp=8, zero=z)
-        tg, _ = autopar.api.run_passes(trace_train_step(model, local, causal_lm_loss), lay, c)
+        tg, _ = autopar.run_passes(trace_train_step(model, local, causal_lm_loss), lay, c)
         summary = summarize(tg)
         moved[z] = sum(op.comm_bytes for op in summary.ops if op.collective and op.comm_bytes > 64)
         gather = zero_gather_time(summary, c, lay)
@@ -344,7 +345,7 @@ def test_estimate_prices_bf16_gradient_buckets_at_half_the_bytes():
     travel in bf16, so the predicted communication shrinks (the wire bytes halve; the
     fixed per-message latency stays)."""
     from autopar.compiler.ir.trace import trace_train_step
-    from autopar.compiler.planner.summary import summarize
+    from autopar.compiler.analysis.summary import summarize
 
     model, batch = meta_gpt2(layers=2, hidden=1024, heads=8, vocab=32000, batch=16, seq=64)
     c = ClusterSpec.preset("dgx-h100", nodes=2)
@@ -356,7 +357,7 @@ def test_estimate_prices_bf16_gradient_buckets_at_half_the_bytes():
     sent = []
     for lay in layouts:
         local = (batch[0][: batch[0].shape[0] // 16],)
-        tg, _ = autopar.api.run_passes(trace_train_step(model, local, causal_lm_loss), lay, c)
+        tg, _ = autopar.run_passes(trace_train_step(model, local, causal_lm_loss), lay, c)
         sent.append(sum(op.comm_bytes for op in summarize(tg).ops  # gradient buckets
                         if op.collective == "all_reduce" and op.comm_bytes > 1024))
     assert sent[1] * 2 == sent[0], sent

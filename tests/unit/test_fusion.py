@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import autopar
-from autopar.api import run_passes
+from autopar.compiler.passes.defaults import run_passes
 from autopar.compiler.codegen.kernels import FUSED_OP, backend, region
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.printing import graph_text
@@ -183,7 +183,7 @@ def test_parity_with_triton_kernels(factory):
 
 
 # NOTE: the interpreter takes 5-25 s per model; these five were picked for their variety
-# (all 14 other architectures of tests/unit/test_trace.py pass, checked by hand 2026-11-24)
+# (the 14 other architectures of tests/unit/test_trace.py pass too, checked by hand)
 @pytest.mark.parametrize("model_type", ["gpt_neox", "bloom", "bert", "opt", "phi"])
 def test_parity_with_triton_kernels_on_architectures_no_code_names(model_type):
     """Tiny configs of other transformers architectures (partial rotary with parallel
@@ -406,8 +406,8 @@ def test_fusion_keeps_the_schedule_of_zero3_gathers():
     stalled, and the sort pulled every ready node ahead meanwhile. A ZeRO-3 step issued
     its backward gathers blocks early and held those weights. Fused, no more gathers are
     in flight at once than unfused, and the step's predicted peak is no higher."""
-    from autopar.compiler.planner.memory import step_memory
-    from autopar.compiler.planner.summary import summarize
+    from autopar.compiler.analysis.memory import step_memory
+    from autopar.compiler.analysis.summary import summarize
     from tests.unit.test_cost_model import meta_gpt2
     model, batch = meta_gpt2(layers=4, hidden=256, heads=8, vocab=1000, batch=16, seq=64)
     tg = autopar.trace(model, batch, causal_lm_loss)

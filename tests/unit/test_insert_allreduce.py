@@ -244,8 +244,8 @@ def test_zero_reduce_scatters_are_waited_for_two_buckets_later(monkeypatch, zero
     tests/dist/cases_memory.py)."""
     from autopar.compiler.passes import insert_allreduce as IA
     from autopar.compiler.passes.shard_parameters import ShardParameters
-    from autopar.compiler.planner.memory import graph_liveness
-    from autopar.compiler.planner.summary import summarize
+    from autopar.compiler.analysis.memory import graph_liveness
+    from autopar.compiler.analysis.summary import summarize
 
     ex = gpt2(layers=4, hidden=128, vocab=64, batch=2, seq=8)
     traced = trace_train_step(ex.model, ex.batch, ex.loss_fn)

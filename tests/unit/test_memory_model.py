@@ -1,6 +1,6 @@
-"""The memory model (compiler/planner/memory.py): liveness on hand-made programs, static
+"""The memory model (compiler/analysis/memory.py): liveness on hand-made programs, static
 bytes against real optimizers, and the predicted peak against live storage counted
-while a real step runs (runtime/live_bytes.py)."""
+while a real step runs (compiler/analysis/live_bytes.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import autopar
-from autopar.compiler.planner import memory as mm
-from autopar.compiler.planner.summary import GraphSummary, OpRecord, summarize
+from autopar.compiler.analysis import memory as mm
+from autopar.compiler.analysis.summary import GraphSummary, OpRecord, summarize
 from autopar.examples import load_example, mlp
-from autopar.runtime.live_bytes import LiveBytes, measure_step
+from autopar.compiler.analysis.live_bytes import LiveBytes, measure_step
 
 
 def summary_of(ops, outputs=()):

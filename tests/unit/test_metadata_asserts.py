@@ -20,13 +20,13 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import autopar
-from autopar.api import run_passes
+from autopar.compiler.passes.defaults import run_passes
 from autopar.compiler.ir import trace as trace_mod
 from autopar.compiler.ir.trace import _changed_by_hooks
 from autopar.compiler.passes import amp_policy
 from autopar.compiler.passes.amp_policy import GRAY, HALF_DTYPES, probe
 from autopar.examples import hf_tiny, llama
-from autopar.runtime.program import LOSS_SCALE_INPUT
+from autopar.compiler.ir.program import LOSS_SCALE_INPUT
 from tests.unit.test_amp import _weights_err
 from tests.unit.test_trace import eager_grads, run_graph
 
@@ -241,7 +241,7 @@ def test_float_logits_loss_under_bf16(factory):
 
 _HIGHS_CHILD = """
 import autopar
-from autopar.api import run_passes
+from autopar.compiler.passes.defaults import run_passes
 from autopar.examples import mlp
 autopar.logs.configure_from_env()
 ex = mlp()

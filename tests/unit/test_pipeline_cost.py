@@ -7,10 +7,11 @@ import pytest
 
 import autopar
 from autopar.cluster import ClusterSpec
+from autopar import costs
 from autopar.compiler.planner import cost_model as cm
 from autopar.compiler.planner import pipeline_cost as pc
 from autopar.compiler.planner.stages import Message, StageSummary
-from autopar.compiler.planner.summary import GraphSummary, OpRecord, summarize
+from autopar.compiler.analysis.summary import GraphSummary, OpRecord, summarize
 from autopar.examples import causal_lm_loss
 from tests.unit.test_cost_model import EXACT, cluster, meta_gpt2
 
@@ -66,8 +67,8 @@ def test_gradient_sync_and_optimizer_after_the_last_action():
     params = [(250_000_000, 4), (500_000_000, 4), (125_000_000, 4)]
     summary, stages = two_stage(params, [{0}, {1}, {0, 1}])
     layout = autopar.Layout(pp=2, dp=2)
-    tied = cm.flat_all_reduce(0.5e9, 2, c.intra_node)
-    dp_sync = [cm.flat_all_reduce(1.5e9, 2, c.intra_node), cm.flat_all_reduce(2.5e9, 2, c.intra_node)]
+    tied = costs.flat_all_reduce(0.5e9, 2, c.intra_node)
+    dp_sync = [costs.flat_all_reduce(1.5e9, 2, c.intra_node), costs.flat_all_reduce(2.5e9, 2, c.intra_node)]
     sync = pc.grad_sync_time(summary, stages, c, layout, EXACT)
     assert sync == pytest.approx([tied + dp_sync[0], tied + dp_sync[1]])
     t = pc.pipeline_time(summary, stages, c, layout, "adamw", EXACT)
@@ -78,7 +79,7 @@ def test_gradient_sync_and_optimizer_after_the_last_action():
     assert t.optimizer_s == pytest.approx(optim[totals.index(max(totals))])
     # bf16 on the wire halves the dp all-reduce's bytes (the tied all-reduce stays)
     half = pc.grad_sync_time(summary, stages, c, layout.replace(grad_comm_dtype="bf16"), EXACT)
-    assert half[1] == pytest.approx(tied + cm.flat_all_reduce(1.25e9, 2, c.intra_node))
+    assert half[1] == pytest.approx(tied + costs.flat_all_reduce(1.25e9, 2, c.intra_node))
 
 
 @pytest.mark.parametrize("zero", [1, 2, 3])
@@ -96,13 +97,13 @@ def test_zero_in_a_pipeline_updates_blocks_and_gathers_them(zero):
     summary = replace(summary, param_rows=(1000, 1000, 1))
     layout = autopar.Layout(pp=2, dp=2, zero=zero)
     link = c.intra_node
-    tied = cm.flat_all_reduce(0.5e9, 2, link)
+    tied = costs.flat_all_reduce(0.5e9, 2, link)
     if zero == 1:
-        sync = [tied + cm.flat_all_reduce(1.5e9, 2, link), tied + cm.flat_all_reduce(2.5e9, 2, link)]
+        sync = [tied + costs.flat_all_reduce(1.5e9, 2, link), tied + costs.flat_all_reduce(2.5e9, 2, link)]
     else:
-        sync = [tied + cm.ring_all_gather(1e9, 2, link) + cm.flat_all_reduce(0.5e9, 2, link),
-                tied + cm.ring_all_gather(2e9, 2, link) + cm.flat_all_reduce(0.5e9, 2, link)]
-    gather = [cm.ring_all_gather(1e9, 2, link), cm.ring_all_gather(2e9, 2, link)]
+        sync = [tied + costs.ring_all_gather(1e9, 2, link) + costs.flat_all_reduce(0.5e9, 2, link),
+                tied + costs.ring_all_gather(2e9, 2, link) + costs.flat_all_reduce(0.5e9, 2, link)]
+    gather = [costs.ring_all_gather(1e9, 2, link), costs.ring_all_gather(2e9, 2, link)]
     assert pc.grad_sync_time(summary, stages, c, layout, EXACT) == pytest.approx(sync)
     assert pc.param_gather_time(summary, stages, c, layout, EXACT) == pytest.approx(gather)
     updated = [0.5e9 + 0.5e9, 1e9 + 0.5e9]  # half of p0 / p1, all of the tied p2

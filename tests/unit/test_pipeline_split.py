@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 
 import autopar
 from autopar.compiler.ir import meta as M
-from autopar.compiler.lower_pipeline import lower_pipeline
-from autopar.compiler.passes.assign_stages import STAGE, AssignStages, StageError, balanced_cuts
+from autopar.compiler.lowering.lower_pipeline import lower_pipeline
+from autopar.compiler.ir.meta import STAGE
+from autopar.compiler.passes.assign_stages import AssignStages, StageError, balanced_cuts
 from autopar.compiler.passes.base import PassContext
 from autopar.examples import gpt2, hf_tiny, llama
 

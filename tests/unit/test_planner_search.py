@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 import autopar
 from autopar.cluster import ClusterSpec
-from autopar.compiler.planner import cost_model as cm
+from autopar import costs
 from autopar.compiler.planner import search as S
 from autopar.examples import gpt2
-from autopar.layout import Prediction
+from autopar.compiler.planner.result import Prediction
 from tests.unit.test_cost_model import cluster
 
 logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
@@ -269,7 +269,7 @@ def test_compute_bound_is_below_every_prediction_and_prunes_without_changing_the
     candidates = S.candidate_layouts(c, 8, 2, {})
     assert {lay.amp for lay in candidates} == {"off", "bf16"}
     est = Estimator(ex.model, c, ex.batch, ex.loss_fn)
-    bound = compute_bound(est, candidates, cm.DEFAULT_EFFICIENCY)
+    bound = compute_bound(est, candidates, costs.DEFAULT_EFFICIENCY)
     everything = S.search(candidates, est.predict, c)
     pruned = S.search(candidates, est.predict, c, bound=bound)
     costed = [(everything.layout, everything.predicted)] + [
@@ -278,7 +278,7 @@ def test_compute_bound_is_below_every_prediction_and_prunes_without_changing_the
         assert 0 < bound(lay) <= pred.step_time_s, lay
     pipelined = [lay for lay, _ in costed if lay.pp > 1 and lay.schedule in ("1f1b", "gpipe")]
     fresh = compute_bound(Estimator(ex.model, c, ex.batch, ex.loss_fn), candidates,
-                          cm.DEFAULT_EFFICIENCY)  # nothing costed: FLOPs only
+                          costs.DEFAULT_EFFICIENCY)  # nothing costed: FLOPs only
     assert pipelined and all(bound(lay) > fresh(lay) for lay in pipelined)
     assert pruned.layout == everything.layout and pruned.predicted == everything.predicted
     assert pruned.layout.amp == "bf16"
@@ -301,7 +301,7 @@ def test_whole_step_bound_counts_the_gradient_sync_and_prunes_comm_bound_layouts
     c = cluster(per_node=4, intra=(1e8, 1e-5), flops=1e12, bandwidth=1e12)  # comm-bound
     candidates = [lay for lay in S.candidate_layouts(c, 8, 2, {}) if lay.pp == 1]
     est = Estimator(ex.model, c, ex.batch, ex.loss_fn)
-    bound = compute_bound(est, candidates, cm.DEFAULT_EFFICIENCY)
+    bound = compute_bound(est, candidates, costs.DEFAULT_EFFICIENCY)
     params = [(tuple(p.shape), p.element_size()) for p in ex.model.parameters()]
     everything = S.search(candidates, est.predict, c)
     costed = [(everything.layout, everything.predicted)] + [
@@ -314,14 +314,14 @@ def test_whole_step_bound_counts_the_gradient_sync_and_prunes_comm_bound_layouts
     assert synced >= 3  # the floor is most of these steps
     fresh = Estimator(ex.model, c, ex.batch, ex.loss_fn)
     pruned = S.search(candidates, fresh.predict, c,
-                      bound=compute_bound(fresh, candidates, cm.DEFAULT_EFFICIENCY))
+                      bound=compute_bound(fresh, candidates, costs.DEFAULT_EFFICIENCY))
     assert (pruned.layout, pruned.predicted) == (everything.layout, everything.predicted)
     assert any(why.startswith("not costed") for _, why in pruned.skipped)
 
 
 def test_static_bound_is_below_every_predicted_peak_and_prunes_without_tracing():
     from autopar.compiler.planner.estimate import Estimator
-    from autopar.compiler.planner.memory import static_lower_bound
+    from autopar.compiler.analysis.memory import static_lower_bound
     from autopar.compiler.planner.plan import bucketed_gradients, prune_static
 
     ex = gpt2(layers=4, hidden=64, heads=4, vocab=256, batch=8, seq=32)
@@ -396,7 +396,7 @@ def test_the_fill_and_drain_bound_is_below_the_simulated_schedule(name, pp, extr
     """plan.bubble_factor: any stage times t (forward + backward per micro-batch) give a
     1F1B or GPipe makespan of at least sum(t) / (1 - (1 - 1/m)^pp), by our simulator."""
     from autopar.compiler.planner.plan import bubble_factor
-    from autopar.runtime.schedule import build, simulate
+    from autopar.compiler.ir.schedule import build, simulate
 
     m = pp + extra
     times = {(s, kind): data.draw(st.floats(0.0, 1.0)) for s in range(pp) for kind in "FB"}
@@ -413,7 +413,7 @@ def test_the_fill_bound_is_below_the_simulated_zero_bubble_schedule(pp, extra, r
     and W at least w c_s give a zero-bubble makespan of at least fill_factor(pp, m, f / w)
     times the mean rank's m w sum(c) / pp, by our simulator."""
     from autopar.compiler.planner.plan import fill_factor
-    from autopar.runtime.schedule import build, simulate
+    from autopar.compiler.ir.schedule import build, simulate
 
     m, w = pp + extra, 1.0
     f = ratio * w
@@ -479,7 +479,7 @@ def test_the_reference_bound_is_below_every_prediction_on_the_local_cpu_cluster(
     c = ClusterSpec.local(nprocs=4)
     candidates = S.candidate_layouts(c, 8, 3, {})
     est = Estimator(ex.model, c, ex.batch, ex.loss_fn)
-    bound = compute_bound(est, candidates, cm.DEFAULT_EFFICIENCY)
+    bound = compute_bound(est, candidates, costs.DEFAULT_EFFICIENCY)
     everything = S.search(candidates, est.predict, c)
     costed = [(everything.layout, everything.predicted)] + [
         (lay, p) for lay, p, _ in everything.alternatives]
@@ -494,15 +494,15 @@ def test_the_reference_bound_is_below_every_prediction_on_the_local_cpu_cluster(
     alone.predict(reference_layout(zb))
     whole, blocks = model_compute_floor(alone.rewritten_summary(reference_layout(zb)), c)
     assert 0 < blocks < whole < blocks * 4 / 3
-    assert compute_bound(alone, candidates, cm.DEFAULT_EFFICIENCY)(zb) == pytest.approx(
+    assert compute_bound(alone, candidates, costs.DEFAULT_EFFICIENCY)(zb) == pytest.approx(
         blocks * 4 / 3 * 0.99)
     # its ZeRO siblings, once it is costed: its compute plus bubble
     sibling = zb.replace(zero=1)
     pred = alone.predict(zb)
-    assert compute_bound(alone, candidates, cm.DEFAULT_EFFICIENCY)(sibling) >= (
+    assert compute_bound(alone, candidates, costs.DEFAULT_EFFICIENCY)(sibling) >= (
         pred.breakdown["compute"] + pred.breakdown["bubble"]) * 0.99
     pruned = S.search(candidates, est.predict, c, bound=compute_bound(
-        Estimator(ex.model, c, ex.batch, ex.loss_fn), candidates, cm.DEFAULT_EFFICIENCY))
+        Estimator(ex.model, c, ex.batch, ex.loss_fn), candidates, costs.DEFAULT_EFFICIENCY))
     assert pruned.layout == everything.layout and pruned.predicted == everything.predicted
 
 

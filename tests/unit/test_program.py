@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import autopar
-from autopar.compiler.lower import to_program
+from autopar.compiler.lowering.lower import to_program
 from autopar.examples import gpt2
-from autopar.runtime.program import bind_groups
+from autopar.compiler.ir.program import bind_groups
 
 
 def test_program_survives_torch_save_and_computes_the_same():

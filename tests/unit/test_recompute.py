@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 import autopar
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.verify import verify
-from autopar.compiler.passes.recompute import RecomputeError
-from autopar.compiler.planner.memory import step_memory
-from autopar.compiler.planner.summary import summarize
+from autopar.compiler.passes.recompute_rules import RecomputeError
+from autopar.compiler.analysis.memory import step_memory
+from autopar.compiler.analysis.summary import summarize
 from autopar.examples import load_example
-from autopar.runtime.live_bytes import measure_step
+from autopar.compiler.analysis.live_bytes import measure_step
 
 aten = torch.ops.aten
 

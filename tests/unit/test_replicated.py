@@ -84,7 +84,7 @@ def test_replicated_stages_hold_the_whole_model(scaled, gpt8):
     dict(dp=1, tp=2, pp=4, microbatches=4, schedule="gpipe"),
     dict(dp=2, pp=4, microbatches=4, zero=3)])
 def test_replicated_predictions_match_exact_tracing(fields, scaled, exact):
-    """Measured 2026-11-23: within 2% of step time and 2.5% of peak memory here (and
+    """Measured here: within 2% of step time and 2.5% of peak memory here (and
     within 1.7% on a 16-block GPT of hidden 1024, seq 128)."""
     layout = autopar.Layout(**fields)
     approx, whole = scaled.predict(layout), exact.predict(layout)
@@ -152,7 +152,7 @@ def test_a_step_timed_on_one_stage_of_each_kind_is_the_whole_pipelines(scaled, f
     """rewritten(timing=True) copies the ops of the first stage of each kind only
     (replicate's `representatives`): the step time, its timeline and every figure of
     it are those of the whole replicated pipeline."""
-    from autopar.compiler.planner.cost_model import step_times
+    from autopar.compiler.planner.predict import step_times
     from autopar.compiler.planner.pipeline_cost import run_schedule
 
     layout = autopar.Layout(**fields)
@@ -225,7 +225,7 @@ def test_changed_copies_a_record_as_replace_would_and_refuses_unknown_fields():
     a __post_init__ (a check there would not run on the copies)."""
     import dataclasses
 
-    from autopar.compiler.planner.summary import OpRecord, changed
+    from autopar.compiler.analysis.summary import OpRecord, changed
 
     op = OpRecord("mm", "forward", flops=10, bytes=4, uses=(1, 2), storage=3)
     assert changed(op, flops=20, uses=(5,)) == dataclasses.replace(op, flops=20, uses=(5,))
@@ -245,7 +245,7 @@ def test_the_pipeline_bounds_are_below_every_pipelines_prediction(gpt8, where):
     gather; so does the schedule floor (Estimator.schedule_floor); and the search bounded
     by them chooses what costing everything chooses."""
     from autopar.compiler.planner import search as S
-    from autopar.compiler.planner.cost_model import DEFAULT_EFFICIENCY
+    from autopar.costs import DEFAULT_EFFICIENCY
     from autopar.compiler.planner.estimate import template_fields
     from autopar.compiler.planner.pipeline_cost import after_schedule_floor, pipeline_time
     from autopar.compiler.planner.plan import compute_bound, widest_templates

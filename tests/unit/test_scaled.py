@@ -10,7 +10,7 @@ import pytest
 import autopar
 from autopar.compiler.planner import scaled as S
 from autopar.compiler.planner.estimate import Estimator
-from autopar.compiler.planner.summary import summarize
+from autopar.compiler.analysis.summary import summarize
 from autopar.examples import causal_lm_loss, gpt2
 from tests.unit.test_cost_model import meta_gpt2
 

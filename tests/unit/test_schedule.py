@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar.runtime.schedule import (Action, Schedule, ScheduleError, build, gpipe, interleaved,
+from autopar.compiler.ir.schedule import (Action, Schedule, ScheduleError, build, gpipe, interleaved,
                                       one_f_one_b, rank_floors, send_releases, simulate,
                                       validate, zero_bubble)
 
@@ -246,7 +246,7 @@ def test_the_sends_a_rank_holds_do_not_grow_with_the_micro_batches(maker):
     ("gpipe", 3, 5, 1), ("1f1b", 4, 6, 1), ("1f1b", 5, 2, 1), ("zero-bubble", 4, 7, 1),
     ("interleaved", 2, 4, 2), ("interleaved", 3, 6, 3)])
 def test_one_ranks_actions_are_its_list_in_the_whole_schedule(name, pp, microbatches, virtual):
-    from autopar.runtime.schedule import rank_actions
+    from autopar.compiler.ir.schedule import rank_actions
     whole = build(name, pp, microbatches, virtual)
     assert [rank_actions(name, pp, microbatches, virtual, r) for r in range(pp)] == \
         list(whole.ranks)

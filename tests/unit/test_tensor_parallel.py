@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import autopar
-from autopar.api import run_passes
+from autopar.compiler.passes.defaults import run_passes
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.trace import trace_train_step
 from autopar.compiler.passes.tensor_parallel import (REPLICATED_ALLOWANCE, format_placements,

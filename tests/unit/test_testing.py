@@ -68,7 +68,7 @@ def test_plain_gradient_accumulation_passes_and_a_dropped_micro_batch_fails_with
     """Micro-batched layouts (pipelines) accumulate, so their rounding differs from the
     full-batch reference; in plain PyTorch that alone moved an element of GPT-2's
     h.2.mlp.c_fc.weight 5.8e-3 of the tensor's largest movement under AdamW (measured
-    2026-11-23, AMD EPYC; ADAM_MOVE_RTOL was 5e-3 then). Dropping a micro-batch's
+    on an AMD EPYC). Dropping a micro-batch's
     gradient is an error of the order of the movement."""
     ex = gpt2(layers=4)
     init = {k: v.clone() for k, v in ex.model.state_dict().items()}

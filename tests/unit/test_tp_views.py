@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import autopar
-from autopar.api import run_passes
+from autopar.compiler.passes.defaults import run_passes
 from autopar.compiler.passes import tp_rules
 from autopar.compiler.passes.tensor_parallel import local_view_args
 from autopar.compiler.passes.tp_rules import (P, R, ShardingRuleError, Strategy, is_tensor_node,

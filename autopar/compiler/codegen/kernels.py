@@ -28,7 +28,12 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 
-from autopar.compiler.codegen.triton_gen import COLUMN, KernelSource, TensorArg, generate
+from autopar.compiler.codegen.triton_gen import (
+    COLUMN,
+    KernelSource,
+    TensorArg,
+    generate,
+)
 
 BACKENDS = ("auto", "triton", "eager")
 _state = {"backend": "auto", "dir": Path(tempfile.gettempdir()) / "autopar-kernels"}

@@ -44,10 +44,27 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopar.compiler.codegen.ops import (CAST, CONSTANT, EMPTY, LAYOUT_VIEWS, POINTWISE,
-                                          RANDOM, ROW_OPS, TL_DTYPES, VIEWS, Row, Unsupported,
-                                          constant, is_column_sum, is_remap, is_row_op,
-                                          is_unrolled_sum, lit, round_bf16, unsupported_reason)
+from autopar.compiler.codegen.ops import (
+    CAST,
+    CONSTANT,
+    EMPTY,
+    LAYOUT_VIEWS,
+    POINTWISE,
+    RANDOM,
+    ROW_OPS,
+    TL_DTYPES,
+    VIEWS,
+    Row,
+    Unsupported,
+    constant,
+    is_column_sum,
+    is_remap,
+    is_row_op,
+    is_unrolled_sum,
+    lit,
+    round_bf16,
+    unsupported_reason,
+)
 
 aten = torch.ops.aten
 

@@ -33,6 +33,7 @@ BYTES = "autopar.bytes"  # int: bytes read + written, 0 for views and metadata o
 GRAD_OF = "autopar.grad_of"  # str: parameter name whose gradient this node produces
 COMM_KIND = "autopar.comm_kind"  # str: "grad_bucket" | "loss" | ... for collective nodes
 BUCKET = "autopar.bucket"  # int: gradient bucket index for the nodes of one bucket
+STAGE = "autopar.stage"  # int: the pipeline stage that runs this node (assign_stages)
 CREATED_BY = "autopar.created_by"  # str: the pass that inserted the node
 RECOMPUTED = "autopar.recomputed"  # str: the forward node a backward copy recomputes
 # tuple[(op name, flops, bytes, bytes allocated)]: the ops a fused region's fallback runs

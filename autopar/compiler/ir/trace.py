@@ -28,16 +28,18 @@ from typing import Any, Protocol
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks
-from torch.export.graph_signature import InputKind, OutputKind
+from torch._functorch._aot_autograd.logging_utils import (
+    setup_stacktrace_preservation_hooks,
+)
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.annotate import annotate, repeated_block_container
 from autopar.compiler.ir.batch import BatchError, LossFn, Objective, as_objective
 from autopar.compiler.ir.graph import GraphSignature, TensorSpec, TrainGraph
-from autopar.runtime.program import LOSS_SCALE_INPUT
+from autopar.compiler.ir.program import LOSS_SCALE_INPUT
+from autopar.layout import Layout
 
 _WRAPPED = "model"  # attribute name of the user's model inside the loss wrapper
 
@@ -474,3 +476,14 @@ def _is_library_file(filename: str) -> bool:
     library = ("/torch/", "/autopar/compiler/", "/contextlib.py", "/functools.py", "<")
     return any(part in filename for part in library)
 
+
+def local_example(example_inputs: tuple, layout: Layout) -> tuple:
+    """One micro-batch of one data-parallel rank: the shapes the graph is traced for."""
+    dims = batch_dims_of([x for x in example_inputs if isinstance(x, torch.Tensor)])
+    if not any(d is not None for d in dims):
+        return example_inputs
+    batch = next(x.shape[d] for x, d in zip(example_inputs, dims) if d is not None)
+    layout.check_batch(batch)
+    local = batch // (layout.dp * layout.microbatches)
+    return tuple(x.narrow(d, 0, local) if d is not None else x
+                 for x, d in zip(example_inputs, dims))

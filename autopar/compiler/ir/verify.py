@@ -15,7 +15,6 @@ Tests corrupt graphs on purpose to see each rule fire (tests/unit/test_verify.py
 from __future__ import annotations
 
 import torch
-import torch.fx as fx
 
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.graph import TrainGraph

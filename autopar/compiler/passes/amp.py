@@ -45,9 +45,18 @@ from torch.utils.weak import WeakIdKeyDictionary
 from autopar.compiler.ir.annotate import module_of
 from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.ir.trace import retrace
-from autopar.compiler.passes.amp_policy import (BLACK, GRAY, HALF_DTYPES, WHITE, AmpPolicy,
-                                                device_type_for, is_castable, op_key,
-                                                parse_amp_lists, widest)
+from autopar.compiler.passes.amp_policy import (
+    BLACK,
+    GRAY,
+    HALF_DTYPES,
+    WHITE,
+    AmpPolicy,
+    device_type_for,
+    is_castable,
+    op_key,
+    parse_amp_lists,
+    widest,
+)
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
 from autopar.compiler.passes.manager import register_pass
 

@@ -22,17 +22,13 @@ from __future__ import annotations
 
 import bisect
 
-import torch.fx as fx
-
 from autopar.cluster import ClusterSpec
+from autopar.compiler.analysis.summary import node_time
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.graph import TrainGraph
-from autopar.compiler.planner.cost_model import op_time
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
 from autopar.compiler.passes.manager import register_pass
 from autopar.layout import Layout
-
-STAGE = "autopar.stage"  # int: the pipeline stage that runs this node
 
 
 class StageError(ValueError):
@@ -103,14 +99,6 @@ def _balanced(costs: list[float], parts: int, head: float, tail: float) -> list[
     return sorted(cuts)
 
 
-def node_time(node: fx.Node, cluster: ClusterSpec) -> float:
-    """The cost model's roofline time of one node, at the device's fp32 peak."""
-    device = cluster.device
-    peak = device.peak_flops.get("fp32", max(device.peak_flops.values()))
-    return op_time(node.meta.get(M.FLOPS, 0), node.meta.get(M.BYTES, 0), peak,
-                   device.memory_bandwidth)
-
-
 @register_pass
 class AssignStages(GraphPass):
     name = "assign_stages"
@@ -128,7 +116,7 @@ class AssignStages(GraphPass):
         self._assign_backward(tg, stages)
         per_stage = [0.0] * stages
         for n in tg.call_nodes():
-            per_stage[n.meta[STAGE]] += node_time(n, cluster)
+            per_stage[n.meta[M.STAGE]] += node_time(n, cluster)
         # first_block_of_stage: None for a stage of only final norm, head and loss
         stats = {"stages": stages, "first_block_of_stage": cuts,
                  "estimated_stage_seconds": [round(t, 6) for t in per_stage]}
@@ -186,27 +174,27 @@ class AssignStages(GraphPass):
         after_stack = in_stack[-1] if in_stack else len(forward)
         deferred = []
         for i, n in enumerate(forward):
-            inputs = [a.meta[STAGE] for a in n.all_input_nodes if STAGE in a.meta]
+            inputs = [a.meta[M.STAGE] for a in n.all_input_nodes if M.STAGE in a.meta]
             layer = n.meta.get(M.LAYER)
             if layer is not None:
-                n.meta[STAGE] = max([stage_of_layer[layer]] + inputs)
+                n.meta[M.STAGE] = max([stage_of_layer[layer]] + inputs)
             elif inputs and i > after_stack:  # final norm, head, loss: the last stage's
-                n.meta[STAGE] = max(inputs + [last])
+                n.meta[M.STAGE] = max(inputs + [last])
             elif inputs:
-                n.meta[STAGE] = max(inputs)
+                n.meta[M.STAGE] = max(inputs)
             else:  # fed only by parameters and inputs: decided by its users below
                 deferred.append(n)
         for n in reversed(deferred):  # the earliest stage that uses it
-            users = [u.meta[STAGE] for u in n.users if STAGE in u.meta]
+            users = [u.meta[M.STAGE] for u in n.users if M.STAGE in u.meta]
             if users:
-                n.meta[STAGE] = min(users)
+                n.meta[M.STAGE] = min(users)
         for n in deferred:  # used by backward ops only (saved statistics): with its inputs
-            if STAGE not in n.meta:
-                inputs = [a.meta[STAGE] for a in n.all_input_nodes if STAGE in a.meta]
-                n.meta[STAGE] = max(inputs, default=0)
+            if M.STAGE not in n.meta:
+                inputs = [a.meta[M.STAGE] for a in n.all_input_nodes if M.STAGE in a.meta]
+                n.meta[M.STAGE] = max(inputs, default=0)
         for n in forward:  # a deferred input now known may raise a node's stage
-            n.meta[STAGE] = max([n.meta[STAGE]] + [a.meta[STAGE] for a in n.all_input_nodes
-                                                   if STAGE in a.meta])
+            n.meta[M.STAGE] = max([n.meta[M.STAGE]] + [a.meta[M.STAGE] for a in n.all_input_nodes
+                                                   if M.STAGE in a.meta])
 
     @staticmethod
     def _assign_backward(tg: TrainGraph, stages: int) -> None:
@@ -215,13 +203,13 @@ class AssignStages(GraphPass):
         by_seq: dict[int, int] = {}
         for n in tg.call_nodes():
             if n.meta[M.ROLE] != M.Role.BACKWARD and "seq_nr" in n.meta:
-                by_seq.setdefault(n.meta["seq_nr"], n.meta[STAGE])
+                by_seq.setdefault(n.meta["seq_nr"], n.meta[M.STAGE])
         for n in tg.call_nodes():
-            if n.meta[M.ROLE] not in (M.Role.BACKWARD, M.Role.COMM) or STAGE in n.meta:
+            if n.meta[M.ROLE] not in (M.Role.BACKWARD, M.Role.COMM) or M.STAGE in n.meta:
                 continue
             if n.meta.get("seq_nr") in by_seq and not n.meta.get("is_gradient_acc"):
-                n.meta[STAGE] = by_seq[n.meta["seq_nr"]]
+                n.meta[M.STAGE] = by_seq[n.meta["seq_nr"]]
             else:  # accumulation and seeds: where their latest backward input is
-                inputs = [a.meta[STAGE] for a in n.all_input_nodes if STAGE in a.meta
+                inputs = [a.meta[M.STAGE] for a in n.all_input_nodes if M.STAGE in a.meta
                           and a.meta[M.ROLE] == M.Role.BACKWARD]
-                n.meta[STAGE] = min(inputs) if inputs else stages - 1
+                n.meta[M.STAGE] = min(inputs) if inputs else stages - 1

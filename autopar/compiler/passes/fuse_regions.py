@@ -29,7 +29,7 @@ kernel's eager fallback and the source of its Triton kernel.
   (`_fingerprint`), and a later graph with the same hash replays them: the same graph
   as a fresh run (tests/unit/test_fusion.py), without the partitioner or code generation.
 
-Requires: "traced". Provides: "fused". Runs last in the pipeline (after the comm passes).
+Requires: "traced". Provides: "fused". Runs last in the default pass list (after the comm passes).
 
 Before:                                         After:
     mul = mul(add, 0.5)                             fused = autopar.fused(k3f.., [add])
@@ -53,10 +53,21 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from autopar.compiler.codegen.kernels import FUSED_OP, register_region
-from autopar.compiler.codegen.ops import (ATEN_INPUT_PASSES, LAYOUT_VIEWS, POINTWISE, REMAPS,
-                                          ROW_OPS, VIEWS, Unsupported, has_lowering,
-                                          is_column_sum, is_remap, is_row_op, moves_no_data,
-                                          unsupported_reason)
+from autopar.compiler.codegen.ops import (
+    ATEN_INPUT_PASSES,
+    LAYOUT_VIEWS,
+    POINTWISE,
+    REMAPS,
+    ROW_OPS,
+    VIEWS,
+    Unsupported,
+    has_lowering,
+    is_column_sum,
+    is_remap,
+    is_row_op,
+    moves_no_data,
+    unsupported_reason,
+)
 from autopar.compiler.codegen.triton_gen import TensorArg
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.annotate import op_name, tensor_bytes
@@ -64,7 +75,6 @@ from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
 from autopar.compiler.passes.manager import register_pass
 
-STAGE = "autopar.stage"  # assign_stages' key: a region stays inside one stage program
 FUSED_KEY = "autopar.fused_key"  # str: the region's key on its fused node
 FUSED_OPS = "autopar.fused_ops"  # list[str]: names of the ops the fused node replaced
 
@@ -75,7 +85,7 @@ def program_of(node: fx.Node) -> tuple | None:
     role = node.meta.get(M.ROLE)
     if role not in (M.Role.FORWARD, M.Role.LOSS, M.Role.BACKWARD):
         return None
-    return (role == M.Role.BACKWARD, node.meta.get(STAGE))
+    return (role == M.Role.BACKWARD, node.meta.get(M.STAGE))
 
 
 class _Fusable(OperatorSupportBase):

@@ -49,7 +49,7 @@ import torch.fx as fx
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.batch import LOSS_NORM_INPUT, LossNormalizer
 from autopar.compiler.ir.graph import TensorSpec, TrainGraph
-from autopar.runtime.program import LOSS_SCALE_INPUT
+from autopar.compiler.ir.program import LOSS_SCALE_INPUT
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
 from autopar.compiler.passes.builder import NodeBuilder
 from autopar.compiler.passes.manager import register_pass

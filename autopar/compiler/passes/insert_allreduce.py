@@ -27,8 +27,7 @@ Rewrites, in order:
    (`GraphSignature.grad_blocks`). A reduce-scatter holds its input, a whole bucket,
    until its wait: each is waited for right before the reduce-scatter
    SCATTERS_IN_FLIGHT buckets later starts, so a rank holds a couple of whole buckets
-   at a time, not the whole gradient (until 2026-11-25 they were waited for at the
-   output too). An embedding table whose gradient comes from
+   at a time, not the whole gradient. An embedding table whose gradient comes from
    gathered rows (step 2) builds only this rank's block from them (rows of other
    blocks masked out; options["dp_rank"] says which block). The runtime's
    optimizer updates the block and gathers the blocks back into the parameter.
@@ -58,10 +57,10 @@ import torch.fx as fx
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.annotate import tensor_bytes
 from autopar.compiler.ir.graph import TrainGraph
+from autopar.compiler.ir.program import block_rows, mesh_group_tag
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
 from autopar.compiler.passes.builder import NodeBuilder, scale_backward_seed
 from autopar.compiler.passes.manager import register_pass
-from autopar.runtime.program import block_rows, mesh_group_tag
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional

@@ -1,4 +1,4 @@
-"""PassManager: runs a pipeline of passes, checks their contracts, instruments them.
+"""PassManager: runs a list of passes, checks their contracts, instruments them.
 
 The manager (not the passes) checks `requires` before each pass, verifies the
 graph after it, times it, logs a one-line summary, and writes the IR after each

@@ -27,15 +27,20 @@ from __future__ import annotations
 
 import highspy
 
-from autopar.compiler.highs import new_model
 from autopar.cluster import ClusterSpec
+from autopar.compiler.analysis.memory import graph_liveness, step_memory
+from autopar.compiler.analysis.summary import summarize
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.passes.base import PassContext
-from autopar.compiler.passes.recompute import RecomputeError, choose, layers_of, rewrite
-from autopar.compiler.planner.cost_model import op_time
-from autopar.compiler.planner.memory import graph_liveness, step_memory
-from autopar.compiler.planner.summary import summarize
+from autopar.compiler.passes.recompute_rules import (
+    RecomputeError,
+    choose,
+    layers_of,
+    rewrite,
+)
+from autopar.costs import op_time
+from autopar.highs import new_model
 
 POLICIES = ("none", "selective", "full")
 _MAX_ROUNDS = 8

@@ -42,10 +42,10 @@ import torch.fx as fx
 
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.graph import TrainGraph, new_node_meta
+from autopar.compiler.ir.program import block_rows, mesh_group_tag
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
 from autopar.compiler.passes.manager import register_pass
-from autopar.compiler.passes.recompute import derived_from, rewrite
-from autopar.runtime.program import block_rows, mesh_group_tag
+from autopar.compiler.passes.recompute_rules import derived_from, rewrite
 
 c10d = torch.ops._c10d_functional
 

@@ -47,14 +47,20 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from autopar.compiler.ir.annotate import module_of, tensor_bytes
 from autopar.compiler.ir.graph import TrainGraph
+from autopar.compiler.ir.program import mesh_group_tag
 from autopar.compiler.ir.trace import canonical_state_names, retrace, strip_wrapper
 from autopar.compiler.passes import tp_comm
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
 from autopar.compiler.passes.manager import register_pass
-from autopar.compiler.passes.tp_rules import (R, SHAPE_ARG_VIEWS, Placement, Strategy,
-                                              is_tensor_node, show)
+from autopar.compiler.passes.tp_rules import (
+    SHAPE_ARG_VIEWS,
+    Placement,
+    R,
+    Strategy,
+    is_tensor_node,
+    show,
+)
 from autopar.compiler.passes.tp_solver import TPCosts, TPPlan, solve
-from autopar.runtime.program import mesh_group_tag
 
 aten = torch.ops.aten
 

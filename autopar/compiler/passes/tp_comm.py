@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.compiler.passes.tp_rules import P, R, Placement
+from autopar.compiler.passes.tp_rules import P, Placement, R
 
 c10d = torch.ops._c10d_functional
 

@@ -38,8 +38,14 @@ from typing import Any, Union
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor._ops._view_ops import (Flatten, InputDim, Singleton, Split,
-                                                     dim_maps, view_groups)
+from torch.distributed.tensor._ops._view_ops import (
+    Flatten,
+    InputDim,
+    Singleton,
+    Split,
+    dim_maps,
+    view_groups,
+)
 from torch.utils._pytree import tree_flatten
 
 from autopar.compiler.ir.annotate import module_of, source_of

@@ -33,11 +33,19 @@ import highspy
 import torch
 import torch.fx as fx
 
-from autopar.compiler.highs import new_model
 from autopar.compiler.ir.annotate import node_bytes, node_flops, tensor_bytes
-from autopar.compiler.passes.tp_rules import (P, R, Placement, Strategy, is_tensor_node,
-                                              output_vals, strategies, tensor_inputs)
-from autopar.compiler.planner.cost_model import collective_time, op_time
+from autopar.compiler.passes.tp_rules import (
+    P,
+    Placement,
+    R,
+    Strategy,
+    is_tensor_node,
+    output_vals,
+    strategies,
+    tensor_inputs,
+)
+from autopar.costs import collective_time, op_time
+from autopar.highs import new_model
 
 # bytes the optimizer reads and writes per parameter element per step, in units of the
 # element size: AdamW reads weight, gradient and two moments and writes three of them

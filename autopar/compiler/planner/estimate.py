@@ -15,32 +15,49 @@ from typing import Any
 
 import torch
 
-from autopar.api import _local_example, run_passes
 from autopar.cluster import ClusterSpec
+from autopar.compiler.analysis.memory import MemoryPrediction
+from autopar.compiler.analysis.summary import GraphSummary, summarize
 from autopar.compiler.ir.batch import Batch, LossFn, Objective
-from autopar.compiler.ir.trace import batch_dims_of, trace_train_step
+from autopar.compiler.ir.graph import TrainGraph
+from autopar.compiler.ir.trace import batch_dims_of, local_example, trace_train_step
 from autopar.compiler.passes.assign_stages import check_stage_count
 from autopar.compiler.passes.base import GraphPass
-from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, OPTIMIZER_STATES,
-                                                 Efficiency, predict, step_times)
-from autopar.compiler.passes.pipeline import (default_passes, forward_level_fields,
-                                              forward_level_passes, is_pipelined,
-                                              retrace_fields)
-from autopar.compiler.ir.graph import TrainGraph
-from autopar.compiler.planner.memory import MemoryPrediction
-from autopar.compiler.planner.pipeline_cost import (ScheduleRun, StagePhases, p2p_time,
-                                                    run_schedule, schedule_floor, stage_phases)
+from autopar.compiler.passes.defaults import (
+    default_passes,
+    forward_level_fields,
+    forward_level_passes,
+    is_pipelined,
+    retrace_fields,
+    run_passes,
+)
+from autopar.compiler.planner.cost_model import layer_costs
+from autopar.compiler.planner.pipeline_cost import (
+    ScheduleRun,
+    StagePhases,
+    p2p_time,
+    run_schedule,
+    schedule_floor,
+    stage_phases,
+)
 from autopar.compiler.planner.pipeline_memory import pipeline_memory_per_rank
-from autopar.compiler.planner.replicated import (TEMPLATE_BLOCKS, Template, block_work_floor,
-                                                 first_rank_saved_floor,
-                                                 pipeline_memory_from_summary,
-                                                 replicate, stage_programs, template_of)
+from autopar.compiler.planner.predict import predict, step_times
+from autopar.compiler.planner.replicated import (
+    TEMPLATE_BLOCKS,
+    Template,
+    block_work_floor,
+    first_rank_saved_floor,
+    pipeline_memory_from_summary,
+    replicate,
+    stage_programs,
+    template_of,
+)
+from autopar.compiler.planner.result import Prediction
 from autopar.compiler.planner.scaled import multiplicities, reduced, scale_summary
 from autopar.compiler.planner.stages import StageSummary, stage_summary
-from autopar.compiler.planner.summary import GraphSummary, summarize
 from autopar.compiler.planner.workers import RewriteWorker, child_groups, firsts
-from autopar.layout import Layout, LayoutError, Prediction
-
+from autopar.costs import DEFAULT_EFFICIENCY, OPTIMIZER_STATES, Efficiency
+from autopar.layout import Layout, LayoutError
 
 RUNS_KEPT = 64  # Estimator._schedule_run: the search times ZeRO siblings close together
 
@@ -55,7 +72,7 @@ def estimate(model: torch.nn.Module, cluster: ClusterSpec, layout: Layout,
     `example_inputs` (and `example_targets`) is one global batch, as `autopar.compile`
     takes it. `optimizer` is the optimizer's kind for the
     memory and time of its step: "adamw", "adam", "sgd-momentum" or "sgd". `passes`
-    replaces the default pipeline, to score your own passes.
+    replaces the default pass list, to score your own passes.
     """
     check_layout(layout, cluster)
     objective, flat = Objective.from_example(example_inputs, example_targets, loss_fn)
@@ -236,8 +253,7 @@ class Estimator:
         return key
 
     def layer_rows(self, layout: Layout) -> list[dict[str, Any]]:
-        """plan.layer_costs of `layout`'s traced graph (from the worker that traced it)."""
-        from autopar.compiler.planner.plan import layer_costs  # plan imports this module
+        """cost_model.layer_costs of `layout`'s traced graph (from the worker that traced it)."""
 
         worker = self.workers.get(self.group_of(layout))
         if worker is not None and worker.alive:
@@ -439,7 +455,7 @@ class Estimator:
         """(shapes of one rank's micro-batch, blocks kept): what a trace is shared by
         (asked for every layout the search looks at: kept per layout)."""
         if layout not in self._trace_keys:
-            local = _local_example(self.example_inputs, layout)
+            local = local_example(self.example_inputs, layout)
             self._trace_keys[layout] = (
                 tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else repr(x) for x in local),
                 self._keep(layout))
@@ -451,7 +467,7 @@ class Estimator:
         key = self._trace_key(layout)
         keep = key[1]
         if key not in self._traced or (graph and self._traced[key][1] is None):
-            local = _local_example(self.example_inputs, layout)
+            local = local_example(self.example_inputs, layout)
             with reduced(self.model, keep) as stack:
                 traced = trace_train_step(self.model, local, self.loss_fn)
             scaling = (stack[0], multiplicities(stack[1], keep)) \
@@ -559,7 +575,7 @@ class Estimator:
 
     def _run_passes(self, traced: TrainGraph, trace_key: tuple, layout: Layout,
                     options: dict) -> TrainGraph:
-        """run_passes of `layout`; with the default pipeline, the graph after its
+        """run_passes of `layout`; with the default pass list, the graph after its
         forward-level passes (tensor parallelism, AMP, recomputation: the costly
         re-traces) is kept for the layouts that read the same fields of them."""
         if self.passes is not None:

@@ -8,7 +8,7 @@ stages by AssignStages. What it adds up is what the pipeline runtime does
 1. each stage's programs F, B (and I, W for zero-bubble) are replayed on the compute
    and communication streams (cost_model.simulate_streams: tensor-parallel
    collectives inside a stage cost there);
-2. the schedule of the layout (runtime/schedule.py) is simulated with those times;
+2. the schedule of the layout (compiler/ir/schedule.py) is simulated with those times;
    a receive (RF, RB) takes alpha + bytes / bandwidth per value on the link between
    neighbouring pipeline ranks (ranks tp*dp apart) and holds up its rank;
 3. after its last action a rank sums gradients: tied weights over the pipeline ranks
@@ -25,20 +25,35 @@ bubble.
 from __future__ import annotations
 
 import functools
-import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from autopar.cluster import ClusterSpec
-from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, Efficiency, collective_time,
-                                                 group_spans_nodes, optimizer_time,
-                                                 simulate_streams)
-from autopar.compiler.planner.memory import WIRE_BYTES, tp_piece_bytes, zero_block_bytes
+from autopar.compiler.analysis.memory import (
+    WIRE_BYTES,
+    tp_piece_bytes,
+    zero_block_bytes,
+)
+from autopar.compiler.analysis.summary import GraphSummary, changed
+from autopar.compiler.ir.schedule import (
+    COMPUTE,
+    Schedule,
+    Timeline,
+    build,
+    rank_floors,
+    simulate,
+)
+from autopar.compiler.planner.cost_model import simulate_streams
 from autopar.compiler.planner.stages import StageSummary
-from autopar.compiler.planner.summary import GraphSummary, changed
+from autopar.costs import (
+    DEFAULT_EFFICIENCY,
+    Efficiency,
+    collective_time,
+    group_spans_nodes,
+    optimizer_time,
+)
 from autopar.layout import Layout
-from autopar.runtime.schedule import COMPUTE, Schedule, Timeline, build, rank_floors, simulate
 
 PHASE_PROGRAMS = {"F": "F", "B": "IW", "I": "I", "W": "W"}
 

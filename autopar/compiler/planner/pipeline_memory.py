@@ -21,11 +21,16 @@ from __future__ import annotations
 
 import math
 
-from autopar.compiler.planner.memory import (CATEGORIES, MemoryPrediction, OptimizerMemory,
-                                             graph_liveness, optimizer_memory)
-from autopar.compiler.planner.summary import summarize_program
-from autopar.runtime.pipeline import PipelineProgram
-from autopar.runtime.program import block_nbytes
+from autopar.compiler.analysis.memory import (
+    CATEGORIES,
+    MemoryPrediction,
+    OptimizerMemory,
+    graph_liveness,
+    optimizer_memory,
+)
+from autopar.compiler.analysis.summary import summarize_program
+from autopar.compiler.ir.pipeline_program import PipelineProgram
+from autopar.compiler.ir.program import block_nbytes
 
 
 def _bytes(program: PipelineProgram, key: str) -> int:
@@ -205,7 +210,7 @@ def pipeline_memory(program: PipelineProgram, pp_rank: int,
 def pipeline_memory_per_rank(tg, layout, optimizer: str | OptimizerMemory = "adamw",
                              fallbacks: bool = False) -> list[MemoryPrediction]:
     """Each pipeline rank's predicted peak for a stage-assigned TrainGraph under `layout`."""
-    from autopar.compiler.lower_pipeline import lower_pipeline
+    from autopar.compiler.lowering.lower_pipeline import lower_pipeline
 
     program = lower_pipeline(tg, layout)
     return [pipeline_memory(program, rank, optimizer, fallbacks) for rank in range(layout.pp)]

@@ -16,24 +16,34 @@ from typing import Any
 import torch
 
 from autopar.cluster import ClusterSpec
-from autopar.compiler.ir import meta as M
+from autopar.compiler.analysis.memory import static_lower_bound
+from autopar.compiler.analysis.summary import DTYPE_NAMES
 from autopar.compiler.ir.annotate import repeated_block_container
 from autopar.compiler.ir.batch import Batch, LossFn, Objective
 from autopar.compiler.ir.trace import batch_dims_of
-from autopar.compiler.passes.assign_stages import node_time
-from autopar.compiler.planner.cost_model import (DEFAULT_EFFICIENCY, Efficiency,
-                                                 model_compute_floor)
+from autopar.compiler.planner.cost_model import model_compute_floor
 from autopar.compiler.planner.estimate import Estimator, template_fields
-from autopar.compiler.planner.memory import static_lower_bound
-from autopar.compiler.planner.pipeline_cost import (after_schedule_floor, pipeline_time,
-                                                    run_schedule)
-from autopar.compiler.planner.search import (FLOOR_ONLY, MEMORY_FLOOR_ONLY, TIMED_ONLY,
-                                             PlanError, candidate_layouts, check_constraints,
-                                             costing_order, recompute_variants, refinements,
-                                             search)
-from autopar.compiler.planner.summary import DTYPE_NAMES
+from autopar.compiler.planner.pipeline_cost import (
+    after_schedule_floor,
+    pipeline_time,
+    run_schedule,
+)
+from autopar.compiler.planner.result import Plan
+from autopar.compiler.planner.search import (
+    FLOOR_ONLY,
+    MEMORY_FLOOR_ONLY,
+    TIMED_ONLY,
+    PlanError,
+    candidate_layouts,
+    check_constraints,
+    costing_order,
+    recompute_variants,
+    refinements,
+    search,
+)
 from autopar.compiler.planner.workers import available as worker_available
-from autopar.layout import Layout, LayoutError, Plan
+from autopar.costs import DEFAULT_EFFICIENCY, Efficiency
+from autopar.layout import Layout, LayoutError
 
 MAX_WORKERS = 2  # plan(workers=None): a large search rewrites a few groups (one per tp)
 
@@ -74,7 +84,7 @@ def collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off inside (as it was after). A search makes
     millions of small acyclic tuples (schedules, their simulations, memory replays), and
     each full collection they trigger also walks every object torch and the model
-    hold: on the 1T GPT that was a quarter of the search (docs/benchmarks.md). The few
+    hold (docs/benchmarks.md measures what that costs the 1T GPT's search). The few
     cycles a search leaves (rewritten graphs) are collected once it is back on."""
     enabled = gc.isenabled()
     gc.disable()
@@ -576,16 +586,3 @@ def _sequence(rank: int, start: float, parts: list[tuple[str, float]]) -> list[d
                     "end": start + seconds})
         start += seconds
     return out
-
-
-def layer_costs(tg, cluster: ClusterSpec) -> list[dict[str, Any]]:
-    """FLOPs and roofline seconds (forward + backward) of each repeated block and of the
-    rest (embeddings, head, loss), on one rank's micro-batch."""
-    rows: dict[str, dict[str, Any]] = {}
-    for n in tg.call_nodes():
-        layer = n.meta.get(M.LAYER)
-        name = f"block {layer}" if layer is not None else "outside the blocks"
-        row = rows.setdefault(name, {"name": name, "flops": 0, "seconds": 0.0})
-        row["flops"] += n.meta.get(M.FLOPS, 0)
-        row["seconds"] += node_time(n, cluster)
-    return list(rows.values())

@@ -38,21 +38,32 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from autopar.cluster import ClusterSpec
+from autopar.compiler.analysis.memory import (
+    CATEGORIES,
+    MemoryPrediction,
+    graph_liveness,
+    optimizer_memory,
+    zero_block_bytes,
+)
+from autopar.compiler.analysis.summary import (
+    GraphSummary,
+    OpRecord,
+    changed,
+    node_time,
+    summarize,
+)
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.annotate import tensor_bytes
 from autopar.compiler.ir.graph import TrainGraph
-from autopar.compiler.lower_pipeline import split_gradient_sums
-from autopar.compiler.planner.cost_model import DEFAULT_EFFICIENCY, Efficiency
-from autopar.compiler.passes.assign_stages import STAGE, balanced_cuts, node_time
-from autopar.compiler.planner.memory import (CATEGORIES, MemoryPrediction, graph_liveness,
-                                             optimizer_memory, zero_block_bytes)
+from autopar.compiler.ir.schedule import build, rank_actions, send_releases
+from autopar.compiler.lowering.lower_pipeline import split_gradient_sums
+from autopar.compiler.passes.assign_stages import balanced_cuts
 from autopar.compiler.planner.pipeline_cost import phase_time
 from autopar.compiler.planner.pipeline_memory import SentBuffers
 from autopar.compiler.planner.scaled import op_layers, param_layers
 from autopar.compiler.planner.stages import Message, StageSummary, stage_summary
-from autopar.compiler.planner.summary import GraphSummary, OpRecord, changed, summarize
+from autopar.costs import DEFAULT_EFFICIENCY, Efficiency
 from autopar.layout import Layout
-from autopar.runtime.schedule import build, rank_actions, send_releases
 
 TEMPLATE_BLOCKS = 2  # blocks traced for every pipeline: one on each side of the cut
 
@@ -123,7 +134,7 @@ def template_of(tg: TrainGraph, blocks: int, cluster: ClusterSpec) -> Template:
         if layer == 1:
             block += node_time(n, cluster)
         elif layer is None and n.meta[M.ROLE] != M.Role.BACKWARD:
-            if n.meta.get(STAGE) == 0:
+            if n.meta.get(M.STAGE) == 0:
                 head += node_time(n, cluster)
             else:
                 tail += node_time(n, cluster)
@@ -135,10 +146,10 @@ def _sends(tg: TrainGraph) -> tuple[tuple[str, bool, bool, int], ...]:
     """The values one template stage sends the other, and whether block ops make and read
     them (as stages.stage_summary counts them: a value once per receiving stage)."""
     out = []
-    split = split_gradient_sums(tg, lambda n: n.meta.get(STAGE))
+    split = split_gradient_sums(tg, lambda n: n.meta.get(M.STAGE))
     for n in tg.call_nodes():
-        stage = n.meta.get(STAGE)
-        readers = [u for u in n.users if u.meta.get(STAGE) not in (None, stage) and u not in split]
+        stage = n.meta.get(M.STAGE)
+        readers = [u for u in n.users if u.meta.get(M.STAGE) not in (None, stage) and u not in split]
         if stage is None or not readers:
             continue
         phase = "B" if n.meta[M.ROLE] == M.Role.BACKWARD else "F"

@@ -16,11 +16,14 @@ import re
 from collections import Counter
 from html import escape
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from autopar.cluster import ClusterSpec
 from autopar.compiler.passes.tp_rules import show
 from autopar.compiler.planner import report_svg as svg
-from autopar.layout import Plan
+
+if TYPE_CHECKING:  # result.Plan.save_report calls this module: no import at run time
+    from autopar.compiler.planner.result import Plan
 
 MAX_ALTERNATIVES = 40
 STEP_PARTS = ("compute", "exposed_comm", "bubble", "optimizer")

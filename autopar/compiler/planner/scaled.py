@@ -39,11 +39,11 @@ from dataclasses import replace
 
 import torch
 
+from autopar.compiler.analysis.memory import last_uses
+from autopar.compiler.analysis.summary import GraphSummary, OpRecord
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.annotate import repeated_block_container
 from autopar.compiler.ir.graph import TrainGraph
-from autopar.compiler.planner.memory import last_uses
-from autopar.compiler.planner.summary import GraphSummary, OpRecord
 
 
 def multiplicities(total: int, keep: int) -> tuple[int, ...]:

@@ -42,7 +42,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from autopar.cluster import ClusterSpec
-from autopar.layout import Layout, LayoutError, Plan, Prediction
+from autopar.compiler.planner.result import Plan, Prediction
+from autopar.layout import Layout, LayoutError
 
 GB = 1e9
 PARTS = ("compute", "exposed_comm", "bubble", "optimizer")

@@ -20,8 +20,10 @@ import torch.fx as fx
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.annotate import tensor_bytes
 from autopar.compiler.ir.graph import TrainGraph
-from autopar.compiler.lower_pipeline import input_grad_side, split_gradient_sums
-from autopar.compiler.passes.assign_stages import STAGE
+from autopar.compiler.lowering.lower_pipeline import (
+    input_grad_side,
+    split_gradient_sums,
+)
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ def stage_summary(tg: TrainGraph) -> StageSummary:
         raise ValueError("stage_summary needs a graph after the assign_stages pass "
                          f"(this one has: {sorted(tg.provides)})")
     calls = tg.call_nodes()
-    stage = {n: n.meta.get(STAGE) for n in calls}
+    stage = {n: n.meta.get(M.STAGE) for n in calls}
     for n in calls:  # inserted after the cut: with its latest input (lower_pipeline's rule)
         if stage[n] is None:
             stage[n] = max((stage.get(a) or 0 for a in n.all_input_nodes), default=0)

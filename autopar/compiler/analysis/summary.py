@@ -23,10 +23,12 @@ from dataclasses import dataclass, fields, replace
 import torch
 import torch.fx as fx
 
+from autopar.cluster import ClusterSpec
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.annotate import op_name, tensor_bytes
 from autopar.compiler.ir.graph import TrainGraph
-from autopar.runtime.program import MESH_TAG_PREFIX
+from autopar.compiler.ir.program import MESH_TAG_PREFIX
+from autopar.costs import op_time
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -257,3 +259,12 @@ def _dtype_of(node: fx.Node) -> str | None:
             return DTYPE_NAMES.get(val.dtype)
     val = node.meta.get(M.VAL)
     return DTYPE_NAMES.get(val.dtype) if isinstance(val, torch.Tensor) else None
+
+
+def node_time(node: fx.Node, cluster: ClusterSpec) -> float:
+    """The roofline time of one node at the device's fp32 peak: the cost stage balancing
+    and the planner's per-block tables weigh nodes by."""
+    device = cluster.device
+    peak = device.peak_flops.get("fp32", max(device.peak_flops.values()))
+    return op_time(node.meta.get(M.FLOPS, 0), node.meta.get(M.BYTES, 0), peak,
+                   device.memory_bandwidth)

@@ -20,14 +20,13 @@ import subprocess
 import sys
 import time
 
-from rich.console import Console
 from rich.table import Table
 
-from autopar.cli_planner import add_planner_commands
+from autopar.cli.common import cluster_from_args, console
+from autopar.cli.planning import add_planner_commands
 from autopar.layout import RECOMPUTE
 from autopar.logs import configure_from_env
 
-console = Console(stderr=False)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -48,7 +47,7 @@ def _fmt_count(n: float) -> str:
 # -- autopar trace ------------------------------------------------------------------------
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    import autopar
+    from autopar.api import trace
     from autopar.compiler.ir.printing import graph_text, summary
     from autopar.examples import EXAMPLES, load_model_spec
 
@@ -60,7 +59,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         raise SystemExit("autopar trace: give a MODEL (or --list)")
     example = load_model_spec(args.model)
     start = time.perf_counter()
-    tg = autopar.trace(example.model, example.batch, example.loss_fn)
+    tg = trace(example.model, example.batch, example.loss_fn)
     seconds = time.perf_counter() - start
     info = summary(tg)
     info["trace_seconds"] = round(seconds, 3)
@@ -98,7 +97,7 @@ def _print_summary(name: str, description: str, info: dict) -> None:
 # -- autopar train ------------------------------------------------------------------------
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from autopar.layout import Layout, LayoutError
+    from autopar.layout import LayoutError
     from autopar.train_worker import EVENT_PREFIX
 
     try:
@@ -179,7 +178,12 @@ class _Progress:
                           f"{event['seconds']:.1f} s; passes: {'; '.join(event['passes']) or '-'}")
             self.started = time.perf_counter()
             if self.fancy:
-                from rich.progress import (BarColumn, Progress, TextColumn, TimeRemainingColumn)
+                from rich.progress import (
+                    BarColumn,
+                    Progress,
+                    TextColumn,
+                    TimeRemainingColumn,
+                )
                 self.bar = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                                     TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
                                     console=console)
@@ -216,8 +220,8 @@ class _Progress:
 def cmd_estimate(args: argparse.Namespace) -> int:
     import torch
 
-    import autopar
     from autopar.cluster import ClusterSpecError
+    from autopar.compiler.planner.estimate import estimate
     from autopar.examples import load_model_spec
     from autopar.layout import Layout, LayoutError
 
@@ -226,10 +230,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
                         schedule=args.schedule, virtual_stages=args.virtual_stages,
                         amp=args.amp, zero=args.zero, recompute=args.recompute,
                         bucket_mb=args.bucket_mb)
-        cluster = _cluster_from_args(args.cluster, args.nodes, layout)
+        cluster = cluster_from_args(args.cluster, args.nodes, layout)
         with torch.device("meta"):  # nothing is allocated: weights and batch are shapes only
             example = load_model_spec(args.model)
-        pred = autopar.estimate(example.model, cluster, layout, example.batch, example.loss_fn,
+        pred = estimate(example.model, cluster, layout, example.batch, example.loss_fn,
                                 optimizer=args.optimizer)
     except (LayoutError, ClusterSpecError) as exc:
         raise SystemExit(f"autopar estimate: {exc}") from exc
@@ -239,21 +243,6 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     else:
         _print_estimate(args.model, cluster, layout, pred)
     return 0
-
-
-def _cluster_from_args(name: str, nodes: int | None, layout, nproc: int | None = None):
-    from autopar.cluster import ClusterSpec
-
-    if name == "local":
-        if nodes not in (None, 1):
-            raise SystemExit("autopar: --nodes applies to a preset or YAML cluster; "
-                             "--cluster local is this one machine (one process per device)")
-        return ClusterSpec.local(nprocs=layout.world_size if layout is not None else nproc)
-    if name.endswith((".yaml", ".yml")) or os.path.exists(name):
-        spec = ClusterSpec.from_yaml(name)
-        return spec if nodes is None else ClusterSpec.from_dict(
-            {**spec.to_dict(), "nodes": nodes}, source=name)
-    return ClusterSpec.preset(name, nodes=1 if nodes is None else nodes)
 
 
 def _print_estimate(model: str, cluster, layout, pred) -> None:
@@ -283,14 +272,15 @@ def _print_estimate(model: str, cluster, layout, pred) -> None:
 # -- autopar kernels ----------------------------------------------------------------------
 
 def cmd_kernels(args: argparse.Namespace) -> int:
-    import autopar
-    from autopar.api import run_passes
+    from autopar.api import trace
+    from autopar.compiler.passes.defaults import run_passes
+    from autopar.layout import Layout
     from autopar.compiler.codegen.listing import write_kernels
     from autopar.examples import load_model_spec
 
     example = load_model_spec(args.model)
-    tg = autopar.trace(example.model, example.batch, example.loss_fn)
-    tg, results = run_passes(tg, autopar.Layout(fusion=True))
+    tg = trace(example.model, example.batch, example.loss_fn)
+    tg, results = run_passes(tg, Layout(fusion=True))
     rows = write_kernels(tg, args.out)
     table = Table(title=f"{len(rows)} fused kernels of {args.model} ({results[-1].summary()})")
     for col in ("kernel", "kind", "role", "module", "ops"):

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from autopar.compiler.ir.graph import TensorSpec, TrainGraph
+from autopar.compiler.ir.program import Program, TensorEntry
 from autopar.layout import Layout
-from autopar.runtime.program import Program, TensorEntry
 
 
 def _entry(spec: TensorSpec) -> TensorEntry:

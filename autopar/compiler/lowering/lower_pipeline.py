@@ -18,20 +18,24 @@ import torch.fx as fx
 
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.graph import TrainGraph
-from autopar.compiler.lower import _entry
-from autopar.compiler.passes.assign_stages import STAGE, StageError
+from autopar.compiler.ir.pipeline_program import (
+    PipelineProgram,
+    StageProgram,
+    ValueSpec,
+)
+from autopar.compiler.ir.program import LOSS_SCALE_INPUT
+from autopar.compiler.ir.schedule import build as build_schedule
+from autopar.compiler.lowering.lower import _entry
+from autopar.compiler.passes.assign_stages import StageError
 from autopar.compiler.passes.builder import NodeBuilder, scale_backward_seed
 from autopar.compiler.passes.insert_allreduce import gradient_terms
 from autopar.layout import Layout
-from autopar.runtime.pipeline import PipelineProgram, StageProgram, ValueSpec
-from autopar.runtime.program import LOSS_SCALE_INPUT
-from autopar.runtime.schedule import build as build_schedule
 
 
 def _program_of(node: fx.Node) -> tuple[int, str] | None:
     if node.op != "call_function":
         return None
-    return node.meta[STAGE], ("B" if node.meta[M.ROLE] == M.Role.BACKWARD else "F")
+    return node.meta[M.STAGE], ("B" if node.meta[M.ROLE] == M.Role.BACKWARD else "F")
 
 
 def lower_pipeline(tg: TrainGraph, layout: Layout) -> PipelineProgram:
@@ -52,7 +56,7 @@ def lower_pipeline(tg: TrainGraph, layout: Layout) -> PipelineProgram:
         grad_divisor = divisor
     stages = layout.pp * layout.virtual_stages
     for node in tg.call_nodes():
-        node.meta.setdefault(STAGE, _stage_from_inputs(node))
+        node.meta.setdefault(M.STAGE, _stage_from_inputs(node))
     grad_parts = _split_shared_gradients(tg)
     members: dict[tuple[int, str], list[fx.Node]] = {(s, k): [] for s in range(stages) for k in "FB"}
     for node in tg.call_nodes():
@@ -99,18 +103,18 @@ def _split_shared_gradients(tg: TrainGraph) -> tuple[tuple[str, ...], ...]:
     parts_per_param, outputs = [], [tg.loss_node()]
     for grad in tg.grad_nodes():
         terms = gradient_terms(grad)
-        stages = sorted({t.meta[STAGE] for t in terms})
+        stages = sorted({t.meta[M.STAGE] for t in terms})
         if len(stages) == 1:
             parts = [grad]
         else:
             parts = []
             for stage in stages:
-                mine = [t for t in terms if t.meta[STAGE] == stage]
+                mine = [t for t in terms if t.meta[M.STAGE] == stage]
                 part = mine[0]
                 for term in mine[1:]:
                     part = build.at(max(part, term, key=_position(tg))).call(
                         torch.ops.aten.add.Tensor, (part, term), role=M.Role.BACKWARD)
-                    part.meta[STAGE] = stage
+                    part.meta[M.STAGE] = stage
                 parts.append(part)
         parts_per_param.append(tuple(p.name for p in parts))
         outputs += parts
@@ -141,7 +145,7 @@ def _position(tg: TrainGraph):
 
 
 def _stage_from_inputs(node: fx.Node) -> int:
-    return max((a.meta.get(STAGE, 0) for a in node.all_input_nodes), default=0)
+    return max((a.meta.get(M.STAGE, 0) for a in node.all_input_nodes), default=0)
 
 
 def _consumers(tg: TrainGraph, program_of) -> dict[fx.Node, set]:

@@ -4,7 +4,7 @@ On a GPU `torch.cuda.max_memory_allocated` answers "how much did the step hold a
 its peak"; on the CPU nothing does, so `LiveBytes` counts it: a TorchDispatchMode
 that sees every storage an op creates and notices when the last reference to it is
 gone (a storage weak reference expires). It is what the memory model
-(`autopar.compiler.planner.memory`) is judged against.
+(`autopar.compiler.analysis.memory`) is judged against.
 
     with LiveBytes() as live:
         step(*batch)
@@ -29,7 +29,10 @@ from dataclasses import dataclass
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+)
 from torch.utils._pytree import tree_leaves
 
 
@@ -102,7 +105,11 @@ class LiveBytes(TorchDispatchMode):
         """A fused region that runs its eager fallback (a CPU tensor, the default kernel
         backend) allocates inside the custom op, where this mode is not active: run the
         fallback under the mode so its intermediates count. None for any other op."""
-        from autopar.compiler.codegen.kernels import FUSED_OP, region, would_run_fallback
+        from autopar.compiler.codegen.kernels import (
+            FUSED_OP,
+            region,
+            would_run_fallback,
+        )
 
         if func is not FUSED_OP or not would_run_fallback(args[1]):
             return None

@@ -19,7 +19,7 @@ Categories at the peak: parameters, buffers, optimizer_states, inputs (static);
 gradients (the step's outputs); activations (made by forward and loss ops);
 temporaries (made by backward ops, recomputed activations included); comm_buffers
 (made by collectives and their packing). It is checked against live storage counted
-as the step runs (`autopar.runtime.live_bytes`; tests/unit/test_memory_model.py).
+as the step runs (`autopar.compiler.analysis.live_bytes`; tests/unit/test_memory_model.py).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from autopar.compiler.planner.summary import GraphSummary
+from autopar.compiler.analysis.summary import GraphSummary
+from autopar.compiler.ir.program import block_nbytes
 from autopar.layout import Layout
-from autopar.runtime.program import block_nbytes
 
 STATIC = ("parameters", "buffers", "optimizer_states", "inputs")
 CATEGORIES = STATIC + ("gradients", "activations", "temporaries", "comm_buffers")
@@ -70,7 +70,7 @@ def profile_optimizer(factory: Callable[[list[torch.nn.Parameter]], torch.optim.
                       numel: int = 4096) -> OptimizerMemory:
     """Measure an optimizer factory's memory on a dummy parameter (two steps: the first
     creates the state, the second shows the temporaries of a steady step)."""
-    from autopar.runtime.live_bytes import LiveBytes, held_bytes
+    from autopar.compiler.analysis.live_bytes import LiveBytes, held_bytes
 
     param = torch.nn.Parameter(torch.zeros(numel))
     opt = factory([param])

@@ -10,10 +10,7 @@ import sys
 
 from rich.table import Table
 
-
-def _console():
-    from autopar.cli import console  # the one console of the CLI
-    return console
+from autopar.cli.common import cluster_from_args, console
 
 
 _PLAN_CONSTRAINTS = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "amp")
@@ -22,8 +19,8 @@ _PLAN_CONSTRAINTS = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "amp"
 def cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
-    import autopar
-    from autopar.cli import _cluster_from_args
+    from autopar.compiler.planner.plan import plan as plan_layout
+    from autopar.compiler.planner.search import PlanError
     from autopar.cluster import ClusterSpecError
     from autopar.compiler.planner.report import save_trace
     from autopar.examples import load_model_spec
@@ -38,19 +35,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise SystemExit("autopar plan: --workers N needs N >= 0 and --trace-blocks (a worker "
                          "sends scaled summaries back, not an exact trace's graphs)")
     try:
-        cluster = _cluster_from_args(args.cluster, args.nodes, None, args.nproc)
+        cluster = cluster_from_args(args.cluster, args.nodes, None, args.nproc)
         with torch.device("meta"):  # nothing is allocated: weights and batch are shapes only
             example = load_model_spec(args.model)
         with _PlanProgress(fancy=sys.stdout.isatty() and not args.json) as show:
-            plan = autopar.plan(example.model, cluster, example.batch, example.loss_fn,
+            plan = plan_layout(example.model, cluster, example.batch, example.loss_fn,
                                 optimizer=args.optimizer, progress=show,
                                 trace_blocks=args.trace_blocks, workers=args.workers,
                                 **constraints)
-    except (LayoutError, ClusterSpecError, autopar.PlanError) as exc:
+    except (LayoutError, ClusterSpecError, PlanError) as exc:
         raise SystemExit(f"autopar plan: {exc}") from exc
     for path in args.report or ():
         plan.save_report(path)
-        _console().print(f"report written to {path}")
+        console.print(f"report written to {path}")
     if args.trace:
         save_trace(plan, args.trace)
     if args.json:
@@ -63,15 +60,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _print_plan(model: str, cluster, plan) -> None:
     from autopar.compiler.planner.report import headline
 
-    _console().print(f"[bold]{model}[/bold]")
+    console.print(f"[bold]{model}[/bold]")
     for line in headline(plan):
-        _console().print(line)
+        console.print(line)
     table = Table(title="best alternatives")
     for col in ("layout", "step ms", "why not"):
         table.add_column(col)
     for lay, pred, why in plan.alternatives[:8]:
         table.add_row(str(lay), f"{pred.step_time_s * 1e3:.4g}", why)
-    _console().print(table)
+    console.print(table)
 
 
 class _PlanProgress:
@@ -84,7 +81,7 @@ class _PlanProgress:
         if self.fancy:
             from rich.progress import BarColumn, Progress, TextColumn
             self.bar = Progress(TextColumn("costing {task.completed}/{task.total}"), BarColumn(),
-                                TextColumn("{task.fields[layout]}"), console=_console(),
+                                TextColumn("{task.fields[layout]}"), console=console,
                                 transient=True)
             self.bar.start()
         return self
@@ -121,21 +118,21 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     spec.to_yaml(args.output)
     if measured.gpu is not None:
         peaks = ", ".join(f"{dtype} {flops / 1e12:.1f}" for dtype, flops in measured.gpu_flops)
-        _console().print(f"{measured.gpu}: matmul TFLOP/s {peaks}, memory "
+        console.print(f"{measured.gpu}: matmul TFLOP/s {peaks}, memory "
                          f"{measured.memory_bandwidth / 1e9:.0f} GB/s, "
                          f"{measured.launch_overhead_s * 1e6:.1f} us per kernel; NCCL all-reduce "
                          f"{measured.link_bandwidth / 1e9:.1f} GB/s, "
                          f"{measured.link_latency_s * 1e6:.1f} us per step (fit over "
                          f"{len(measured.all_reduce)} sizes)")
     else:
-        _console().print(f"matmul {measured.matmul_flops / 1e9:.1f} GFLOP/s, memory "
+        console.print(f"matmul {measured.matmul_flops / 1e9:.1f} GFLOP/s, memory "
                          f"{measured.memory_bandwidth / 1e9:.1f} GB/s (fresh pages "
                          f"{measured.first_touch_bandwidth / 1e9:.1f} GB/s), "
                          f"{measured.launch_overhead_s * 1e6:.1f} us per op per process; gloo "
                          f"all-reduce {measured.link_bandwidth / 1e9:.2f} GB/s, "
                          f"{measured.link_latency_s * 1e6:.0f} us per step (fit over "
                          f"{len(measured.all_reduce)} sizes)")
-    _console().print(f"cluster spec written to {args.output} (peaks = measured / efficiency)")
+    console.print(f"cluster spec written to {args.output} (peaks = measured / efficiency)")
     return 0
 
 
@@ -153,7 +150,7 @@ def _fit_to_model(spec, model: str, nproc: int):
     factors = fit_model(example.model, batch, example.loss_fn, spec)
     shown = ", ".join(f"{k} x{v:.2f}" for k, v in sorted(factors.items(), key=lambda kv: -abs(
         kv[1] - 1))[:6])
-    _console().print(f"fitted to {model} ({len(factors)} factors; furthest from the roofline: "
+    console.print(f"fitted to {model} ({len(factors)} factors; furthest from the roofline: "
                      f"{shown})")
     data = spec.to_dict()
     return ClusterSpec.from_dict({**data, "device": {**data["device"], "op_time_factors": factors}},
@@ -170,7 +167,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     def show(row) -> None:
         if not args.json:
-            _console().print(f"{row.layout}: predicted {row.predicted_s * 1e3:.1f} ms, measured "
+            console.print(f"{row.layout}: predicted {row.predicted_s * 1e3:.1f} ms, measured "
                           f"{row.measured_s * 1e3:.1f} ms, error {row.error:+.1%}")
 
     rows = validate(args.model, cluster, layouts, args.steps, args.warmup, progress=show)
@@ -178,7 +175,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
         print(json.dumps([{"layout": r.layout.to_dict(), "predicted_s": r.predicted_s,
                            "measured_s": r.measured_s, "error": r.error} for r in rows], indent=1))
     else:
-        _console().print(f"median |error| over {len(rows)} layouts: {median_abs_error(rows):.1%}")
+        console.print(f"median |error| over {len(rows)} layouts: {median_abs_error(rows):.1%}")
     return 0
 
 

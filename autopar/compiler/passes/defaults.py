@@ -1,13 +1,19 @@
-"""The default pass pipeline for a Layout (DESIGN.md's order, as passes land)."""
+"""The default list of passes for a Layout, in the order they run, and `run_passes`,
+which runs a list of passes on a TrainGraph under the PassManager."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
+from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.passes.amp import AutoMixedPrecision
 from autopar.compiler.passes.assign_stages import AssignStages
-from autopar.compiler.passes.base import GraphPass
+from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
 from autopar.compiler.passes.fuse_regions import FuseRegions
 from autopar.compiler.passes.global_loss_mean import GlobalLossMean
 from autopar.compiler.passes.insert_allreduce import InsertAllReduce
+from autopar.compiler.passes.manager import PassManager, get_pass
 from autopar.compiler.passes.recompute import Recompute
 from autopar.compiler.passes.shard_parameters import ShardParameters
 from autopar.compiler.passes.tensor_parallel import TensorParallel
@@ -21,7 +27,7 @@ def is_pipelined(layout: Layout) -> bool:
 
 
 def forward_level_passes(layout: Layout) -> list[GraphPass]:
-    """The passes of the default pipeline that re-trace the forward, in order. They read
+    """The passes of the default list that re-trace the forward, in order. They read
     only `forward_level_fields` of the layout: layouts equal in those share their graph
     (the planner rewrites it once for every dp, ZeRO stage and bucket size)."""
     first: list[GraphPass] = [TensorParallel()] if layout.tp > 1 else []
@@ -64,3 +70,16 @@ def default_passes(layout: Layout) -> list[GraphPass]:
         return first + [AssignStages()] + last
     sync = [InsertAllReduce()] if layout.dp > 1 else []
     return first + sync + ([ShardParameters()] if layout.zero == 3 else []) + last
+
+
+def run_passes(tg: TrainGraph, layout: Layout, cluster: Any = None,
+               passes: Sequence[GraphPass | str] | None = None,
+               dump_dir: str | None = None,
+               options: dict[str, Any] | None = None) -> tuple[TrainGraph, list[PassResult]]:
+    """Rewrite `tg` with the default passes for `layout` (or `passes`: pass objects or
+    registered names); `options` become PassContext.options (e.g. "amp_lists");
+    `dump_dir`: write the IR after each pass there."""
+    chosen = default_passes(layout) if passes is None else [
+        get_pass(p) if isinstance(p, str) else p for p in passes]
+    manager = PassManager(chosen, dump_dir=dump_dir)
+    return manager.run(tg, PassContext(layout=layout, cluster=cluster, options=options or {}))

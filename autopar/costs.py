@@ -1,0 +1,161 @@
+"""The cost formulas: seconds of one op and of one collective on a cluster's devices
+and links, and of an optimizer step. Pure functions of sizes, a ClusterSpec and a Layout;
+they know nothing of graphs, so passes (stage balancing, tensor-parallel placements,
+recomputation) and the planner's graph cost model (compiler/planner/cost_model.py)
+price with the same numbers.
+
+- compute: a roofline per op, max(flops / (peak * e_compute), bytes / (bw * e_memory));
+- collectives: alpha-beta (latency + bytes / bandwidth) on the link the mesh dimension
+  maps to: NVLink-class `intra_node` when the group fits in a node, else `inter_node`
+  with the hierarchical all-reduce over the group's ranks on each node.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from autopar.cluster import ClusterSpec, LinkSpec
+from autopar.layout import Layout
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Fractions of the datasheet peaks that real kernels reach. The defaults are
+    assumptions until `autopar calibrate` fits them to measurements: large GEMMs in
+    cuBLAS typically reach 60-80% of dense peak, streaming kernels 80-90% of HBM
+    bandwidth, NCCL's bus bandwidth 70-90% of the link's."""
+
+    compute: float = 0.7
+    memory: float = 0.8
+    link: float = 0.8
+
+    def __post_init__(self) -> None:
+        for name in ("compute", "memory", "link"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ValueError(f"Efficiency.{name} must be in (0, 1], got {value!r}")
+
+DEFAULT_EFFICIENCY = Efficiency()
+
+# optimizer kind -> state tensors per parameter, each the size of the parameter
+# (torch.optim keeps them in the parameter's dtype), and a per-tensor step counter
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}
+
+
+def op_time(flops: float, nbytes: float, peak_flops: float, memory_bandwidth: float,
+            eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    """Roofline: an op is bound by its arithmetic or by its memory traffic."""
+    return max(flops / (peak_flops * eff.compute), nbytes / (memory_bandwidth * eff.memory))
+
+# a CPU allocation above glibc's largest mmap threshold (32 MiB on 64-bit) is mapped
+# fresh from the OS, so each of its pages faults and is zeroed on first touch
+MMAP_THRESHOLD = 32 * 2**20
+
+
+def kernel_time(target: str, flops: float, nbytes: float, allocates: int, dtype: str | None,
+                cluster: ClusterSpec, eff: Efficiency = DEFAULT_EFFICIENCY,
+                first_touch: bool = True) -> float:
+    """One op: launch + roofline + first touch of a large fresh allocation (a CPU), times
+    the device's fitted factor for the op (`autopar calibrate --model`)."""
+    device = cluster.device
+    seconds = device.launch_overhead_s
+    if flops or nbytes:
+        peak = cluster.peak_flops_for(dtype or "fp32") if flops else 1.0
+        seconds += op_time(flops, nbytes, peak, device.memory_bandwidth, eff)
+    if first_touch and device.first_touch_bandwidth and allocates > MMAP_THRESHOLD:
+        seconds += allocates / device.first_touch_bandwidth
+    return seconds * device.op_time_factors.get(target, 1.0)
+
+
+def ring_all_reduce(nbytes: float, p: int, link: LinkSpec, eff: float = 1.0) -> float:
+    """Reduce-scatter then all-gather around a ring: 2(p-1) steps of n/p bytes."""
+    if p <= 1:
+        return 0.0
+    return 2 * (p - 1) / p * nbytes / (link.bandwidth * eff) + 2 * (p - 1) * link.latency_s
+
+
+def tree_all_reduce(nbytes: float, p: int, link: LinkSpec, eff: float = 1.0) -> float:
+    """Pipelined binary tree: reduce up, broadcast down; each rank sends and receives
+    the whole message once per direction, latency grows with the depth log2(p)."""
+    if p <= 1:
+        return 0.0
+    return 2 * nbytes / (link.bandwidth * eff) + 2 * math.ceil(math.log2(p)) * link.latency_s
+
+
+def ring_all_gather(nbytes: float, p: int, link: LinkSpec, eff: float = 1.0) -> float:
+    """All-gather (or reduce-scatter) of an n-byte full tensor: p-1 steps of n/p bytes."""
+    if p <= 1:
+        return 0.0
+    return (p - 1) / p * nbytes / (link.bandwidth * eff) + (p - 1) * link.latency_s
+
+
+def flat_all_reduce(nbytes: float, p: int, link: LinkSpec, eff: float = 1.0) -> float:
+    """NCCL chooses ring or tree per message size; the model takes the faster."""
+    return min(ring_all_reduce(nbytes, p, link, eff), tree_all_reduce(nbytes, p, link, eff))
+
+
+def hierarchical_all_reduce(nbytes: float, per_node: int, nodes: int, intra: LinkSpec,
+                            inter: LinkSpec, eff: float = 1.0) -> float:
+    """Intra-node reduce-scatter, inter-node all-reduce of each rank's n/per_node shard
+    (per_node such all-reduces run at once, one per device's network port), intra-node
+    all-gather."""
+    return (2 * ring_all_gather(nbytes, per_node, intra, eff)
+            + flat_all_reduce(nbytes / per_node, nodes, inter, eff))
+
+
+def collective_time(kind: str, nbytes: float, group_size: int, cluster: ClusterSpec,
+                    stride: int = 1, eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    """Seconds for one collective over `group_size` ranks `stride` apart (the product of
+    the inner mesh dimensions); nbytes is the full tensor (the reduced one, or the
+    gathered output). Ranks are numbered node-major, so a node holds
+    min(group_size, devices_per_node // stride) of the group, at least one: a
+    data-parallel group outside tp = 8 on 8-GPU nodes has one rank per node, and its
+    all-reduce crosses the network whole (each device has its own network port)."""
+    if kind not in ("all_reduce", "all_gather", "reduce_scatter"):
+        raise ValueError(f"unknown collective {kind!r}; expected all_reduce, all_gather "
+                         "or reduce_scatter")
+    if group_size <= 1:
+        return 0.0
+    spans_nodes = group_spans_nodes(group_size, stride, cluster)
+    link = cluster.inter_node if spans_nodes else cluster.intra_node
+    if kind != "all_reduce":
+        # a ring across nodes runs at the pace of its slowest (network) hop
+        return ring_all_gather(nbytes, group_size, link, eff.link)
+    if not spans_nodes:
+        return flat_all_reduce(nbytes, group_size, link, eff.link)
+    per_node = max(1, min(group_size, cluster.devices_per_node // stride))
+    return hierarchical_all_reduce(nbytes, per_node, math.ceil(group_size / per_node),
+                                   cluster.intra_node, cluster.inter_node, eff.link)
+
+
+def group_spans_nodes(group_size: int, stride: int, cluster: ClusterSpec) -> bool:
+    """Whether a mesh dimension's group crosses a node boundary. Its ranks are `stride`
+    apart (the product of the inner mesh dimensions: 1 for dp while tp = pp = 1)."""
+    return group_size * stride > cluster.devices_per_node
+
+
+def mesh_dim_sizes(layout: Layout) -> dict[str, tuple[int, int]]:
+    """mesh dimension -> (group size, stride), mesh order (pp, dp, tp) with tp innermost."""
+    return {"tp": (layout.tp, 1), "dp": (layout.dp, layout.tp), "pp": (layout.pp, layout.tp * layout.dp)}
+
+
+def optimizer_traffic(param_bytes: int, optimizer: str) -> int:
+    """Bytes an elementwise optimizer step streams for `param_bytes` of parameters."""
+    return param_bytes * (3 + 2 * OPTIMIZER_STATES[check_optimizer(optimizer)])
+
+
+def optimizer_time(param_bytes: int, optimizer: str, cluster: ClusterSpec,
+                   eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    """The optimizer step over `param_bytes` of parameters: its traffic at the memory
+    roofline, times the device's fitted factor "optimizer.<kind>"."""
+    seconds = optimizer_traffic(param_bytes, optimizer) / (cluster.device.memory_bandwidth
+                                                           * eff.memory)
+    return seconds * cluster.device.op_time_factors.get(f"optimizer.{optimizer}", 1.0)
+
+
+def check_optimizer(optimizer: str) -> str:
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer kind {optimizer!r}; expected one of "
+                         f"{', '.join(OPTIMIZER_STATES)}")
+    return optimizer
