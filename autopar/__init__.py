@@ -8,7 +8,7 @@ from autopar.api import compile, trace
 from autopar.cluster import ClusterSpec
 from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.ir.trace import TraceError
-from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
+from autopar.compiler.passes.base import GraphPass, PassContext, PassOptions, PassResult
 from autopar.compiler.passes.defaults import default_passes, run_passes
 from autopar.compiler.passes.manager import PassManager, register_pass
 from autopar.compiler.planner.estimate import estimate
@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError", "ClusterSpec", "Efficiency", "GraphPass", "Layout", "LayoutError",
-    "PassContext", "PassManager", "PassResult", "Plan", "PlanError", "Prediction", "TraceError",
-    "TrainGraph", "WorldSizeError", "compile", "default_passes", "estimate", "plan",
-    "register_pass", "run_passes", "trace",
+    "PassContext", "PassManager", "PassOptions", "PassResult", "Plan", "PlanError",
+    "Prediction", "TraceError", "TrainGraph", "WorldSizeError", "compile", "default_passes",
+    "estimate", "plan", "register_pass", "run_passes", "trace",
 ]

@@ -9,10 +9,10 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
+from autopar.cluster import ClusterSpec
 from autopar.compiler.analysis.memory import profile_optimizer
 from autopar.compiler.ir.batch import Batch, LossFn, Objective
 from autopar.compiler.ir.graph import TrainGraph
@@ -20,7 +20,7 @@ from autopar.compiler.ir.trace import local_example, trace_train_step
 from autopar.compiler.lowering.lower import to_program
 from autopar.compiler.lowering.lower_pipeline import lower_pipeline
 from autopar.compiler.passes.amp_policy import parse_amp_lists
-from autopar.compiler.passes.base import GraphPass
+from autopar.compiler.passes.base import GraphPass, PassOptions
 from autopar.compiler.passes.defaults import is_pipelined, run_passes
 from autopar.compiler.planner.result import Plan
 from autopar.layout import Layout, LayoutError
@@ -43,7 +43,8 @@ def trace(model: torch.nn.Module, example_inputs: Batch,
     return trace_train_step(model, flat, objective)
 
 
-def compile(model: torch.nn.Module, cluster: Any = None,  # noqa: A001 - the contract's name
+def compile(model: torch.nn.Module,  # noqa: A001 - the contract's name
+            cluster: ClusterSpec | None = None,
             example_inputs: Batch = (), loss_fn: LossFn | None = None,
             optimizer: OptimizerFactory = _default_optimizer, layout: Layout | Plan | None = None,
             passes: Sequence[GraphPass | str] | None = None,
@@ -82,13 +83,14 @@ def compile(model: torch.nn.Module, cluster: Any = None,  # noqa: A001 - the con
         raise ValueError("compile needs example_inputs: one global batch, as passed to the step")
     local = local_example(example_inputs, layout)
     tg = trace_train_step(model, local, objective)
-    options = {"amp_lists": amp_lists} if amp_lists else {}
-    if layout.tp > 1:  # each rank's program holds its own blocks (tp is the inner mesh dim)
-        options["tp_rank"] = launched_rank() % layout.tp
-    if layout.recompute == "auto":  # what the user's optimizer holds, for the budget
-        options["optimizer_memory"] = profile_optimizer(optimizer)
-    if layout.zero >= 2:  # which block of each gathered embedding table this rank keeps
-        options["dp_rank"] = launched_rank() // (layout.tp * layout.pp) % layout.dp
+    options = PassOptions(
+        # each rank's program holds its own blocks (tp is the inner mesh dim)
+        tp_rank=launched_rank() % layout.tp,
+        # which block of each gathered embedding table this rank keeps
+        dp_rank=launched_rank() // (layout.tp * layout.pp) % layout.dp if layout.zero >= 2 else 0,
+        # what the user's optimizer holds, for recompute="auto"'s memory budget
+        optimizer_memory=profile_optimizer(optimizer) if layout.recompute == "auto" else "adamw",
+        amp_lists=amp_lists or None)
     tg, results = run_passes(tg, layout, cluster, passes, options=options,
                              dump_dir=os.environ.get("AUTOPAR_DUMP"))
     if layout.amp != "off" and "amp" not in tg.provides:
@@ -109,7 +111,6 @@ def compile(model: torch.nn.Module, cluster: Any = None,  # noqa: A001 - the con
 def _plan_for_job(model, cluster, example_inputs: tuple, loss_fn, optimizer,
                   world: int) -> Plan:
     """autopar.plan for `compile(layout=None)` on this job's processes."""
-    from autopar.cluster import ClusterSpec
     from autopar.compiler.planner.plan import plan
 
     if not example_inputs:

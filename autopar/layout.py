@@ -101,8 +101,15 @@ class Layout:
         unknown = changes.keys() - _FIELD_NAMES
         if unknown:
             raise TypeError(f"Layout has no field {sorted(unknown)[0]!r}")
+        # Construction, not mutation: the new instance's fields are written into its
+        # __dict__ before anyone holds it, as the frozen dataclass's __init__ writes them
+        # with object.__setattr__ (neither goes through the frozen __setattr__). Safe
+        # because a Layout is nothing but its fields (no __slots__, no derived or cached
+        # attribute to fill) and `validate` is all __post_init__ does, run here too;
+        # fast because it skips __init__'s per-field setattr calls and
+        # dataclasses.replace's field introspection.
         new = object.__new__(Layout)
-        fields = new.__dict__  # frozen: filled in place, as __init__ does
+        fields = new.__dict__
         fields.update({name: self.__dict__[name] for name in _FIELD_NAMES})
         fields.update(changes)
         new.validate()

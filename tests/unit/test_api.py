@@ -63,8 +63,8 @@ def test_docs_pass_example_runs():
     layout = autopar.Layout()
     new, results = autopar.run_passes(tg, layout, passes=["scale_loss_gradient"])
     assert not results[0].changed and results[0].declined
-    pm = autopar.PassManager([namespace["ScaleLossGradient"]()])
-    new, results = pm.run(tg, autopar.PassContext(layout, options={"loss_scale": 2.0}))
+    pm = autopar.PassManager([namespace["ScaleLossGradient"](scale=2.0)])
+    new, results = pm.run(tg, autopar.PassContext(layout))
     with torch.no_grad():
         plain = tg.gm(*ex.model.parameters(), *ex.batch)
         scaled = new.gm(*ex.model.parameters(), *ex.batch)

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import traceback
+
 import pytest
 import torch
 
 from autopar.compiler.ir import meta as M
-from autopar.compiler.ir.trace import trace_train_step
+from autopar.compiler.ir.trace import retrace, trace_train_step
 from autopar.compiler.ir.verify import VerificationError
-from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
+from autopar.compiler.passes.assign_stages import StageError
+from autopar.compiler.passes.base import GraphPass, PassContext, PassOptions, PassResult
+from autopar.compiler.passes.defaults import run_passes
 from autopar.compiler.passes.insert_allreduce import InsertAllReduce
 from autopar.compiler.passes.manager import (PassManager, PassOrderError, get_pass,
                                              register_pass, registered_passes)
@@ -56,9 +61,73 @@ def test_pass_whose_requirement_is_missing_is_refused_and_suppliers_named(tiny_g
     assert all(r.seconds >= 0 for r in results)
 
 
-def test_verifier_runs_after_each_pass(tiny_graph):
-    with pytest.raises(VerificationError, match="created by tracing lacks metadata"):
-        PassManager([DropsMetadata()]).run(tiny_graph, PassContext())
+@register_pass
+class FailsOnPurpose(GraphPass):
+    """Raises the error type a caller may catch (StageError), as a real pass would."""
+
+    name = "test_fails_on_purpose"
+
+    def run(self, tg, ctx):
+        raise StageError("cannot cut this model on purpose")
+
+
+def test_verifier_runs_after_each_pass_and_names_the_pass(tiny_graph):
+    with pytest.raises(VerificationError, match="created by tracing lacks metadata") as caught:
+        PassManager([CutsStages(), DropsMetadata()]).run(tiny_graph, PassContext())
+    assert str(caught.value).startswith(
+        "pass 'drops_metadata' returned an invalid graph (pass 2 of 2; ran before it: "
+        "'cuts_stages'): node ")
+
+
+def test_a_failing_pass_is_named_with_the_passes_before_it(tiny_graph):
+    """The error keeps its type and message (callers catch it, tests match it) and gains
+    a note naming the pass, its place and what ran before it, shown in tracebacks."""
+    with pytest.raises(StageError, match="on purpose\nin pass 'test_fails_on_purpose'") as caught:
+        run_passes(tiny_graph, Layout(), passes=[CutsStages(), "test_fails_on_purpose"])
+    assert str(caught.value) == "cannot cut this model on purpose"
+    note = "in pass 'test_fails_on_purpose' (pass 2 of 2; ran before it: 'cuts_stages')"
+    assert caught.value.__notes__ == [note]
+    assert note in "".join(traceback.format_exception(caught.value))
+    with pytest.raises(StageError) as caught:
+        PassManager([FailsOnPurpose()]).run(tiny_graph, PassContext())
+    assert caught.value.__notes__ == [
+        "in pass 'test_fails_on_purpose' (pass 1 of 1; ran before it: none)"]
+
+
+class _FailingHook:
+    """A forward hook that fails when the step is traced with it."""
+
+    def call_function(self, node, args, kwargs, run):
+        raise RuntimeError("the hook fails on purpose")
+
+
+class DefersAFailingRetrace(GraphPass):
+    name = "defers_a_failing_retrace"
+    requires = frozenset({"traced", "retraceable"})
+    invalidates = frozenset()
+
+    def run(self, tg, ctx):
+        assert ctx.may_defer_retrace
+        return retrace(tg, _FailingHook(), deferred=True), PassResult(self.name, changed=True)
+
+
+class RetracesLater(GraphPass):
+    """Reads only the source, like AMP; here it leaves the graph as it came (AMP off)."""
+
+    name = "retraces_later"
+    requires = frozenset({"traced", "retraceable"})
+    invalidates = frozenset()
+    retraces_from_source = True
+
+    def run(self, tg, ctx):
+        return tg, PassResult(self.name, changed=False)
+
+
+def test_a_failing_deferred_retrace_names_the_pass_that_left_it(tiny_graph):
+    with pytest.raises(RuntimeError, match="the hook fails on purpose") as caught:
+        PassManager([DefersAFailingRetrace(), RetracesLater()]).run(tiny_graph, PassContext())
+    assert ("in the re-trace pass 'defers_a_failing_retrace' left to the next pass (passes "
+            "run: 'defers_a_failing_retrace', 'retraces_later')") in caught.value.__notes__
 
 
 def test_input_graph_is_never_modified(tiny_graph):
@@ -92,10 +161,29 @@ def test_user_pass_registration():
         get_pass("nope")
 
 
-def test_context_is_frozen():
-    ctx = PassContext(options={"a": 1})
+def test_context_and_options_are_frozen_and_typed(tiny_graph):
+    ctx = PassContext(options={"tp_rank": 1, "pipeline_cuts": ["h.2"],
+                               "amp_lists": {"white": ["mm"]}})
+    assert isinstance(ctx.options, PassOptions)
+    assert (ctx.options.tp_rank, ctx.options.pipeline_cuts) == (1, ("h.2",))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.options.tp_rank = 2
     with pytest.raises(TypeError):
-        ctx.options["a"] = 2
+        ctx.options.amp_lists["black"] = ["mm"]
+    assert PassContext().options == PassOptions()
+    known = r"\['tp_rank', 'dp_rank', 'optimizer_memory', 'memory_budget', 'pipeline_cuts', 'amp_lists'\]"
+    with pytest.raises(TypeError, match=r"unknown pass option\(s\) \['loss_scale'\]; the options are "
+                       + known):
+        PassContext(options={"loss_scale": 2.0})
+    with pytest.raises(TypeError, match=r"unknown pass option\(s\) \['tp'\]"):
+        run_passes(tiny_graph, Layout(), passes=[], options={"tp": 1})
+    with pytest.raises(ValueError, match="tp_rank must be an int >= 0, got -1"):
+        PassOptions(tp_rank=-1)
+    with pytest.raises(ValueError, match="unknown optimizer kind 'lion'"):
+        PassOptions(optimizer_memory="lion")
+    with pytest.raises(TypeError, match="the cluster must be an autopar.ClusterSpec or None, "
+                       "got str 'dgx-h100'"):
+        PassContext(cluster="dgx-h100")
 
 
 def _two_layer_mlp():

@@ -13,6 +13,7 @@ import pytest
 import autopar
 from autopar.compiler.planner import search as S
 from autopar.compiler.planner.estimate import Estimator
+from autopar.compiler.planner.rewrites import Rewrites
 from autopar.compiler.planner.workers import CHILD, PARENT, PENDING, available
 from autopar.examples import causal_lm_loss
 from tests.unit.test_cost_model import meta_gpt2
@@ -52,14 +53,14 @@ def test_workers_rewrite_their_groups_and_the_parent_only_costs(gpt8, monkeypatc
     est = Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2)
     est.start_workers(2, unpipelined, lambda lay: 1.0)  # every group near the least bound
     try:
-        workers = set(est.workers.values())
+        workers = set(est.workers.by_group.values())
         assert len(workers) == 2 and all(w.process.is_alive() for w in workers)
-        mine = [lay for lay in unpipelined if est.group_of(lay) not in est.workers]
-        theirs = [lay for lay in unpipelined if est.group_of(lay) in est.workers]
+        mine = [lay for lay in unpipelined if est.group_of(lay) not in est.workers.by_group]
+        theirs = [lay for lay in unpipelined if est.group_of(lay) in est.workers.by_group]
         assert mine and theirs
         rewrites = []  # what the parent rewrites from here on (the workers forked before)
-        monkeypatch.setattr(Estimator, "_run_passes", _recording(Estimator._run_passes,
-                                                                 rewrites, est))
+        monkeypatch.setattr(Rewrites, "run_passes", _recording(Rewrites.run_passes,
+                                                               rewrites, est.rewrites))
         for lay in unpipelined:
             assert est.predict(lay) == alone.predict(lay), lay
         # the parent rewrote its own groups and those it took back before a worker
@@ -87,12 +88,13 @@ def test_a_group_no_worker_has_started_is_taken_back_and_rewritten_here(gpt8):
     groups = list(dict.fromkeys(est.group_of(lay) for lay in unpipelined))
     assert len(groups) > 2
     worker = RewriteWorker(est, [], groups[1:])  # nothing ahead: it starts none of them
-    est.workers = dict.fromkeys(groups[1:], worker)
+    est.workers.by_group = dict.fromkeys(groups[1:], worker)
     try:
         assert all(worker.claims[k] == PENDING for k in worker.slots.values())
         for lay in unpipelined:
             assert est.predict(lay) == alone.predict(lay), lay
-        assert not est.workers and all(worker.claims[k] == PARENT for k in worker.slots.values())
+        assert not est.workers.by_group
+        assert all(worker.claims[k] == PARENT for k in worker.slots.values())
     finally:
         worker.close()
     assert not worker.process.is_alive()
@@ -104,19 +106,19 @@ def test_a_workers_refusal_is_the_searchs_and_a_dead_workers_layouts_come_home(
     candidates = S.candidate_layouts(CLUSTER, 16, 8, {"amp": "bf16"})
     unpipelined = [lay for lay in candidates if lay.pp == 1]
     est = Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2)
-    original = Estimator._run_passes
+    original = Rewrites.run_passes
 
     def refuse(self, traced, trace_key, layout, options):
         if layout.zero == 1:
             raise ValueError(f"no placement for {layout}")
         return original(self, traced, trace_key, layout, options)
 
-    monkeypatch.setattr(Estimator, "_run_passes", refuse)  # the workers fork with it
+    monkeypatch.setattr(Rewrites, "run_passes", refuse)  # the workers fork with it
     est.start_workers(1, unpipelined, lambda lay: 1.0)  # every group near the least bound
     try:
-        theirs = [lay for lay in unpipelined if est.group_of(lay) in est.workers]
+        theirs = [lay for lay in unpipelined if est.group_of(lay) in est.workers.by_group]
         refused = next(lay for lay in theirs if lay.zero == 1)
-        worker = est.workers[est.group_of(refused)]
+        worker = est.workers.by_group[est.group_of(refused)]
         _wait_for_child(worker, est.group_of(refused))  # else the parent takes it back
         with pytest.raises(ValueError, match="no placement for"):
             est.predict(refused)
@@ -218,7 +220,7 @@ def test_what_a_child_rewrote_ahead_is_taken_without_asking(gpt8, monkeypatch):
     groups = list(dict.fromkeys(est.group_of(lay) for lay in flat))[:2]
     ahead = [next(lay for lay in flat if est.group_of(lay) == g) for g in groups]
     worker = RewriteWorker(est, ahead, groups)
-    est.workers = dict.fromkeys(groups, worker)
+    est.workers.by_group = dict.fromkeys(groups, worker)
     try:
         deadline = time.monotonic() + 300
         while len(worker.ready) < len(ahead) and time.monotonic() < deadline:
@@ -244,23 +246,24 @@ def test_the_parent_rewrites_a_group_the_child_has_not_started_instead_of_waitin
     alone = Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2)
     est = Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2)
     slow, later = list(dict.fromkeys(est.group_of(lay) for lay in flat))[:2]
-    original = Estimator._run_passes
+    original = Rewrites.run_passes
 
     def slow_child(self, traced, trace_key, layout, options):
         if self.group_of(layout) == slow:  # only the child rewrites it: long enough for
             time.sleep(3)                  # the parent to ask while it is at it
         return original(self, traced, trace_key, layout, options)
 
-    monkeypatch.setattr(Estimator, "_run_passes", slow_child)  # the child forks with it
+    monkeypatch.setattr(Rewrites, "run_passes", slow_child)  # the child forks with it
     first = next(lay for lay in flat if est.group_of(lay) == slow)
     second = next(lay for lay in flat if est.group_of(lay) == later)
     worker = RewriteWorker(est, [first, second], [slow, later])
-    est.workers = dict.fromkeys([slow, later], worker)
+    est.workers.by_group = dict.fromkeys([slow, later], worker)
     try:
         _wait_for_child(worker, slow)
         assert est.predict(first) == alone.predict(first)
         # while the child was at `slow`, the parent took `later` and rewrote it itself
-        assert worker.claims[worker.slots[later]] == PARENT and later not in est.workers
+        assert worker.claims[worker.slots[later]] == PARENT
+        assert later not in est.workers.by_group
         assert est.predict(second) == alone.predict(second)
     finally:
         worker.close()
@@ -277,14 +280,14 @@ def test_the_parent_steals_first_a_group_whose_trace_it_has(gpt8, monkeypatch):
     est = Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2)
     groups = list(dict.fromkeys(est.group_of(lay) for lay in flat))[:4]
     assert len({g[0] for g in groups}) == 4  # four micro-batch sizes: four traces
-    original = Estimator._run_passes
+    original = Rewrites.run_passes
 
     def slow_child(self, traced, trace_key, layout, options):
         if self.group_of(layout) == groups[0]:
             time.sleep(3)  # the child stays at the first group while the parent steals
         return original(self, traced, trace_key, layout, options)
 
-    monkeypatch.setattr(Estimator, "_run_passes", slow_child)
+    monkeypatch.setattr(Rewrites, "run_passes", slow_child)
     ahead = [next(lay for lay in flat if est.group_of(lay) == g) for g in groups]
     worker = RewriteWorker(est, ahead, groups)
     try:

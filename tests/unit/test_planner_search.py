@@ -4,6 +4,7 @@ its errors."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import re
@@ -54,15 +55,17 @@ def test_the_chosen_layout_is_the_fastest_that_fits(shape, blocks, bounded, data
     fitting = [lay for lay in candidates if costs[lay].peak_memory_bytes <= capacity]
     if not fitting:  # the error names the smallest peak, bounds or not
         with pytest.raises(S.PlanError, match="fits no layout|could be costed") as info:
-            S.search(candidates, costs.__getitem__, c, bound=bound, memory_bound=memory_bound,
-                     memory_floor=memory_floor)
+            S.search(candidates, S.Costing(costs.__getitem__, bound=bound,
+                                           memory_bound=memory_bound,
+                                           memory_floor=memory_floor), c)
         with pytest.raises(S.PlanError) as unbounded:
-            S.search(candidates, costs.__getitem__, c)
+            S.search(candidates, S.Costing(costs.__getitem__), c)
         assert str(info.value) == str(unbounded.value)
         return
     timed = (lambda lay: costs[lay].step_time_s) if bounded else None
-    plan = S.search(candidates, costs.__getitem__, c, bound=bound, memory_bound=memory_bound,
-                    timed=timed, memory_floor=memory_floor)
+    plan = S.search(candidates, S.Costing(costs.__getitem__, bound=bound,
+                                          memory_bound=memory_bound, timed=timed,
+                                          memory_floor=memory_floor), c)
     for lay, why in plan.skipped:  # not costed: slower than the plan, or cannot fit
         assert why.startswith("not costed") and bounded
         assert (costs[lay].step_time_s >= below[lay] > plan.predicted.step_time_s
@@ -123,21 +126,21 @@ def test_the_memory_floor_changes_neither_the_plan_nor_the_refusal(shape, room, 
     rounds = S.refinements({})
     # as autopar.plan searches: recomputation tried as layouts are found over memory
     # (not in rounds), skipped where the layout without it is slower than a fitting one
-    eager = dict(refine=S.refinements({}, recompute=False), variants=S.recompute_variants({}),
-                 prepared=lambda lay: data.draw(st.booleans()))
+    floored = S.Costing(predict, bound=bound, timed=timed, memory_floor=floor)
+    eager = (S.refinements({}, recompute=False),
+             dataclasses.replace(floored, variants=S.recompute_variants({}),
+                                 prepared=lambda lay: data.draw(st.booleans())))
     try:
-        plain = S.search(candidates, predict, c, refine=rounds)
+        plain = S.search(candidates, S.Costing(predict), c, refine=rounds)
     except S.PlanError as exc:
-        for more in ({"refine": rounds}, eager):
-            with pytest.raises(S.PlanError) as floored:
-                S.search(candidates, predict, c, bound=bound, timed=timed, memory_floor=floor,
-                         **more)
-            assert str(floored.value) == str(exc)
+        for more, costing in ((rounds, floored), eager):
+            with pytest.raises(S.PlanError) as refused:
+                S.search(candidates, costing, c, refine=more)
+            assert str(refused.value) == str(exc)
         return
-    fast = S.search(candidates, predict, c, refine=rounds, bound=bound, timed=timed,
-                    memory_floor=floor)
+    fast = S.search(candidates, floored, c, refine=rounds)
     assert (fast.layout, fast.predicted) == (plain.layout, plain.predicted)
-    quick = S.search(candidates, predict, c, bound=bound, timed=timed, memory_floor=floor, **eager)
+    quick = S.search(candidates, eager[1], c, refine=eager[0])
     assert (quick.layout, quick.predicted) == (plain.layout, plain.predicted)
     over = [lay for lay, why in fast.skipped if S.MEMORY_FLOOR_ONLY in why]
     assert all(predict(lay).peak_memory_bytes > 0.9 * 10**10 for lay in over)
@@ -270,8 +273,8 @@ def test_compute_bound_is_below_every_prediction_and_prunes_without_changing_the
     assert {lay.amp for lay in candidates} == {"off", "bf16"}
     est = Estimator(ex.model, c, ex.batch, ex.loss_fn)
     bound = compute_bound(est, candidates, costs.DEFAULT_EFFICIENCY)
-    everything = S.search(candidates, est.predict, c)
-    pruned = S.search(candidates, est.predict, c, bound=bound)
+    everything = S.search(candidates, S.Costing(est.predict), c)
+    pruned = S.search(candidates, S.Costing(est.predict, bound=bound), c)
     costed = [(everything.layout, everything.predicted)] + [
         (lay, p) for lay, p, _ in everything.alternatives]
     for lay, pred in costed:  # every reference is costed now: the bound is its tightest
@@ -303,7 +306,7 @@ def test_whole_step_bound_counts_the_gradient_sync_and_prunes_comm_bound_layouts
     est = Estimator(ex.model, c, ex.batch, ex.loss_fn)
     bound = compute_bound(est, candidates, costs.DEFAULT_EFFICIENCY)
     params = [(tuple(p.shape), p.element_size()) for p in ex.model.parameters()]
-    everything = S.search(candidates, est.predict, c)
+    everything = S.search(candidates, S.Costing(est.predict), c)
     costed = [(everything.layout, everything.predicted)] + [
         (lay, p) for lay, p, _ in everything.alternatives]
     synced = 0
@@ -313,8 +316,8 @@ def test_whole_step_bound_counts_the_gradient_sync_and_prunes_comm_bound_layouts
         synced += lay.dp > 1 and floor > 0.5 * pred.step_time_s
     assert synced >= 3  # the floor is most of these steps
     fresh = Estimator(ex.model, c, ex.batch, ex.loss_fn)
-    pruned = S.search(candidates, fresh.predict, c,
-                      bound=compute_bound(fresh, candidates, costs.DEFAULT_EFFICIENCY))
+    pruned = S.search(candidates, S.Costing(
+        fresh.predict, bound=compute_bound(fresh, candidates, costs.DEFAULT_EFFICIENCY)), c)
     assert (pruned.layout, pruned.predicted) == (everything.layout, everything.predicted)
     assert any(why.startswith("not costed") for _, why in pruned.skipped)
 
@@ -384,7 +387,7 @@ def test_layouts_that_differ_past_the_forward_level_passes_share_their_graph():
     est = Estimator(ex.model, c, ex.batch, ex.loss_fn)
     shared = [est.predict(lay) for lay in layouts]
     # one graph before recomputation (shared by its variants), one after
-    assert len(est._forward) == 2 and est.counts()["rewrites"] == len(layouts)
+    assert est.rewrites.forward_graphs == 2 and est.counts()["rewrites"] == len(layouts)
     for lay, pred in zip(layouts, shared):
         alone = autopar.estimate(ex.model, c, lay, ex.batch, ex.loss_fn)
         assert pred == alone, lay
@@ -480,7 +483,7 @@ def test_the_reference_bound_is_below_every_prediction_on_the_local_cpu_cluster(
     candidates = S.candidate_layouts(c, 8, 3, {})
     est = Estimator(ex.model, c, ex.batch, ex.loss_fn)
     bound = compute_bound(est, candidates, costs.DEFAULT_EFFICIENCY)
-    everything = S.search(candidates, est.predict, c)
+    everything = S.search(candidates, S.Costing(est.predict), c)
     costed = [(everything.layout, everything.predicted)] + [
         (lay, p) for lay, p, _ in everything.alternatives]
     assert {lay.schedule for lay, _ in costed if lay.pp > 1} == {"1f1b", "gpipe", "zero-bubble"}
@@ -501,8 +504,8 @@ def test_the_reference_bound_is_below_every_prediction_on_the_local_cpu_cluster(
     pred = alone.predict(zb)
     assert compute_bound(alone, candidates, costs.DEFAULT_EFFICIENCY)(sibling) >= (
         pred.breakdown["compute"] + pred.breakdown["bubble"]) * 0.99
-    pruned = S.search(candidates, est.predict, c, bound=compute_bound(
-        Estimator(ex.model, c, ex.batch, ex.loss_fn), candidates, costs.DEFAULT_EFFICIENCY))
+    pruned = S.search(candidates, S.Costing(est.predict, bound=compute_bound(
+        Estimator(ex.model, c, ex.batch, ex.loss_fn), candidates, costs.DEFAULT_EFFICIENCY)), c)
     assert pruned.layout == everything.layout and pruned.predicted == everything.predicted
 
 
@@ -548,13 +551,13 @@ def test_equal_bounds_cost_unpipelined_layouts_then_the_shortest_fill_first():
         seen.append(layout)
         return fake_prediction(1.0, 1)
 
-    S.search(candidates, predict, c, bound=lambda lay: 0.0)
+    S.search(candidates, S.Costing(predict, bound=lambda lay: 0.0), c)
     pipelined = [lay.pp > 1 or lay.microbatches > 1 for lay in seen]
     assert pipelined == sorted(pipelined) and any(pipelined)
     schedules = [lay.schedule for lay in seen if lay.pp > 1]
     assert schedules.index("zero-bubble") < schedules.index("1f1b") < schedules.index("gpipe")
     seen.clear()
-    S.search(candidates, predict, c)
+    S.search(candidates, S.Costing(predict), c)
     assert seen == candidates
 
 
@@ -584,7 +587,7 @@ def test_the_search_pauses_the_garbage_collector_and_restores_it():
 
 
 def test_recomputation_variants_share_the_graph_before_it(monkeypatch):
-    """Estimator._forward_level: the layouts that differ only in recomputation run tensor
+    """Rewrites._forward_level: the layouts that differ only in recomputation run tensor
     parallelism and AMP (the solve and the re-trace) once, and each predicts what it
     predicts alone."""
     from autopar.compiler.passes.amp import AutoMixedPrecision
@@ -607,3 +610,30 @@ def test_recomputation_variants_share_the_graph_before_it(monkeypatch):
     assert len(runs) == 1  # one trace (2 samples a rank: the template's too), one tp and AMP
     for lay, pred in zip(layouts, predictions):
         assert Estimator(model, c, batch, causal_lm_loss, trace_blocks=2).predict(lay) == pred
+
+
+def test_each_default_pass_declares_the_layout_fields_it_reads():
+    """The planner shares a rewritten graph among the layouts every pass reads alike
+    (GraphPass.reads): a pass that reads a field it does not declare would give two
+    layouts one graph. Every `ctx.layout.X` in a pass's module is among its
+    layout_fields (tensor parallelism reads world_size only without a cluster: the
+    planner always has one); recompute="auto" reads the whole layout."""
+    import inspect
+    import sys
+
+    from autopar.compiler.passes.defaults import default_passes, reads_of
+
+    everything = autopar.Layout(dp=2, tp=2, zero=3, recompute="full", amp="bf16")
+    piped = autopar.Layout(dp=2, tp=2, pp=2, microbatches=2, recompute="selective")
+    for p in {type(p): p for p in default_passes(everything) + default_passes(piped)}.values():
+        source = inspect.getsource(sys.modules[type(p).__module__])
+        read = set(re.findall(r"ctx\.layout\.(\w+)", source)) - {"world_size"}
+        assert read and read <= p.layout_fields, (p, read - p.layout_fields)
+    auto = everything.replace(recompute="auto")
+    assert reads_of(default_passes(auto), auto) != reads_of(default_passes(auto.replace(
+        bucket_mb=5.0)), auto.replace(bucket_mb=5.0))
+    # one pipeline's schedules and micro-batch counts read alike; a pass list that differs
+    # (no shards: no global_loss_mean) does not
+    a, b = piped.replace(schedule="gpipe", microbatches=4), piped.replace(dp=1, microbatches=1)
+    assert reads_of(default_passes(a), a) == reads_of(default_passes(piped), piped)
+    assert reads_of(default_passes(b), b) != reads_of(default_passes(piped), piped)

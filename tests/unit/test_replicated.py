@@ -204,7 +204,7 @@ def test_each_ranks_memory_on_one_stage_of_each_kind_is_the_whole_pipelines(gpt8
         # asked with a limit, lesser floors come first: the first rank's saved
         # activations from the template alone, then the end ranks replayed keeping no
         # send past its micro-batch; each below the exact one, given when neither is over
-        pattern = est._rewritten[est._entry(layout)][3]
+        pattern = est.rewrites.entry(est.rewrite(layout)).template
         saved = first_rank_saved_floor(pattern, layout)
         assert saved <= ranks[0].peak_bytes
         if layout.recompute == "none" or pattern.blocks_per_stage(layout.pp)[0] > 1:
@@ -246,7 +246,7 @@ def test_the_pipeline_bounds_are_below_every_pipelines_prediction(gpt8, where):
     by them chooses what costing everything chooses."""
     from autopar.compiler.planner import search as S
     from autopar.costs import DEFAULT_EFFICIENCY
-    from autopar.compiler.planner.estimate import template_fields
+    from autopar.compiler.planner.rewrites import template_key
     from autopar.compiler.planner.pipeline_cost import after_schedule_floor, pipeline_time
     from autopar.compiler.planner.plan import compute_bound, widest_templates
 
@@ -262,14 +262,15 @@ def test_the_pipeline_bounds_are_below_every_pipelines_prediction(gpt8, where):
     widest = widest_templates(candidates)
 
     def prepare(lay, est=est):
-        est.prepare(widest.get(template_fields(lay), lay))
+        est.prepare(widest.get(template_key(lay), lay))
     for lay in candidates:
         prepare(lay)
     # one template per set of fields the passes read, at the largest micro-batch only
-    assert est.counts()["rewrites"] == len({template_fields(lay) for lay in candidates
+    assert est.counts()["rewrites"] == len({template_key(lay) for lay in candidates
                                             if lay.pp > 1})
     early = {lay: bound(lay) for lay in pipes}  # smaller micro-batches: scaled floors
-    assert any(est.pipeline_floors(lay)[1] > 0 and est._micro_batch(lay) < 16 / lay.dp / lay.pp
+    assert any(est.pipeline_floors(lay).work > 0
+               and est.traces.micro_batch(lay) < 16 / lay.dp / lay.pp
                for lay in pipes)
     params = [(tuple(p.shape), p.element_size()) for p in model.parameters()]
     in_blocks = [(tuple(p.shape), p.element_size()) for p in model.transformer.h.parameters()]
@@ -291,12 +292,12 @@ def test_the_pipeline_bounds_are_below_every_pipelines_prediction(gpt8, where):
         assert 0 < bound(lay) <= est.predict(lay).step_time_s, lay
         # the busiest rank without its schedule simulated (pipeline_cost.schedule_floor)
         assert 0 < est.schedule_floor(lay) <= est.step_time(lay), lay
-    everything = S.search(candidates, est.predict, cluster)
+    everything = S.search(candidates, S.Costing(est.predict), cluster)
     fresh = Estimator(model, cluster, batch, causal_lm_loss, trace_blocks=2)
-    pruned = S.search(candidates, fresh.predict, cluster,
-                      bound=compute_bound(fresh, candidates, DEFAULT_EFFICIENCY),
-                      prepare=lambda lay: fresh.prepare(widest.get(template_fields(lay), lay)),
-                      timed=fresh.step_time, floor=fresh.schedule_floor)
+    pruned = S.search(candidates, S.Costing(
+        fresh.predict, bound=compute_bound(fresh, candidates, DEFAULT_EFFICIENCY),
+        prepare=lambda lay: fresh.prepare(widest.get(template_key(lay), lay)),
+        timed=fresh.step_time, floor=fresh.schedule_floor), cluster)
     assert (pruned.layout, pruned.predicted) == (everything.layout, everything.predicted)
 
 

@@ -97,7 +97,7 @@ class TrainGraph:
     source: Any = None
     # True: `source` has a forward hook `gm` was not traced with yet; the next pass
     # re-traces from the source anyway (trace.retrace(..., deferred=True); the
-    # PassManager traces it, `trace.materialize`, before any other pass)
+    # PassManager traces it, `trace.complete_pending_retrace`, before any other pass)
     retrace_pending: bool = False
     # counts the loss divides by that the batch decides (global_loss_mean.py): the step
     # takes each one's mean over the global batch's shards as an input

@@ -23,7 +23,7 @@ import functools
 import heapq
 import re
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 COMPUTE = ("F", "B", "I", "W")
@@ -68,10 +68,24 @@ class Schedule:
     stages: int
     microbatches: int
     ranks: tuple[tuple[Action, ...], ...]
+    # rank -> {action: its index in the rank's list}: `action_index`'s memo, filled per
+    # rank on first ask (send_releases asks for the peers a rank talks to, not every
+    # rank). Derived from `ranks`, which never changes, so an entry never goes stale;
+    # not part of the schedule's value (equality, hash, repr)
+    _action_index: dict[int, dict[Action, int]] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def pp(self) -> int:
         return len(self.ranks)
+
+    def action_index(self, rank: int) -> dict[Action, int]:
+        """{action: its index in `rank`'s list}, made once per rank of the schedule (the
+        memo's own dict: read it, never change it)."""
+        index = self._action_index.get(rank)
+        if index is None:
+            index = self._action_index[rank] = {a: k for k, a in enumerate(self.ranks[rank])}
+        return index
 
     def rank_of(self, stage: int) -> int:
         return stage % self.pp
@@ -381,11 +395,11 @@ def send_releases(s: Schedule, rank: int,
     A send neither proves stays until the end of the step. Waiting for a proven send
     returns at once. Only the schedule's order and the tables are used, so the runtime
     and the memory model let go of the same buffers at the same action."""
-    position = s.__dict__.setdefault("_positions", {})  # rank -> {action: its index}
+    position: dict[int, dict[Action, int]] = {}  # rank -> s.action_index(rank), as asked
 
     def index(q: int, action: tuple[int, str, int]) -> int:
         if q not in position:
-            position[q] = {a: k for k, a in enumerate(s.ranks[q])}
+            position[q] = s.action_index(q)
         return position[q][action]
 
     leads_to: dict[int, set[int]] = {}  # stage -> stages whose backward values reach it

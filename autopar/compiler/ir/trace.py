@@ -120,7 +120,7 @@ def retrace(tg: TrainGraph, hook: ForwardHook, *, loss_scale: bool | None = None
     `param_shards`, taking those parameters as blocks, see TraceSource).
 
     `deferred`: only the source changes, the trace is left to the next pass, which
-    re-traces from the source anyway (PassContext.defer_retrace says when): the
+    re-traces from the source anyway (PassContext.may_defer_retrace says when): the
     result has `retrace_pending` set and its `gm` is still tg's. Only for a pass whose
     result does not depend on running its hook.
 
@@ -140,8 +140,10 @@ def retrace(tg: TrainGraph, hook: ForwardHook, *, loss_scale: bool | None = None
     return dataclasses.replace(_trace_from(source), history=tg.history, attrs=dict(tg.attrs))
 
 
-def materialize(tg: TrainGraph) -> TrainGraph:
-    """tg with a deferred re-trace done (itself when none is pending)."""
+def complete_pending_retrace(tg: TrainGraph) -> TrainGraph:
+    """tg with the re-trace a pass deferred (`retrace(..., deferred=True)`) done: traced
+    from its source; tg itself when no re-trace is pending. The PassManager calls it
+    before every pass that does not re-trace from the source, and after the last."""
     if not tg.retrace_pending:
         return tg
     return dataclasses.replace(_trace_from(tg.source), provides=tg.provides, history=tg.history,

@@ -18,7 +18,7 @@ differentiates loss * scale, and the runtime's LossScaler unscales, checks for
 inf/NaN and skips steps as torch.amp.GradScaler does.
 
 Requires: "traced", "retraceable" (it must run before any joint-graph pass).
-Provides: "amp". Options (PassContext.options): "amp_lists" =
+Provides: "amp". Options (PassOptions): amp_lists =
 {"white": [...], "black": [...], "gray": [...]} moves ops between lists.
 
 Before (fp32), nn.Linear(8, 4) + mse_loss:   After (Layout(amp="bf16"); printing.py's text):
@@ -59,6 +59,7 @@ from autopar.compiler.passes.amp_policy import (
 )
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
 from autopar.compiler.passes.manager import register_pass
+from autopar.layout import Layout
 
 
 class AmpHook:
@@ -149,18 +150,25 @@ class AutoMixedPrecision(GraphPass):
     provides = frozenset({"amp"})
     invalidates = frozenset()  # a forward-level rewrite: the graph stays retraceable
     retraces_from_source = True  # reads tg.source only: an earlier pass's trace can wait
+    forward_level = True
+    # it also reads the cluster: its device type picks the autocast policy
+    layout_fields = frozenset({"amp"})
 
     def __init__(self, amp: str | None = None, amp_lists: dict | None = None):
         self.amp = amp  # None: Layout.amp
-        self.amp_lists = amp_lists  # None: PassContext.options["amp_lists"]
+        self.amp_lists = amp_lists  # None: PassOptions.amp_lists
         if amp_lists is not None:
             parse_amp_lists(amp_lists)  # fail at construction, not mid-pipeline
+
+    def reads(self, layout: Layout) -> tuple:
+        """Layout.amp, unless this pass was given its own dtype."""
+        return () if self.amp else super().reads(layout)
 
     def run(self, tg: TrainGraph, ctx: PassContext) -> tuple[TrainGraph, PassResult]:
         amp = self.amp or ctx.layout.amp
         if amp == "off":
             return tg, PassResult(self.name, changed=False, declined=[("amp", "Layout.amp='off'")])
-        lists = self.amp_lists if self.amp_lists is not None else ctx.options.get("amp_lists")
+        lists = self.amp_lists if self.amp_lists is not None else ctx.options.amp_lists
         device_type, fallback = device_type_for(ctx.cluster)
         hook = AmpHook(AmpPolicy(device_type, HALF_DTYPES[amp], parse_amp_lists(lists)))
         out = retrace(tg, hook, loss_scale=(amp == "fp16"))

@@ -4,7 +4,7 @@ Cut points fall between the model's repeated blocks (`autopar.layer`), chosen by
 dynamic programming to minimise the slowest stage's estimated time (a roofline
 of each node's FLOPs and bytes on the cluster's device); what comes before the
 first block (embeddings, masks) joins the first stage, what follows the last (final
-norm, head, loss) the last stage. `options["pipeline_cuts"]` pins the cuts by module
+norm, head, loss) the last stage. `PassOptions.pipeline_cuts` pins the cuts by module
 path: the named blocks start a new stage. Every other node follows the data:
 a forward op runs on the latest stage among its inputs, an op fed only by
 parameters and inputs on the earliest stage that uses it, and a backward op on the
@@ -104,13 +104,21 @@ class AssignStages(GraphPass):
     name = "assign_stages"
     requires = frozenset({"traced"})
     provides = frozenset({"stages_assigned"})
+    # it also reads the cluster (each node's time, to balance the cuts) and
+    # PassOptions.pipeline_cuts
+    layout_fields = frozenset({"pp", "virtual_stages"})
+
+    def reads(self, layout: Layout) -> tuple:
+        """The number of stages, pp * virtual_stages: how they map to ranks is the
+        schedule's, not the graph's."""
+        return (("stages", layout.pp * layout.virtual_stages),)
 
     def run(self, tg: TrainGraph, ctx: PassContext) -> tuple[TrainGraph, PassResult]:
         stages = ctx.layout.pp * ctx.layout.virtual_stages
         tg = tg.copy()
         layers = sorted({n.meta[M.LAYER] for n in tg.call_nodes() if n.meta.get(M.LAYER) is not None})
         check_stage_count(ctx.layout, len(layers))
-        cluster = ctx.cluster if isinstance(ctx.cluster, ClusterSpec) else ClusterSpec.local(1)
+        cluster = ctx.cluster or ClusterSpec.local(1)  # without one: this machine's device
         stage_of_layer, cuts, costs = self._cut(tg, layers, stages, cluster, ctx.options)
         self._assign_forward(tg, stage_of_layer, stages - 1)
         self._assign_backward(tg, stages)
@@ -137,7 +145,7 @@ class AssignStages(GraphPass):
                 else:
                     head += node_time(n, cluster)
         costs = [by_layer[layer] for layer in layers]
-        pinned = options.get("pipeline_cuts")
+        pinned = options.pipeline_cuts
         if pinned:
             cuts = self._pinned(tg, layers, pinned, stages)
         else:

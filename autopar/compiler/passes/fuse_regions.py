@@ -27,7 +27,9 @@ kernel's eager fallback and the source of its Triton kernel.
   differ only in what the comm passes add. A run's decisions (the regions of each
   round, in order) are kept in this process under a hash of what they read
   (`_fingerprint`), and a later graph with the same hash replays them: the same graph
-  as a fresh run (tests/unit/test_fusion.py), without the partitioner or code generation.
+  as a fresh run (tests/unit/test_fusion.py), without the partitioner or code
+  generation. It is module state on purpose (see `_RECIPES`): the planner calls
+  `run_passes` many times per search and holds no object to keep it in.
 
 Requires: "traced". Provides: "fused". Runs last in the default pass list (after the comm passes).
 
@@ -287,6 +289,7 @@ class FuseRegions(GraphPass):
     name = "fusion"
     requires = frozenset({"traced"})
     provides = frozenset({"fused"})
+    layout_fields = frozenset({"fusion"})
 
     def run(self, tg: TrainGraph, ctx: PassContext) -> tuple[TrainGraph, PassResult]:
         if not ctx.layout.fusion:
@@ -336,6 +339,19 @@ class _Recipe:
     declined: tuple[tuple[str, str], ...]
 
 
+# The memo, shared by every run of the pass in this process, least recently used first.
+# What: per `_fingerprint` (a sha256 of every op of the forward and backward programs
+# with its arguments, program, shape, stride and dtype, and what it reads), the
+# regions each round fused (the ops' names, the kernel's key and name) and what the
+# run declined; never a graph or a node. Why sharing cannot give a wrong result: the
+# decisions are a function of what the fingerprint hashes and nothing else (the
+# context is read only for Layout.fusion, checked before the memo; the partitioner
+# and code generator read only the graph), so a graph with the same fingerprint gets
+# the regions a fresh run would pick, by the same names; their kernels are in
+# codegen.kernels' registry, keyed by their code and never forgotten in a process. A
+# run whose regions hold a node the pass made is not kept (its name could differ),
+# nor is a graph with no fingerprint. Not thread-safe: the planner's workers are
+# forked processes, each with its own copy. `clear_memo()` empties it.
 _RECIPES: OrderedDict[str, _Recipe] = OrderedDict()
 _RECIPES_KEPT = 32  # the planner's forward-level graphs x stage cuts, and room to spare
 

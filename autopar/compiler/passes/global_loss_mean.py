@@ -53,6 +53,7 @@ from autopar.compiler.ir.program import LOSS_SCALE_INPUT
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
 from autopar.compiler.passes.builder import NodeBuilder
 from autopar.compiler.passes.manager import register_pass
+from autopar.layout import Layout
 
 aten = torch.ops.aten
 NLL_FORWARD = frozenset({aten.nll_loss_forward.default, aten.nll_loss2d_forward.default})
@@ -65,6 +66,12 @@ class GlobalLossMean(GraphPass):
     name = "global_loss_mean"
     requires = frozenset({"traced"})
     provides = frozenset({"global_loss_mean"})
+    layout_fields = frozenset({"dp", "microbatches"})
+
+    def reads(self, layout: Layout) -> tuple:
+        """Whether the batch is cut into shards at all: the rewrite (a division by the
+        mean count the runtime computes) is the same for any number of them."""
+        return (("sharded", layout.dp * layout.microbatches > 1),)
 
     def run(self, tg: TrainGraph, ctx: PassContext) -> tuple[TrainGraph, PassResult]:
         shards = ctx.layout.dp * ctx.layout.microbatches

@@ -29,7 +29,7 @@ Rewrites, in order:
    SCATTERS_IN_FLIGHT buckets later starts, so a rank holds a couple of whole buckets
    at a time, not the whole gradient. An embedding table whose gradient comes from
    gathered rows (step 2) builds only this rank's block from them (rows of other
-   blocks masked out; options["dp_rank"] says which block). The runtime's
+   blocks masked out; PassOptions.dp_rank says which block). The runtime's
    optimizer updates the block and gathers the blocks back into the parameter.
    Gradients with fewer rows than dp are all-reduced whole, as listed in `declined`.
 
@@ -138,6 +138,7 @@ class InsertAllReduce(GraphPass):
     name = "insert_allreduce"
     requires = frozenset({"traced"})
     provides = frozenset({"dp_grad_sync"})
+    layout_fields = frozenset({"dp", "zero", "bucket_mb", "overlap_comm", "grad_comm_dtype"})
 
     def run(self, tg: TrainGraph, ctx: PassContext) -> tuple[TrainGraph, PassResult]:
         dp = ctx.layout.dp
@@ -152,7 +153,7 @@ class InsertAllReduce(GraphPass):
         grads = [_Grad(i, [g]) for i, g in enumerate(tg.grad_nodes())]
         gathered = self._gather_embedding_grads(tg, build, grads, dp, divisor, tag)
         # ZeRO-2/3: the gathered rows build only this rank's block of the table
-        self._rank = int(ctx.options.get("dp_rank", 0))
+        self._rank = ctx.options.dp_rank
         order = {n: i for i, n in enumerate(tg.graph.nodes)}
         pieces = sorted(((t, g) for g in grads for t in g.local), key=lambda p: order[p[0]])
         blocked = self._zero2_blocked(tg, grads, dp) if ctx.layout.zero >= 2 else set()

@@ -3,7 +3,13 @@
 The manager (not the passes) checks `requires` before each pass, verifies the
 graph after it, times it, logs a one-line summary, and writes the IR after each
 pass to `dump_dir/NNN_passname.py` when a dump directory is given (the
-`AUTOPAR_DUMP` environment variable, read by `autopar.compile`).
+`AUTOPAR_DUMP` environment variable, read by `autopar.compile`). It also runs the
+deferred re-trace hand-off between forward-level passes (passes/base.py's docstring).
+
+When a pass raises, the exception propagates as it was raised, with a note
+(`add_note`, shown under the traceback) naming the pass and the passes that ran
+before it. A graph a pass returns that fails verification raises VerificationError
+naming the pass.
 """
 
 from __future__ import annotations
@@ -16,8 +22,8 @@ from pathlib import Path
 
 from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.ir.printing import graph_text
-from autopar.compiler.ir.trace import materialize
-from autopar.compiler.ir.verify import verify
+from autopar.compiler.ir.trace import complete_pending_retrace
+from autopar.compiler.ir.verify import VerificationError, verify
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
 
 log = logging.getLogger("autopar.passes")
@@ -74,24 +80,58 @@ class PassManager:
         if self.dump_dir:
             self._dump(0, "traced", tg)
         results = []
+        left_by = None  # the pass whose re-trace is pending in tg, if one is
         for index, p in enumerate(self.passes, start=1):
             start = time.perf_counter()
             if not p.retraces_from_source:  # a re-trace left for a pass that does them
-                tg = materialize(tg)
+                tg = self._complete_pending_retrace(tg, left_by)
             follows = self.passes[index] if index < len(self.passes) else None
-            defer = follows is not None and follows.retraces_from_source
-            new, result = p.run(tg, dataclasses.replace(ctx, defer_retrace=defer))
+            may_defer = follows is not None and follows.retraces_from_source
+            try:
+                new, result = p.run(tg, dataclasses.replace(ctx, may_defer_retrace=may_defer))
+            except Exception as exc:
+                # the caller may catch this type (a LayoutError the planner skips, a
+                # StageError a test expects): it goes on as raised, with where it came from
+                exc.add_note(f"in pass {p.name!r} ({self._where(index, tg, left_by)})")
+                raise
             result.seconds = time.perf_counter() - start
             new = dataclasses.replace(new, provides=(tg.provides - p.invalidates) | p.provides,
                                       history=tg.history + (p.name,))
             if self.verify_each:
-                verify(new)
+                try:
+                    verify(new)
+                except VerificationError as exc:
+                    raise VerificationError(f"pass {p.name!r} returned an invalid graph "
+                                            f"({self._where(index, tg, left_by)}): {exc}") from exc
             log.info("%s (%.3f s)", result.summary(), result.seconds)
             if self.dump_dir:
                 self._dump(index, p.name, new)
             results.append(result)
+            if new.retrace_pending and not tg.retrace_pending:
+                left_by = p.name
             tg = new
-        return materialize(tg), results
+        return self._complete_pending_retrace(tg, left_by), results
+
+    def _where(self, index: int, tg: TrainGraph, left_by: str | None) -> str:
+        """Where pass number `index` (from 1) stands, given its input `tg`: its place in
+        the list and the passes that ran before it on the graph (`tg.history`: this
+        list's and those of earlier runs on the same graph)."""
+        ran = ", ".join(map(repr, tg.history)) or "none"
+        pending = (f"; it also ran the re-trace {left_by or 'an earlier pass'!r} left to it"
+                   if tg.retrace_pending else "")
+        return f"pass {index} of {len(self.passes)}; ran before it: {ran}{pending}"
+
+    @staticmethod
+    def _complete_pending_retrace(tg: TrainGraph, left_by: str | None) -> TrainGraph:
+        """tg with the re-trace pass `left_by` left to the next one done (the hook that
+        fails in it, if one does, is most likely that pass's)."""
+        try:
+            return complete_pending_retrace(tg)
+        except Exception as exc:
+            who = f"pass {left_by!r}" if left_by else "the input graph's last pass"
+            exc.add_note(f"in the re-trace {who} left to the next pass (passes run: "
+                         f"{', '.join(map(repr, tg.history)) or 'none'})")
+            raise
 
     def _dump(self, index: int, name: str, tg: TrainGraph) -> None:
         self.dump_dir.mkdir(parents=True, exist_ok=True)

@@ -45,6 +45,7 @@ from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
 from autopar.compiler.passes.manager import register_pass
 from autopar.compiler.passes.recompute_auto import plan_auto
 from autopar.compiler.passes.recompute_rules import choose, layers_of, rewrite
+from autopar.layout import Layout
 
 
 @register_pass
@@ -52,6 +53,15 @@ class Recompute(GraphPass):
     name = "recompute"
     requires = frozenset({"traced"})
     provides = frozenset({"recomputed"})
+    forward_level = True
+    layout_fields = frozenset({"recompute"})  # and with "auto", the whole layout (`reads`)
+
+    def reads(self, layout: Layout) -> tuple:
+        """The policy; "auto" reads the whole layout (its memory budget is the step's
+        peak under the layout) and the cluster (the budget's device)."""
+        if layout.recompute == "auto":
+            return (("layout", layout),)
+        return super().reads(layout)
 
     def run(self, tg: TrainGraph, ctx: PassContext) -> tuple[TrainGraph, PassResult]:
         policy = ctx.layout.recompute

@@ -17,10 +17,9 @@ rewritten step; while it is over the budget, `need` grows by the overshoot and t
 knapsack is solved again. If that does not converge the cheapest uniform policy that
 fits is taken, so the plan never exceeds the budget when any plan in this space fits.
 
-The budget is `PassContext.options["memory_budget"]` (bytes per device), else the
-cluster's `device.memory_bytes`. The optimizer's memory comes from
-`options["optimizer_memory"]` (`autopar.compile` profiles the user's optimizer),
-else AdamW's.
+The budget is `PassOptions.memory_budget` (bytes per device), else the cluster's
+`device.memory_bytes`. The optimizer's memory comes from `PassOptions.optimizer_memory`
+(`autopar.compile` profiles the user's optimizer), else AdamW's.
 """
 
 from __future__ import annotations
@@ -47,12 +46,13 @@ _MAX_ROUNDS = 8
 
 
 def memory_budget(ctx: PassContext) -> int:
-    budget = ctx.options.get("memory_budget")
+    budget = ctx.options.memory_budget
     if budget is None and ctx.cluster is not None:
         budget = ctx.cluster.device.memory_bytes
     if budget is None:
         raise RecomputeError("Layout.recompute='auto' needs a memory budget per device: pass "
-                             "a cluster (its device.memory_bytes is the budget)")
+                             "a cluster (its device.memory_bytes is the budget) or the pass "
+                             "option memory_budget (bytes)")
     return int(budget)
 
 
@@ -61,7 +61,7 @@ class _Costing:
 
     def __init__(self, tg: TrainGraph, ctx: PassContext):
         self.tg, self.layout = tg, ctx.layout
-        self.optimizer = ctx.options.get("optimizer_memory", "adamw")
+        self.optimizer = ctx.options.optimizer_memory
         cluster = ctx.cluster or ClusterSpec.preset("dgx-h100")  # only the ratio matters
         self.peak_flops = cluster.peak_flops_for("fp32")
         self.bandwidth = cluster.device.memory_bandwidth

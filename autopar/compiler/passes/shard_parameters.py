@@ -55,6 +55,7 @@ class ShardParameters(GraphPass):
     name = "shard_parameters"
     requires = frozenset({"dp_grad_sync"})
     provides = frozenset({"params_sharded"})
+    layout_fields = frozenset({"dp", "zero"})
 
     def run(self, tg: TrainGraph, ctx: PassContext) -> tuple[TrainGraph, PassResult]:
         dp = ctx.layout.dp

@@ -23,7 +23,7 @@ Each rank's program bakes in its own tp rank (which block it holds); the
 collectives are the same on every rank.
 
 Requires: "traced", "retraceable". Provides: "tensor_parallel".
-Options (PassContext.options): "tp_rank" (default 0).
+Options (PassOptions): tp_rank, which rank's blocks the program holds (default 0).
 
 Before (tp=1), an MLP block:             After (tp=2, rank 0; printing.py's text):
     t = t(p_fc1_weight)                       t = t(p_fc1_weight)            # f32[16, 32]: a block
@@ -213,6 +213,10 @@ class TensorParallel(GraphPass):
     requires = frozenset({"traced", "retraceable"})
     provides = frozenset({"tensor_parallel"})
     invalidates = frozenset()  # a forward-level rewrite: the graph stays retraceable
+    forward_level = True
+    # it also reads the cluster: the placements are costed on its devices (without one,
+    # on ClusterSpec.local(world_size))
+    layout_fields = frozenset({"tp", "sequence_parallel"})
 
     def run(self, tg: TrainGraph, ctx: PassContext) -> tuple[TrainGraph, PassResult]:
         tp = ctx.layout.tp
@@ -221,14 +225,14 @@ class TensorParallel(GraphPass):
                                   declined=[("tensor parallelism", "Layout.tp=1")])
         plan, exported = plan_tensor_parallel(tg, tp, ctx.cluster, ctx.layout.world_size,
                                               sequence_parallel=ctx.layout.sequence_parallel)
-        rank = int(ctx.options.get("tp_rank", 0))
+        rank = ctx.options.tp_rank
         hook = TensorParallelHook(plan, tp_comm.TPGroup(mesh_group_tag("tp"), tp, rank))
         shards = {target: (plan.placement[name], tp, rank)
                   for name, target in exported.items()
                   if isinstance(plan.placement[name], int)}
         # NOTE: the result is the plan's, not the trace's: when AMP follows, its re-trace
         # runs this hook too, and this one is left to it
-        out = retrace(tg, hook, param_shards=shards, deferred=ctx.defer_retrace)
+        out = retrace(tg, hook, param_shards=shards, deferred=ctx.may_defer_retrace)
         table = placement_table(tg.source.exported.graph, plan, exported)
         out.attrs["tp"] = {"tp": tp, "rank": rank, "cost_s": plan.cost_s,
                            "replicated_cost_s": plan.replicated_cost_s, **table}

@@ -22,17 +22,19 @@ from autopar.compiler.ir.annotate import repeated_block_container
 from autopar.compiler.ir.batch import Batch, LossFn, Objective
 from autopar.compiler.ir.trace import batch_dims_of
 from autopar.compiler.planner.cost_model import model_compute_floor
-from autopar.compiler.planner.estimate import Estimator, template_fields
+from autopar.compiler.planner.estimate import Estimator
 from autopar.compiler.planner.pipeline_cost import (
     after_schedule_floor,
     pipeline_time,
     run_schedule,
 )
 from autopar.compiler.planner.result import Plan
+from autopar.compiler.planner.rewrites import template_key
 from autopar.compiler.planner.search import (
     FLOOR_ONLY,
     MEMORY_FLOOR_ONLY,
     TIMED_ONLY,
+    Costing,
     PlanError,
     candidate_layouts,
     check_constraints,
@@ -111,58 +113,91 @@ def _search(model, cluster, example_inputs, loss_fn, optimizer, efficiency, prog
     bound = compute_bound(estimator, costed, efficiency) if costed else None
     widest = widest_templates(costed)
     count = _worker_count(workers, trace_blocks)
-    capacity = cluster.device.memory_bytes * fraction
     if bound is not None and count:
-        first = {lay: bound(lay) for lay in costed}  # before anything is costed
-        order = sorted(costed, key=lambda lay: (first[lay], *costing_order(lay)))
-        asked = rewrites_asked(order, widest)
-        if pruned and "recompute" not in fixed:  # memory is short: recomputation will be
-            # queued as the search goes (full first; selective where full fits, last)
-            asked = [v for lay in asked for v in (lay, lay.replace(recompute="full"))] \
-                + [lay.replace(recompute="selective") for lay in asked]
-            first.update({lay: bound(lay) for lay in asked if lay not in first})
-        estimator.start_workers(count, asked, first.__getitem__)
+        _start_workers(estimator, count, costed, bool(pruned) and "recompute" not in fixed,
+                       bound, widest)
     try:
         try:
-            result = search(costed, estimator.predict, cluster, fraction, step,
-                            refinements(fixed, recompute=False), bound,
-                            prepare=lambda lay: estimator.prepare(
-                                widest.get(template_fields(lay), lay)),
-                            timed=estimator.step_time, floor=estimator.schedule_floor,
-                            memory_floor=lambda lay: estimator.memory_floor(lay, capacity),
-                            variants=recompute_variants(fixed),
-                            prepared=lambda lay: estimator.is_prepared(
-                                widest.get(template_fields(lay), lay)))
+            capacity = cluster.device.memory_bytes * fraction
+            result = search(costed, planner_costing(estimator, bound, widest, capacity, fixed),
+                            cluster, fraction, step, refinements(fixed, recompute=False))
             result.skipped += pruned
         except PlanError as exc:
-            if pruned:  # the error names the smallest peak: it may be a pruned layout's
-                floor = _static_bound(model, optimizer)
-                try:
-                    search(costed + sorted((lay for lay, _ in pruned), key=floor),
-                           estimator.predict, cluster, fraction, None,
-                           refinements(fixed, recompute=False), memory_bound=floor,
-                           timed=estimator.step_time, memory_floor=estimator.memory_floor,
-                           variants=recompute_variants(fixed))
-                except PlanError as again:
-                    exc = again
+            exc = _smallest_peak_error(exc, estimator, costed, pruned, cluster, fraction, fixed)
             hint = _larger_cluster_hint(model, cluster, example_inputs, loss_fn, optimizer,
                                         efficiency, trace_blocks, constraints, exc.smallest)
             raise PlanError(f"{exc}{hint}") from None
         result.details = details(estimator, result.layout, cluster, efficiency, optimizer)
     finally:
         estimator.close_workers()
-    timed = sum(TIMED_ONLY in why for _, why in result.skipped)
-    floored = sum(FLOOR_ONLY in why for _, why in result.skipped)
-    over_memory = sum(MEMORY_FLOOR_ONLY in why for _, why in result.skipped)
-    bounded = sum(why.startswith("not costed") for _, why in result.skipped) \
-        - timed - floored - over_memory
     result.details["search"] = {"candidates": len(candidates), "pruned": len(pruned),
-                                "over_memory": over_memory,
-                                "bounded": bounded, "floored": floored, "timed": timed,
+                                **_skipped_counts(result.skipped),
                                 "costed": len(result.alternatives) + 1,
                                 **estimator.counts(),
                                 "seconds": time.perf_counter() - start}
     return result
+
+
+def planner_costing(estimator: Estimator, bound: Callable[[Layout], float] | None,
+                    widest: dict[tuple, Layout], capacity: float,
+                    fixed: dict[str, Any]) -> Costing:
+    """What the search asks of the Estimator: each pipeline's widest template is
+    rewritten before it is costed (`prepare`), its memory floor asked with the memory
+    allowed as the limit."""
+    return Costing(
+        predict=estimator.predict, bound=bound,
+        prepare=lambda lay: estimator.prepare(widest.get(template_key(lay), lay)),
+        prepared=lambda lay: estimator.is_prepared(widest.get(template_key(lay), lay)),
+        timed=estimator.step_time, floor=estimator.schedule_floor,
+        memory_floor=lambda lay: estimator.memory_floor(lay, capacity),
+        variants=recompute_variants(fixed))
+
+
+def _start_workers(estimator: Estimator, count: int, costed: list[Layout], recomputes: bool,
+                   bound: Callable[[Layout], float], widest: dict[tuple, Layout]) -> None:
+    """Fork `count` workers for the rewrites the search will ask, in its order: the
+    candidates by their bound before anything is costed, and, when memory is short
+    (`recomputes`), the recomputation the search queues as it goes (full first;
+    selective where full fits, last)."""
+    first = {lay: bound(lay) for lay in costed}  # before anything is costed
+    order = sorted(costed, key=lambda lay: (first[lay], *costing_order(lay)))
+    asked = rewrites_asked(order, widest)
+    if recomputes:
+        asked = [v for lay in asked for v in (lay, lay.replace(recompute="full"))] \
+            + [lay.replace(recompute="selective") for lay in asked]
+        first.update({lay: bound(lay) for lay in asked if lay not in first})
+    estimator.start_workers(count, asked, first.__getitem__)
+
+
+def _smallest_peak_error(exc: PlanError, estimator: Estimator, costed: list[Layout],
+                         pruned: list[tuple[Layout, str]], cluster: ClusterSpec,
+                         fraction: float, fixed: dict[str, Any]) -> PlanError:
+    """The PlanError to raise: it names the smallest peak, which may be that of a layout
+    pruned before the search (searched again with them, smallest static bound first)."""
+    if not pruned:
+        return exc
+    floor = _static_bound(estimator.model, estimator.optimizer)
+    costing = Costing(predict=estimator.predict, memory_bound=floor,
+                      timed=estimator.step_time, memory_floor=estimator.memory_floor,
+                      variants=recompute_variants(fixed))
+    try:
+        search(costed + sorted((lay for lay, _ in pruned), key=floor), costing, cluster,
+               fraction, None, refinements(fixed, recompute=False))
+    except PlanError as again:
+        return again
+    return exc
+
+
+def _skipped_counts(skipped: list[tuple[Layout, str]]) -> dict[str, int]:
+    """How many layouts the search left out on their memory floor, their bound, their
+    schedule's floor and their step time (the reasons say which)."""
+    timed = sum(TIMED_ONLY in why for _, why in skipped)
+    floored = sum(FLOOR_ONLY in why for _, why in skipped)
+    over_memory = sum(MEMORY_FLOOR_ONLY in why for _, why in skipped)
+    bounded = sum(why.startswith("not costed") for _, why in skipped) \
+        - timed - floored - over_memory
+    return {"over_memory": over_memory, "bounded": bounded, "floored": floored,
+            "timed": timed}
 
 
 # model FLOPs of the global batch are measured on one micro-batch size and used for all:
@@ -322,32 +357,32 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
     return bound
 
 
-def rewrites_asked(order: list[Layout], widest: dict[Layout, Layout]) -> list[Layout]:
+def rewrites_asked(order: list[Layout], widest: dict[tuple, Layout]) -> list[Layout]:
     """The layouts whose rewrites the search asks for, in the order it asks (`order`: the
     candidates by their bound): a pipeline's widest template (`prepare`), then its own
     (its micro-batch's). Micro-batches without a pipeline are left out: they are traced
-    whole (Estimator._keep), and a worker sends only scaled summaries."""
+    whole (Traces._blocks_kept), and a worker sends only scaled summaries."""
     asked = []
     for layout in order:
         if layout.pp > 1:
-            asked.append(widest.get(template_fields(layout), layout))
+            asked.append(widest.get(template_key(layout), layout))
         if layout.pp > 1 or layout.microbatches == 1:
             asked.append(layout)
     return list(dict.fromkeys(asked))
 
 
-def widest_templates(candidates: list[Layout]) -> dict[Layout, Layout]:
-    """Template fields -> the pipelined candidate with the largest micro-batch among
-    those costed from it: search's `prepare` rewrites that one's template before the
-    first of them is costed (Estimator.pipeline_floors scales it down to the others,
-    not up)."""
-    widest: dict[Layout, Layout] = {}
+def widest_templates(candidates: list[Layout]) -> dict[tuple, Layout]:
+    """rewrites.template_key -> the pipelined candidate with the largest micro-batch among
+    those costed from a template of that key: search's `prepare` rewrites that one's
+    template before the first of them is costed (Estimator.pipeline_floors scales it
+    down to the others, not up)."""
+    widest: dict[tuple, Layout] = {}
     for layout in candidates:
         if layout.pp > 1:
-            fields = template_fields(layout)
-            if fields not in widest or (layout.dp * layout.microbatches
-                                        < widest[fields].dp * widest[fields].microbatches):
-                widest[fields] = layout
+            key = template_key(layout)
+            if key not in widest or (layout.dp * layout.microbatches
+                                     < widest[key].dp * widest[key].microbatches):
+                widest[key] = layout
     return widest
 
 

@@ -8,17 +8,18 @@ each schedule (interleaved with 2 virtual stages where blocks allow), ZeRO stage
 field. Layouts that compile or the cost model refuse are kept aside with the reason
 (`Plan.skipped`), never silently dropped.
 
-`search` costs every candidate with one `predict(layout)` callable (the Estimator's,
+`search` costs every candidate with a `Costing`'s `predict(layout)` (the Estimator's,
 which shares traces and rewritten graphs between candidates), keeps those whose
 predicted peak memory fits `max_memory_fraction` of the device, and ranks them by
 step time; every other candidate says why it lost (`why_not`). Branch and bound
-leaves out, with the figures, a candidate whose lower bound (`bound`) or whose step
-time costed without its memory (`timed`: a pipeline's memory replays every rank's
-schedule) is above the fastest fitting step costed so far: it cannot be the plan;
-and so is one whose memory floor (`memory_floor`: a pipeline's two end ranks
-replayed) is over the memory allowed.
+leaves out, with the figures, a candidate whose lower bound (`Costing.bound`) or whose
+step time costed without its memory (`Costing.timed`: a pipeline's memory replays
+every rank's schedule) is above the fastest fitting step costed so far: it cannot be
+the plan; and so is one whose memory floor (`Costing.memory_floor`: a pipeline's two
+end ranks replayed) is over the memory allowed. What the search has learnt is a
+`SearchState`; each round of costing, a `CostingRound`.
 
-Recomputation is tried as the candidates are costed (`variants`,
+Recomputation is tried as the candidates are costed (`Costing.variants`,
 `recompute_variants`): a layout found over memory is queued again with full
 recomputation (first, while nothing fits), and one with full recomputation not found
 over memory with selective (it keeps more: it cannot fit where full does not);
@@ -38,6 +39,7 @@ import functools
 import heapq
 import itertools
 import math
+from dataclasses import dataclass, field
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -274,235 +276,307 @@ def costing_order(layout: Layout) -> tuple[bool, int]:
     return pipelined, _SCHEDULE_ORDER.get(layout.schedule, len(_SCHEDULE_ORDER))
 
 
-def search(candidates: Iterable[Layout], predict: Callable[[Layout], Prediction],
-           cluster: ClusterSpec, max_memory_fraction: float = 0.9,
-           progress: Callable[[Layout], None] | None = None,
-           refine: Iterable[Refinement] = (),
-           bound: Callable[[Layout], float] | None = None,
-           memory_bound: Callable[[Layout], float] | None = None,
-           prepare: Callable[[Layout], None] | None = None,
-           timed: Callable[[Layout], float] | None = None,
-           floor: Callable[[Layout], float] | None = None,
-           memory_floor: Callable[[Layout], float] | None = None,
-           variants: Callable[[Layout, bool | None], Iterable[Layout]] | None = None,
-           prepared: Callable[[Layout], bool] | None = None) -> Plan:
-    """Cost every candidate, then each round of `refine`; keep the fastest that fits
-    (see the module docstring). `bound(layout)`: seconds the layout's step cannot beat
-    (planner/plan.py); candidates are costed lowest bound first (then `costing_order`),
-    and one whose bound, asked again just before it is costed (it may tighten as
-    layouts are costed), exceeds the fastest fitting step costed so far is skipped with
-    that reason (branch and bound: the plan is the same).
-    `memory_bound(layout)`: bytes its peak cannot be below (memory.static_lower_bound);
-    a layout whose bound is over the memory allowed and above the smallest peak costed
-    so far is skipped: it can neither be the plan nor the smallest peak a PlanError
-    names (give the candidates smallest bound first for this to prune).
-    `prepare(layout)`: called before a layout that the bounds did not rule out is
-    costed (the planner rewrites its pipeline template there); its bound is then asked
-    once more. `prepared(layout)`: whether that has nothing left to do; where it has, a
-    layout that recomputes is first skipped if the same layout without recomputation,
-    found over memory before, is slower than the fastest fitting step (recomputing only
-    adds time; its step is cheaper to ask than a rewrite).
-    `timed(layout)`: the step time `predict` would give, without costing the memory
-    (cheaper); a layout whose step is slower than the fastest fitting one costed so
-    far cannot be the plan whatever its memory, and is skipped with both figures.
-    `floor(layout)`: seconds below that step time, cheaper still (a pipeline's busiest
-    rank without its schedule simulated); asked before `timed`, a layout whose floor is
-    above the fastest fitting step is skipped with both figures.
-    `memory_floor(layout)`: bytes below its predicted peak, cheaper than `predict` (a
-    pipeline's first and last ranks replayed); asked last, a layout whose floor is over
-    the memory allowed cannot be the plan and is skipped with the figure. The
-    refinements still see it as over memory (and its step time, when they ask for it:
-    `timed`); if nothing fits in the end, those skipped are costed smallest floor first
-    while a floor is below the smallest peak costed, so that the PlanError names the
-    smallest peak as without the floors.
-    `variants(layout, over)`: layouts to cost once a candidate (or one of its variants)
-    is found over memory (over=True: by its prediction or its memory floor), fitting
-    (False) or slower than the fastest fitting step so far (None: its memory unknown).
-    `recompute_variants` gives the same layout recomputing, where the recomputation
-    rounds would add it only if the layout is faster than the fastest fitting step:
-    recomputing only adds time, so the extra layouts tried cannot be the plan, and the
-    plan is the same without asking the over-memory layout's step time. While nothing
-    fits the variants are costed first, so that a fitting step, which the bounds prune
-    against, is known early; a variant whose bound is already above it is not tried."""
-    capacity = cluster.device.memory_bytes * max_memory_fraction
-    candidates = list(candidates)
-    # ties rank: the candidates in their order, then the same layouts recomputing fully,
-    # then selectively (in their candidates' order, whether `variants` or a refinement
-    # added them), then the other refinements' layouts as added
-    order: dict[Layout, tuple[int, int]] = {lay: (0, k) for k, lay in enumerate(candidates)}
+@dataclass(frozen=True)
+class Costing:
+    """What `search` may ask of a layout. Only `predict` is needed: each other question
+    is cheaper, and lets the search leave out, with the figures, a layout that cannot
+    be the plan (branch and bound: the plan is the same) or settle it sooner."""
 
-    def rank_added(layout: Layout) -> None:
-        base = order.get(layout.replace(recompute="none"), (1, 0))
+    # the layout's Prediction; a ValueError skips the layout with its message
+    predict: Callable[[Layout], Prediction]
+    # seconds its step cannot beat (planner/plan.py): layouts are costed lowest bound
+    # first (then costing_order), and one whose bound, asked again just before it is
+    # costed (it may tighten as layouts are costed), exceeds the fastest fitting step
+    # costed so far is skipped with that reason
+    bound: Callable[[Layout], float] | None = None
+    # bytes its peak cannot be below (memory.static_lower_bound): a layout whose bound is
+    # over the memory allowed and above the smallest peak costed so far is skipped, as it
+    # can neither be the plan nor the smallest peak a PlanError names (give the
+    # candidates smallest bound first for this to prune)
+    memory_bound: Callable[[Layout], float] | None = None
+    # called before a layout the bounds did not rule out is costed (the planner rewrites
+    # its pipeline template there); its bound is then asked once more
+    prepare: Callable[[Layout], None] | None = None
+    # whether `prepare` has nothing left to do; where it has, a layout that recomputes is
+    # first skipped if the same layout without recomputation, found over memory before,
+    # is slower than the fastest fitting step (recomputing only adds time; its step is
+    # cheaper to ask than a rewrite)
+    prepared: Callable[[Layout], bool] | None = None
+    # the step time `predict` would give, without costing the memory (cheaper): a layout
+    # slower than the fastest fitting one costed so far cannot be the plan whatever its
+    # memory, and is skipped with both figures
+    timed: Callable[[Layout], float] | None = None
+    # seconds below that step time, cheaper still (a pipeline's busiest rank without its
+    # schedule simulated); asked before `timed`, a layout whose floor is above the
+    # fastest fitting step is skipped with both figures
+    floor: Callable[[Layout], float] | None = None
+    # bytes below its predicted peak, cheaper than `predict` (a pipeline's first and last
+    # ranks replayed); a layout whose floor is over the memory allowed cannot be the plan
+    # and is skipped with the figure. The refinements still see it as over memory (and
+    # its step time, when they ask for it: `timed`); if nothing fits in the end, those
+    # skipped are costed smallest floor first while a floor is below the smallest peak
+    # costed, so that the PlanError names the smallest peak as without the floors
+    memory_floor: Callable[[Layout], float] | None = None
+    # layouts to cost once a candidate (or one of its variants) is found over memory
+    # (over=True: by its prediction or its memory floor), fitting (False) or slower than
+    # the fastest fitting step so far (None: its memory unknown). `recompute_variants`
+    # gives the same layout recomputing, where the recomputation rounds would add it only
+    # if the layout is faster than the fastest fitting step: recomputing only adds time,
+    # so the extra layouts tried cannot be the plan. While nothing fits the variants are
+    # costed first, so that a fitting step, which the bounds prune against, is known
+    # early; a variant whose bound is already above it is not tried
+    variants: Callable[[Layout, bool | None], Iterable[Layout]] | None = None
+
+
+class TieOrder:
+    """The order ties rank in: the candidates in their order, then the same layouts
+    recomputing fully, then selectively (in their candidates' order, whether `variants`
+    or a refinement added them), then the other refinements' layouts as added."""
+
+    def __init__(self, candidates: list[Layout]) -> None:
+        self._rank = {lay: (0, k) for k, lay in enumerate(candidates)}
+
+    def add(self, layout: Layout) -> None:
+        base = self._rank.get(layout.replace(recompute="none"), (1, 0))
         if base[0] == 0 and layout.recompute in ("full", "selective"):
-            order.setdefault(layout, (1 if layout.recompute == "full" else 2, base[1]))
+            self._rank.setdefault(layout, (1 if layout.recompute == "full" else 2, base[1]))
         else:
-            order.setdefault(layout, (3, len(order)))
-    costed: list[tuple[Layout, Prediction]] = []
-    skipped: list[tuple[Layout, str]] = []
-    best = [math.inf]  # the fastest fitting step so far
-    smallest = [math.inf]  # the smallest peak so far
-    over_memory: dict[Layout, _OverMemory] = {}  # skipped on memory_floor
-    times: dict[Layout, float] = {}  # asked of `timed`: the refinements may ask again
-    predicted: dict[Layout, Prediction] = {}
+            self._rank.setdefault(layout, (3, len(self._rank)))
 
-    def step_time(layout: Layout) -> float:
-        if layout in predicted:
-            return predicted[layout].step_time_s
-        if layout not in times:
-            times[layout] = timed(layout) if timed is not None else predict(layout).step_time_s
-        return times[layout]
+    def of(self, item: tuple[Layout, Any]) -> tuple[int, int]:
+        """The rank of the layout of a (layout, ...) pair."""
+        return self._rank[item[0]]
 
-    def over_best(layout: Layout, seconds: float, what: str) -> bool:
+
+@dataclass
+class SearchState:
+    """What the search has learnt so far, and the questions it answers from it."""
+
+    costing: Costing
+    capacity: float  # the memory allowed per device
+    ties: TieOrder
+    costed: list[tuple[Layout, Prediction]] = field(default_factory=list)
+    skipped: list[tuple[Layout, str]] = field(default_factory=list)
+    best: float = math.inf  # the fastest fitting step so far
+    smallest: float = math.inf  # the smallest peak so far
+    over_memory: dict[Layout, _OverMemory] = field(default_factory=dict)  # on memory_floor
+    times: dict[Layout, float] = field(default_factory=dict)  # `timed`'s, asked again later
+    predicted: dict[Layout, Prediction] = field(default_factory=dict)
+
+    def step_time(self, layout: Layout) -> float:
+        if layout in self.predicted:
+            return self.predicted[layout].step_time_s
+        if layout not in self.times:
+            timed = self.costing.timed
+            self.times[layout] = timed(layout) if timed is not None \
+                else self.costing.predict(layout).step_time_s
+        return self.times[layout]
+
+    def over_best(self, layout: Layout, seconds: float, what: str) -> bool:
         """Skip `layout` (recorded with why: `what` takes `seconds`) if `seconds` is above
         the fastest fitting step costed so far."""
-        if seconds > best[0]:
-            skipped.append((layout, f"not costed: {what.format(ms=f'{seconds * 1e3:.4g}')}, "
-                                    f"slower than the fastest fitting layout costed "
-                                    f"({best[0] * 1e3:.4g} ms)"))
-        return seconds > best[0]
+        if seconds > self.best:
+            self.skipped.append((layout, f"not costed: {what.format(ms=f'{seconds * 1e3:.4g}')}, "
+                                         f"slower than the fastest fitting layout costed "
+                                         f"({self.best * 1e3:.4g} ms)"))
+        return seconds > self.best
 
-    def bounded(layout: Layout) -> bool:
-        least = bound(layout) if bound is not None and best[0] < math.inf else 0.0
-        return over_best(layout, least, "it cannot take less than {ms} ms (plan.compute_bound)")
+    def bounded(self, layout: Layout) -> bool:
+        bound = self.costing.bound
+        least = bound(layout) if bound is not None and self.best < math.inf else 0.0
+        return self.over_best(layout, least, "it cannot take less than {ms} ms (plan.compute_bound)")
 
-    def cost(layouts: Iterable[Layout], candidates_round: bool) -> None:
-        """Cost `layouts` (the candidates' round: with progress shown and `variants`
-        queued as layouts are found over memory)."""
-        seen = {lay for lay, _ in costed} | {lay for lay, _ in skipped}
-        first = (lambda lay: (bound(lay), *costing_order(lay))) if bound is not None \
-            else (lambda lay: ())  # as given: a memory bound prunes them smallest first
-        # (early, ...): variants pushed while nothing fits come first; then by `first`,
-        # ties in the order pushed
-        queue = [(1, *first(lay), k, lay) for k, lay in enumerate(layouts) if lay not in seen]
-        heapq.heapify(queue)
-        pushed = itertools.count(len(queue))
-        shown = {lay for *_, lay in queue} if candidates_round else set()
+    def record(self, layout: Layout, pred: Prediction) -> None:
+        self.costed.append((layout, pred))
+        self.predicted[layout] = pred
+        self.smallest = min(self.smallest, pred.peak_memory_bytes)
+        if pred.peak_memory_bytes <= self.capacity:
+            self.best = min(self.best, pred.step_time_s)
 
-        def slower_unrecomputed(layout: Layout) -> bool:
-            """Skip a layout that recomputes, before `prepare` rewrites for it, when the
-            same layout without recomputation, found over memory (or costed), is slower
-            than the fastest fitting step: recomputing only adds time."""
-            base = layout.replace(recompute="none")
-            if layout.recompute == "none" or best[0] == math.inf or not (
-                    base in over_memory or base in predicted) or prepared is None \
-                    or prepared(layout):
-                return False
-            return over_best(layout, step_time(base),
-                             "without recomputation its step takes {ms} ms")
+    def known(self) -> list[tuple[Layout, Any]]:
+        """What the refinements read, in the candidates' order (and so what they add: its
+        order ranks ties), those left out on their memory floor among them."""
+        return sorted([*self.costed, *self.over_memory.items()], key=self.ties.of)
 
-        def over_memory_floor(layout: Layout) -> bool:
-            held = memory_floor(layout) if memory_floor is not None else 0.0
-            if held <= capacity:
-                return False
-            skipped.append((layout, f"not costed: its first and last pipeline ranks alone "
-                                    f"need at least {_gb(held)} per device, over the "
-                                    f"{_gb(capacity)} "
-                                    f"allowed ({MEMORY_FLOOR_ONLY})"))
-            over_memory[layout] = _OverMemory(layout, held, step_time, bound)
-            vary(layout, True)
-            return True
-
-        def slower(layout: Layout) -> bool:
-            if timed is None or best[0] == math.inf or not (
-                    (floor is not None and over_best(
-                        layout, floor(layout),
-                        f"its busiest pipeline rank alone takes {{ms}} ms ({FLOOR_ONLY})"))
-                    or over_best(layout, step_time(layout),
-                                 f"its step takes {{ms}} ms ({TIMED_ONLY})")):
-                return False
-            vary(layout, None)
-            return True
-
-        def vary(layout: Layout, over: bool | None) -> None:
-            """Queue `layout`'s variants (see `variants`), those a bound does not rule out;
-            among ties they rank in the order they are added."""
-            if not candidates_round or variants is None:
-                return
-            for more in variants(layout, over):
-                if more in seen:
-                    continue
-                key = first(more)
-                if bound is not None and key[0] > best[0]:
-                    continue
-                rank_added(more)
-                heapq.heappush(queue, (0 if best[0] == math.inf else 1, *key, next(pushed), more))
-
-        while queue:
-            layout = heapq.heappop(queue)[-1]
-            if layout in seen:
-                continue
-            seen.add(layout)
-            if progress is not None and layout in shown:
-                progress(layout)
-            if bounded(layout) or slower_unrecomputed(layout):
-                vary(layout, None)
-                continue
-            held = memory_bound(layout) if memory_bound is not None else 0.0
-            if held > capacity and held > smallest[0]:
-                skipped.append((layout, f"not costed: at least {_gb(held)} per device, over the "
-                                        f"{_gb(capacity)} allowed and above the smallest "
-                                        f"peak costed ({_gb(smallest[0])})"))
-                continue
-            if prepare is not None and bound is not None and best[0] < math.inf:
-                prepare(layout)
-                if bounded(layout):
-                    vary(layout, None)
-                    continue
-            try:
-                # the memory floor first once a layout was found over memory (memory is
-                # short: it settles most), the step time first while none was
-                if (over_memory and over_memory_floor(layout)) or slower(layout) or (
-                        not over_memory and over_memory_floor(layout)):
-                    continue
-                pred = predict(layout)
-            except ValueError as exc:  # a cut or a tp placement the model cannot take
-                skipped.append((layout, str(exc).splitlines()[0]))
-                continue
-            costed.append((layout, pred))
-            predicted[layout] = pred
-            smallest[0] = min(smallest[0], pred.peak_memory_bytes)
-            if pred.peak_memory_bytes <= capacity:
-                best[0] = min(best[0], pred.step_time_s)
-            vary(layout, pred.peak_memory_bytes > capacity)
-        # ties rank in the candidates' order, then the refinements', whatever order they
-        # were costed in
-        costed.sort(key=lambda c: order[c[0]])
-
-    cost(candidates, True)
-    for more in refine:
-        # what the refinements read, in the candidates' order (and so what they add: its
-        # order ranks ties), those left out on their memory floor among them
-        known = sorted([*costed, *over_memory.items()], key=lambda c: order[c[0]])
-        added = more(known, capacity)
-        for layout in added:
-            rank_added(layout)
-        cost(added, False)
-    fits, over = rank(costed, capacity)
-    if not fits and over_memory:  # the error names the smallest peak: it may be one of them
+    def revive_over_memory(self) -> None:
+        """Cost the layouts left out on their memory floor, smallest floor first, while a
+        floor is below the smallest peak costed: when nothing fits, the error names the
+        smallest peak, which may be one of theirs."""
         revived, refused = set(), []
-        for layout, o in sorted(over_memory.items(), key=lambda item: item[1].peak_memory_bytes):
-            if o.peak_memory_bytes > smallest[0]:
+        for layout, o in sorted(self.over_memory.items(),
+                                key=lambda item: item[1].peak_memory_bytes):
+            if o.peak_memory_bytes > self.smallest:
                 break
             revived.add(layout)
             try:
-                pred = predict(layout)
+                pred = self.costing.predict(layout)
             except ValueError as exc:
                 refused.append((layout, str(exc).splitlines()[0]))
                 continue
-            costed.append((layout, pred))
-            predicted[layout] = pred
-            smallest[0] = min(smallest[0], pred.peak_memory_bytes)
-        skipped[:] = [s for s in skipped if s[0] not in revived] + refused
-        costed.sort(key=lambda c: order[c[0]])
-        fits, over = rank(costed, capacity)
+            self.record(layout, pred)
+        self.skipped[:] = [s for s in self.skipped if s[0] not in revived] + refused
+        self.costed.sort(key=self.ties.of)
+
+
+class CostingRound:
+    """One round of costing: `layouts` lowest bound first (then `costing_order`; as given
+    without a bound: a memory bound prunes them smallest first). The candidates' round
+    shows progress and queues `variants` as layouts are found over memory."""
+
+    def __init__(self, state: SearchState, layouts: Iterable[Layout],
+                 candidates_round: bool) -> None:
+        self.state = state
+        self.seen = {lay for lay, _ in state.costed} | {lay for lay, _ in state.skipped}
+        self.varies = candidates_round and state.costing.variants is not None
+        # (early, *order, pushed, layout): variants pushed while nothing fits come first;
+        # then by `_order`, ties in the order pushed
+        self.queue = [(1, *self._order(lay), k, lay) for k, lay in enumerate(layouts)
+                      if lay not in self.seen]
+        heapq.heapify(self.queue)
+        self.pushed = itertools.count(len(self.queue))
+        self.shown = {lay for *_, lay in self.queue} if candidates_round else set()
+
+    def _order(self, layout: Layout) -> tuple:
+        bound = self.state.costing.bound
+        return (bound(layout), *costing_order(layout)) if bound is not None else ()
+
+    def run(self, progress: Callable[[Layout], None] | None = None) -> None:
+        while self.queue:
+            layout = heapq.heappop(self.queue)[-1]
+            if layout in self.seen:
+                continue
+            self.seen.add(layout)
+            if progress is not None and layout in self.shown:
+                progress(layout)
+            self._cost(layout)
+        # ties rank in the candidates' order, then the refinements', whatever order they
+        # were costed in
+        self.state.costed.sort(key=self.state.ties.of)
+
+    def _cost(self, layout: Layout) -> None:
+        """Cost `layout`, unless a cheaper question settles it (Costing)."""
+        state, costing = self.state, self.state.costing
+        if state.bounded(layout) or self._slower_unrecomputed(layout):
+            self._vary(layout, None)
+            return
+        if self._over_memory_bound(layout):
+            return
+        if costing.prepare is not None and costing.bound is not None and state.best < math.inf:
+            costing.prepare(layout)
+            if state.bounded(layout):
+                self._vary(layout, None)
+                return
+        try:
+            if self._settled_unpredicted(layout):
+                return
+            pred = costing.predict(layout)
+        except ValueError as exc:  # a cut or a tp placement the model cannot take
+            state.skipped.append((layout, str(exc).splitlines()[0]))
+            return
+        state.record(layout, pred)
+        self._vary(layout, pred.peak_memory_bytes > state.capacity)
+
+    def _settled_unpredicted(self, layout: Layout) -> bool:
+        """Whether `layout` is skipped on its memory floor or its step time: the memory
+        floor first once a layout was found over memory (memory is short: it settles
+        most), the step time first while none was."""
+        if self.state.over_memory:
+            return self._over_memory_floor(layout) or self._slower(layout)
+        return self._slower(layout) or self._over_memory_floor(layout)
+
+    def _slower_unrecomputed(self, layout: Layout) -> bool:
+        """Skip a layout that recomputes, before `prepare` rewrites for it, when the same
+        layout without recomputation, found over memory (or costed), is slower than the
+        fastest fitting step: recomputing only adds time."""
+        state, prepared = self.state, self.state.costing.prepared
+        if layout.recompute == "none" or state.best == math.inf:
+            return False
+        base = layout.replace(recompute="none")
+        if not (base in state.over_memory or base in state.predicted) or prepared is None \
+                or prepared(layout):
+            return False
+        return state.over_best(layout, state.step_time(base),
+                               "without recomputation its step takes {ms} ms")
+
+    def _over_memory_bound(self, layout: Layout) -> bool:
+        state, memory_bound = self.state, self.state.costing.memory_bound
+        held = memory_bound(layout) if memory_bound is not None else 0.0
+        if held > state.capacity and held > state.smallest:
+            state.skipped.append((layout, f"not costed: at least {_gb(held)} per device, over "
+                                          f"the {_gb(state.capacity)} allowed and above the "
+                                          f"smallest peak costed ({_gb(state.smallest)})"))
+            return True
+        return False
+
+    def _over_memory_floor(self, layout: Layout) -> bool:
+        state, costing = self.state, self.state.costing
+        held = costing.memory_floor(layout) if costing.memory_floor is not None else 0.0
+        if held <= state.capacity:
+            return False
+        state.skipped.append((layout, f"not costed: its first and last pipeline ranks alone "
+                                      f"need at least {_gb(held)} per device, over the "
+                                      f"{_gb(state.capacity)} allowed ({MEMORY_FLOOR_ONLY})"))
+        state.over_memory[layout] = _OverMemory(layout, held, state.step_time, costing.bound)
+        self._vary(layout, True)
+        return True
+
+    def _slower(self, layout: Layout) -> bool:
+        state, costing = self.state, self.state.costing
+        if costing.timed is None or state.best == math.inf:
+            return False
+        if not ((costing.floor is not None and state.over_best(
+                    layout, costing.floor(layout),
+                    f"its busiest pipeline rank alone takes {{ms}} ms ({FLOOR_ONLY})"))
+                or state.over_best(layout, state.step_time(layout),
+                                   f"its step takes {{ms}} ms ({TIMED_ONLY})")):
+            return False
+        self._vary(layout, None)
+        return True
+
+    def _vary(self, layout: Layout, over: bool | None) -> None:
+        """Queue `layout`'s variants (Costing.variants), those a bound does not rule out;
+        among ties they rank in the order they are added."""
+        if not self.varies:
+            return
+        state = self.state
+        for more in state.costing.variants(layout, over):
+            if more in self.seen:
+                continue
+            order = self._order(more)
+            if state.costing.bound is not None and order[0] > state.best:
+                continue
+            state.ties.add(more)
+            heapq.heappush(self.queue, (0 if state.best == math.inf else 1, *order,
+                                        next(self.pushed), more))
+
+
+def search(candidates: Iterable[Layout], costing: Costing, cluster: ClusterSpec,
+           max_memory_fraction: float = 0.9,
+           progress: Callable[[Layout], None] | None = None,
+           refine: Iterable[Refinement] = ()) -> Plan:
+    """Cost every candidate, then each round of `refine`; keep the fastest that fits
+    (module docstring; Costing says what each of its questions leaves out)."""
+    capacity = cluster.device.memory_bytes * max_memory_fraction
+    candidates = list(candidates)
+    state = SearchState(costing, capacity, TieOrder(candidates))
+    CostingRound(state, candidates, candidates_round=True).run(progress)
+    for more in refine:
+        added = more(state.known(), capacity)
+        for layout in added:
+            state.ties.add(layout)
+        CostingRound(state, added, candidates_round=False).run()
+    fits, over = rank(state.costed, capacity)
+    if not fits and state.over_memory:
+        state.revive_over_memory()
+        fits, over = rank(state.costed, capacity)
     if not fits:
-        raise PlanError(no_fit_message(over, skipped, cluster, max_memory_fraction),
+        raise PlanError(no_fit_message(over, state.skipped, cluster, max_memory_fraction),
                         smallest=[lay for lay, _ in over])
     best_layout, best_pred = fits[0]
     alternatives = [(lay, pred, why_not(pred, best_pred, capacity))
                     for lay, pred in fits[1:] + over]
     return Plan(layout=best_layout, predicted=best_pred, alternatives=alternatives,
-                skipped=skipped, cluster=cluster.to_dict(),
+                skipped=state.skipped, cluster=cluster.to_dict(),
                 max_memory_fraction=max_memory_fraction)
 
 

@@ -33,6 +33,8 @@ result, the parent rewrites that layout itself.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import multiprocessing
 import pickle
 import sys
@@ -52,6 +54,75 @@ def available() -> bool:
     (a forked child cannot use it; the traces run on fake tensors, but a model's real
     CUDA tensors would be asked for their device)."""
     return sys.platform.startswith("linux") and not torch.cuda.is_initialized()
+
+
+class WorkerPool:
+    """The RewriteWorkers of one Estimator, by the groups each rewrites (`by_group`).
+    Empty: the Estimator rewrites every layout itself (as a child does)."""
+
+    def __init__(self) -> None:
+        self.by_group: dict[tuple, RewriteWorker] = {}
+
+    def start(self, estimator, count: int, order: Sequence[Layout],
+              bound: Callable[[Layout], float]) -> None:
+        """Fork `count` RewriteWorkers for the groups of `order` (the layouts in the order
+        the search asks for them, `bound` their FLOP bounds) that child_groups gives
+        them; each rewrites ahead, in that order, the first template and the first
+        layout without one of each of its groups (`firsts`)."""
+        least: dict[tuple, float] = {}  # group -> its least bound, in the search's order
+        for layout in order:
+            group = estimator.group_of(layout)
+            least[group] = min(least.get(group, math.inf), bound(layout))
+        for share in child_groups(list(least), list(least.values()), count):
+            if share:
+                mine = set(share)
+                ahead = firsts([lay for lay in order if estimator.group_of(lay) in mine],
+                               estimator.group_of)
+                worker = RewriteWorker(estimator, ahead, share)
+                self.by_group.update(dict.fromkeys(share, worker))
+
+    def close(self) -> None:
+        for worker in set(self.by_group.values()):
+            worker.close()
+        self.by_group = {}
+
+    def alive(self, group: tuple) -> RewriteWorker | None:
+        """The worker that rewrites `group`, if it is alive."""
+        worker = self.by_group.get(group)
+        return worker if worker is not None and worker.alive else None
+
+    def fetch(self, estimator, layout: Layout) -> tuple | None:
+        """The rewrite key of `layout`'s entry, kept by `estimator`, when a worker
+        rewrites its group (None: the estimator rewrites it). While the worker is busy,
+        the estimator rewrites a group the worker has not started rather than wait."""
+        group = estimator.group_of(layout)
+        worker = self.alive(group)
+        if worker is None:
+            return None
+        if worker.take_back(group):  # not started there: rewritten here, not waited for
+            del self.by_group[group]
+            return None
+        traces = estimator.traces
+        while True:
+            worker.collect()
+            if group[0] in worker.traces:  # the trace the search needs now, from the child
+                traces.keep(worker.traces[group[0]])
+            if group[0] in traces:
+                key = estimator.rewrites.key(layout)
+                if key in estimator.rewrites:
+                    return key
+                if key in worker.ready:
+                    return estimator.adopt(layout, worker.ready.pop(key))
+            stolen = worker.steal(lambda other: traces.has_graph(other[0]))
+            if stolen is None:
+                break
+            del self.by_group[stolen[0]]
+            with contextlib.suppress(ValueError):  # reported when the search asks for it
+                estimator.rewrite(stolen[1])
+        status, data = worker.result("entry", layout)
+        if status == "error":
+            raise ValueError(data)
+        return estimator.adopt(layout, data) if status == "ok" else None
 
 
 PENDING, CHILD, PARENT = 0, 1, 2  # who rewrites a child's group (RewriteWorker.claims)
@@ -79,9 +150,9 @@ class RewriteWorker:
         child.close()
         self.alive = True
         # sent ahead, not yet asked for: entries by their key, and the traces they came
-        # from by theirs (Estimator._remote adopts them when the search asks)
-        self.ready: dict[tuple, tuple] = {}
-        self.traces: dict[tuple, tuple] = {}
+        # from by theirs (WorkerPool.fetch adopts them when the search asks)
+        self.ready: dict[tuple, Any] = {}  # rewrites.ExportedEntry
+        self.traces: dict[tuple, Any] = {}  # traces.TracedEntry
 
     def take_back(self, group: tuple) -> bool:
         """Whether the parent takes `group` back: the child has not started it, and now
@@ -128,9 +199,10 @@ class RewriteWorker:
         except (EOFError, OSError):
             self.alive = False
 
-    def _keep(self, entry: tuple) -> None:
-        self.ready[entry[0]] = entry
-        self.traces[entry[3][0]] = entry[3]
+    def _keep(self, exported) -> None:
+        """Keep a rewrites.ExportedEntry the child sent ahead, and the trace it came from."""
+        self.ready[exported.key] = exported
+        self.traces[exported.trace.key] = exported.trace
 
     def close(self) -> None:
         if self.alive:
@@ -149,7 +221,7 @@ class RewriteWorker:
 def _serve(estimator, conn, ahead: list[Layout], slots: dict, claims) -> None:
     """The child: answer each request as it comes; between them, rewrite ahead the
     groups the parent has not taken back."""
-    estimator.workers = {}  # the child rewrites all it is asked itself
+    estimator.workers = WorkerPool()  # the child rewrites all it is asked itself
     # HiGHS's task scheduler (the tensor-parallel integer programs) keeps worker threads
     # that a fork does not copy: a solve in the child would wait on them forever
     highspy.Highs.resetGlobalScheduler(False)

@@ -1,0 +1,204 @@
+"""The rewritten graphs the planner costs: the pass list run on a trace once for every
+set of layouts that its passes read alike.
+
+What a pass reads of a layout is its own declaration (GraphPass.layout_fields and
+GraphPass.reads, passes/defaults.reads_of), so a graph is shared exactly as far as
+the passes allow: by every schedule and micro-batch count of one stage count, every
+bucket size of a pipeline. The graph after the forward-level passes (tensor
+parallelism and AMP re-trace the forward; recomputation rewrites it before the
+joint-graph passes) is kept too, by what those read: every dp, ZeRO stage and bucket
+size shares one solve and one re-trace.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from autopar.cluster import ClusterSpec
+from autopar.compiler.analysis.summary import GraphSummary, summarize
+from autopar.compiler.ir.graph import TrainGraph
+from autopar.compiler.passes.base import GraphPass
+from autopar.compiler.passes.defaults import (
+    default_passes,
+    forward_level_passes,
+    is_pipelined,
+    reads_of,
+    retraces,
+    run_passes,
+    split_forward_level,
+)
+from autopar.compiler.planner.replicated import Template, template_of
+from autopar.compiler.planner.stages import StageSummary, stage_summary
+from autopar.compiler.planner.traces import TraceKey, TracedEntry, Traces, scaled_summary
+from autopar.layout import Layout
+
+# (trace key, what the passes read of the layout they run under): one rewritten graph
+RewriteKey = tuple
+
+
+@dataclass(frozen=True)
+class RewrittenEntry:
+    """A rewritten graph as the cost model reads it: its summary (and stages when
+    pipelined), or the pipeline template its pipelines are replicated from."""
+
+    summary: GraphSummary | None = None
+    stages: StageSummary | None = None
+    graph: TrainGraph | None = None  # an exact trace's pipeline: its ranks' memory replay
+    template: Template | None = None
+
+
+@dataclass(frozen=True)
+class ExportedEntry:
+    """A rewritten entry as a worker sends it (plain data: no graphs)."""
+
+    key: RewriteKey
+    entry: RewrittenEntry
+    table: dict | None  # the tensor-parallel placements (tp > 1)
+    trace: TracedEntry
+
+
+class Group(NamedTuple):
+    """Layouts that share a trace and the re-tracing passes' graph: what a worker
+    process rewrites together (planner/workers.py)."""
+
+    trace_key: TraceKey
+    retraced: tuple  # what the re-tracing forward-level passes read
+
+
+def template_layout(layout: Layout) -> Layout:
+    """The layout a pipeline's template is rewritten under: two stages, one per block."""
+    return layout.replace(pp=2, virtual_stages=1, schedule="1f1b")
+
+
+@functools.lru_cache(maxsize=1 << 15)  # asked for every bound of a pipeline: kept
+def template_key(layout: Layout) -> tuple:
+    """What the default passes read of `layout`'s pipeline template: the pipelines equal
+    in it are costed from templates that differ only in their micro-batch size."""
+    run_on = template_layout(layout)
+    return reads_of(default_passes(run_on), run_on)
+
+
+class Rewrites:
+    """The rewritten graphs of one model on one cluster, by `key`, with their
+    tensor-parallel tables; `passes` (None: the default list) is the pass list."""
+
+    def __init__(self, traces: Traces, cluster: ClusterSpec,
+                 passes: Sequence[GraphPass | str] | None) -> None:
+        self.traces, self.cluster, self.passes = traces, cluster, passes
+        self._entries: dict[RewriteKey, RewrittenEntry] = {}
+        self._tables: dict[RewriteKey, dict] = {}
+        self._keys: dict[Layout, RewriteKey] = {}  # asked for every layout costed
+        self._groups: dict[Layout, Group] = {}
+        self._forward: dict[tuple, TrainGraph] = {}  # graphs after forward-level passes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: RewriteKey) -> bool:
+        return key in self._entries
+
+    def entry(self, key: RewriteKey) -> RewrittenEntry:
+        return self._entries[key]
+
+    def table(self, key: RewriteKey) -> dict | None:
+        return self._tables.get(key)
+
+    @property
+    def forward_graphs(self) -> int:
+        """How many graphs after the forward-level passes are kept."""
+        return len(self._forward)
+
+    def keep(self, exported: ExportedEntry) -> bool:
+        """Keep an entry rewritten elsewhere (a worker's); False when one of its key is
+        here already."""
+        if exported.key in self._entries:
+            return False
+        self._entries[exported.key] = exported.entry
+        if exported.table is not None:
+            self._tables[exported.key] = exported.table
+        return True
+
+    def export(self, key: RewriteKey) -> ExportedEntry:
+        """The entry of `key` as plain data, with its trace's FLOPs and scaling."""
+        entry = self._entries[key]
+        if entry.graph is not None:
+            raise RuntimeError("an exact trace's rewritten graph is not sent")
+        trace = self.traces.entry(key[0]).without_graph()
+        return ExportedEntry(key, entry, self._tables.get(key), trace)
+
+    def key(self, layout: Layout) -> RewriteKey:
+        """The key of `layout`'s rewritten graph: its trace's, and what its passes read
+        of the layout they run under (traces `layout` if new: a template's layout is
+        not `layout`). A list of the caller's own passes reads the whole layout."""
+        if layout not in self._keys:
+            trace_key = self.traces.key(layout)
+            run_on = self._run_on(layout)
+            reads = reads_of(default_passes(run_on), run_on) if self.passes is None \
+                else (("layout", run_on),)
+            self._keys[layout] = (trace_key, reads)
+        return self._keys[layout]
+
+    def group_of(self, layout: Layout) -> Group:
+        """`layout`'s Group, known without tracing."""
+        if layout not in self._groups:
+            passes = [p for p in forward_level_passes(layout) if retraces(p)]
+            self._groups[layout] = Group(self.traces.key(layout), reads_of(passes, layout))
+        return self._groups[layout]
+
+    def _run_on(self, layout: Layout) -> Layout:
+        return template_layout(layout) if self.traces.is_template(layout) else layout
+
+    def rewrite(self, layout: Layout) -> RewrittenEntry:
+        """Rewrite `layout`'s trace and keep the entry under `key(layout)`: a template
+        (two stages cut between the two traced blocks), or the summary of the graph."""
+        key = self.key(layout)
+        trace = self.traces.get(layout, graph=True)
+        template = self.traces.is_template(layout)
+        options: dict[str, Any] = {}
+        if template:
+            options["pipeline_cuts"] = [f"{trace.scaling.path}.1"]
+        rewritten = self.run_passes(trace.graph, trace.key, self._run_on(layout), options)
+        if template:
+            entry = RewrittenEntry(template=template_of(rewritten, sum(trace.scaling.counts),
+                                                        self.cluster))
+        else:
+            stages = stage_summary(rewritten) if is_pipelined(layout) else None
+            summary = scaled_summary(summarize(rewritten), rewritten, trace.scaling)
+            entry = RewrittenEntry(summary, stages, None if trace.scaling else rewritten)
+        self._entries[key] = entry
+        if "tp" in rewritten.attrs:
+            self._tables[key] = rewritten.attrs["tp"]
+        return entry
+
+    def run_passes(self, traced: TrainGraph, trace_key: TraceKey, layout: Layout,
+                   options: dict[str, Any]) -> TrainGraph:
+        """run_passes of `layout`; with the default pass list, from the graph after its
+        forward-level passes (the costly re-traces), kept for the layouts that those
+        passes read alike."""
+        if self.passes is not None:
+            return run_passes(traced, layout, self.cluster, self.passes, options=options)[0]
+        first, rest = split_forward_level(default_passes(layout))
+        start = self._forward_level(traced, trace_key, first, layout, options)
+        return run_passes(start, layout, self.cluster, rest, options=options)[0]
+
+    def _forward_level(self, traced: TrainGraph, trace_key: TraceKey, first: list[GraphPass],
+                       layout: Layout, options: dict[str, Any]) -> TrainGraph:
+        """`traced` after the forward-level passes `first`, kept by what they read. A
+        last one that does not re-trace (recomputation) runs on the graph kept for those
+        before it: its variants share their solve and re-trace."""
+        # the cuts are AssignStages' option: a pipeline's template shares the graph of
+        # the unpipelined layout with the same trace
+        shared = tuple(sorted((k, repr(v)) for k, v in options.items() if k != "pipeline_cuts"))
+        key = (trace_key, reads_of(first, layout), shared)
+        if key not in self._forward:
+            if len(first) > 1 and not retraces(first[-1]):
+                before = self._forward_level(traced, trace_key, first[:-1], layout, options)
+                self._forward[key] = run_passes(before, layout, self.cluster, first[-1:],
+                                                options=options)[0]
+            else:
+                self._forward[key] = run_passes(traced, layout, self.cluster, first,
+                                                options=options)[0]
+        return self._forward[key]

@@ -1,0 +1,148 @@
+"""The traces the planner costs layouts on: one per shape of a rank's micro-batch and
+number of repeated blocks kept, shared by every layout with those.
+
+With `trace_blocks` (planner/scaled.py) a step without a pipeline traces that many of
+the model's repeated blocks and scales their costs to the whole stack, and a pipeline
+of several stages traces the two blocks of its template (planner/replicated.py).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+import torch
+
+from autopar.compiler.analysis.summary import GraphSummary, summarize
+from autopar.compiler.ir.batch import LossFn
+from autopar.compiler.ir.graph import TrainGraph
+from autopar.compiler.ir.trace import batch_dims_of, local_example, trace_train_step
+from autopar.compiler.passes.defaults import is_pipelined
+from autopar.compiler.planner.replicated import TEMPLATE_BLOCKS
+from autopar.compiler.planner.scaled import multiplicities, reduced, scale_summary
+from autopar.layout import Layout
+
+# (shapes of one rank's micro-batch, blocks kept or None for all): what a trace is shared by
+TraceKey = tuple
+
+
+class Scaling(NamedTuple):
+    """How a trace of a few repeated blocks stands for the whole stack."""
+
+    path: str  # the module path of the repeated blocks' container
+    counts: tuple[int, ...]  # how many of the stack's blocks each traced block stands for
+
+
+@dataclass(frozen=True)
+class TracedEntry:
+    """One traced micro-batch and what the planner reads of it without the graph."""
+
+    key: TraceKey
+    graph: TrainGraph | None  # None: kept from a worker, which sends no graph
+    model_flops: int  # of the whole stack (scaled when only a few blocks were traced)
+    scaling: Scaling | None  # None: every block was traced
+
+    def without_graph(self) -> TracedEntry:
+        return replace(self, graph=None)
+
+
+def stages_of(layout: Layout) -> int:
+    """Pipeline stages of `layout` (pp x virtual stages; 1 without a pipeline)."""
+    return layout.pp * layout.virtual_stages if is_pipelined(layout) else 1
+
+
+def scaled_summary(summary: GraphSummary, tg: TrainGraph, scaling: Scaling | None
+                   ) -> GraphSummary:
+    """`summary` of `tg` scaled to the whole stack (itself when every block was traced)."""
+    return summary if scaling is None else scale_summary(summary, tg, scaling.counts)
+
+
+class Traces:
+    """The traces of one model's micro-batches, by `key`, and what decides how a
+    layout is traced: how many blocks it keeps, and whether it is costed from a
+    two-stage pipeline template."""
+
+    def __init__(self, model: torch.nn.Module, example_inputs: tuple, loss_fn: LossFn | None,
+                 trace_blocks: int | None) -> None:
+        self.model, self.example_inputs, self.loss_fn = model, example_inputs, loss_fn
+        self.trace_blocks = trace_blocks
+        self._entries: dict[TraceKey, TracedEntry] = {}
+        self._keys: dict[Layout, TraceKey] = {}  # asked for every layout the search sees
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: TraceKey) -> bool:
+        return key in self._entries
+
+    def has_graph(self, key: TraceKey) -> bool:
+        """Whether the trace of `key` was made here (a worker's comes without its graph)."""
+        return key in self._entries and self._entries[key].graph is not None
+
+    def entry(self, key: TraceKey) -> TracedEntry:
+        return self._entries[key]
+
+    def keep(self, entry: TracedEntry) -> None:
+        """Keep a trace made elsewhere (a worker's), unless one of its key is here."""
+        self._entries.setdefault(entry.key, entry)
+
+    def key(self, layout: Layout) -> TraceKey:
+        """(shapes of one rank's micro-batch, blocks kept): known without tracing."""
+        if layout not in self._keys:
+            local = local_example(self.example_inputs, layout)
+            self._keys[layout] = (
+                tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else repr(x) for x in local),
+                self._blocks_kept(layout))
+        return self._keys[layout]
+
+    def get(self, layout: Layout, graph: bool = False) -> TracedEntry:
+        """The trace of `layout`'s micro-batch, traced if new, or if `graph` asks for the
+        graph of one kept from a worker."""
+        key = self.key(layout)
+        if key not in self._entries or (graph and self._entries[key].graph is None):
+            self._entries[key] = self._trace(layout, key)
+        return self._entries[key]
+
+    def _trace(self, layout: Layout, key: TraceKey) -> TracedEntry:
+        keep = key[1]
+        local = local_example(self.example_inputs, layout)
+        with reduced(self.model, keep) as stack:
+            traced = trace_train_step(self.model, local, self.loss_fn)
+        scaling = Scaling(stack[0], multiplicities(stack[1], keep)) \
+            if keep and stack and stack[1] > keep else None
+        flops = scaled_summary(summarize(traced), traced, scaling).model_flops
+        return TracedEntry(key, traced, flops, scaling)
+
+    def _blocks_kept(self, layout: Layout) -> int | None:
+        """Blocks to trace (None: all): a pipeline of several stages traces the two of its
+        template (planner/replicated.py). Accumulation without a pipeline is traced
+        whole: its memory is a replay of the one stage's programs, which a scaled
+        summary does not have (the search does not try it; `estimate` of it is exact)."""
+        if self.trace_blocks is None:
+            return None
+        if stages_of(layout) > 1:
+            return TEMPLATE_BLOCKS
+        return None if is_pipelined(layout) else self.trace_blocks
+
+    def is_template(self, layout: Layout) -> bool:
+        """Whether `layout` is costed from a two-stage template (a scaled trace, several
+        stages); traces it if new."""
+        return self.get(layout).scaling is not None and stages_of(layout) > 1
+
+    def templated(self, layout: Layout) -> bool:
+        """Whether `layout` would be costed from a template, without tracing it."""
+        return self.trace_blocks is not None and stages_of(layout) > 1
+
+    def micro_batch(self, layout: Layout) -> float:
+        """One rank's micro-batch size (the example's batch when it has no batch dim)."""
+        tensors = [x for x in self.example_inputs if isinstance(x, torch.Tensor)]
+        dims = batch_dims_of(tensors)
+        batch = next((x.shape[d] for x, d in zip(tensors, dims) if d is not None), None)
+        return 1.0 if batch is None else batch / (layout.dp * layout.microbatches)
+
+    def most_shared(self, layouts: Sequence[Layout]) -> Layout:
+        """The first of `layouts` whose trace the most of them share."""
+        counts = Counter(self.key(layout) for layout in layouts)
+        return max(layouts, key=lambda layout: counts[self.key(layout)])
