@@ -139,14 +139,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def _fit_to_model(spec, model: str, nproc: int):
     """`spec` with op_time_factors fitted to one step of `model` on one process's share
     of its batch (as data parallelism over `nproc` processes would run it)."""
-    from autopar.api import _local_example
     from autopar.calibrate import fit_model
     from autopar.cluster import ClusterSpec
+    from autopar.compiler.ir.trace import local_example
     from autopar.examples import load_model_spec
     from autopar.layout import Layout
 
     example = load_model_spec(model)
-    batch = _local_example(example.batch, Layout(dp=nproc))
+    batch = local_example(example.batch, Layout(dp=nproc))
     factors = fit_model(example.model, batch, example.loss_fn, spec)
     shown = ", ".join(f"{k} x{v:.2f}" for k, v in sorted(factors.items(), key=lambda kv: -abs(
         kv[1] - 1))[:6])

@@ -49,3 +49,27 @@ def test_contracts_refuse_a_wrong_import(tmp_path, importer, line, broken):
     out = _lint(tmp_path)
     assert out.returncode == 1, out.stdout
     assert broken in " ".join(out.stdout.split()), out.stdout
+
+
+def test_every_import_of_autopar_names_resolves():
+    """An import inside a function (the CLI's, kept lazy for start-up) runs only when
+    that command does: check that each `from autopar... import name` in the package
+    names something that exists, so a moved module or renamed name fails here."""
+    import ast
+    import importlib
+
+    missing = []
+    for path in sorted((ROOT / "autopar").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0
+                    and (node.module or "").split(".")[0] == "autopar"):
+                continue
+            module = importlib.import_module(node.module)
+            for alias in node.names:
+                if not hasattr(module, alias.name):
+                    try:
+                        importlib.import_module(f"{node.module}.{alias.name}")
+                    except ImportError:
+                        missing.append(f"{path.relative_to(ROOT)}:{node.lineno} "
+                                       f"from {node.module} import {alias.name}")
+    assert not missing, "imports of names that do not exist:\n" + "\n".join(missing)
