@@ -103,8 +103,8 @@ def main() -> None:
                    help="device memory of the 1T cases (default: the preset's 80 GB)")
     p.add_argument("--dropout", type=float, default=0.1,
                    help="GPT-2's dropout (attention, residual, embedding) of the 1T model: "
-                        "0.1 is GPT-2's default; with 0 attention traces to its fused CPU "
-                        "kernel instead of the math path that keeps s x s scores")
+                        "0.1 is GPT-2's default; on GPUs the planner traces it as they run "
+                        "it (inside the fused attention; 1-byte masks elsewhere)")
     p.add_argument("--memory-fraction", type=float, default=None,
                    help="max_memory_fraction of the 1T cases (default: autopar.plan's 0.9)")
     p.add_argument("--workers", type=int, default=None,

@@ -19,6 +19,7 @@ The route (see docs/concepts.md, "Why this tracing route"):
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import traceback
 from collections.abc import Callable, Sequence
@@ -88,17 +89,24 @@ class TraceSource:
     # tensor parallelism: parameter (exported name) -> (dim, parts, index): the step
     # takes only that block of the parameter (its gradient is that block's too)
     param_shards: tuple[tuple[str, tuple[int, int, int]], ...] = ()
+    # the device whose kernels the trace takes where a CPU's differ ("cpu" or "gpu",
+    # DeviceSpec.kind): "gpu" runs every exported op through GPU_KERNELS, innermost
+    kernels: str = "cpu"
 
 
 def trace_train_step(model: torch.nn.Module, example_inputs: Sequence[Any],
-                     loss_fn: LossFn | Objective | None = None) -> TrainGraph:
+                     loss_fn: LossFn | Objective | None = None,
+                     kernels: str = "cpu") -> TrainGraph:
     """Trace one training step of `model` on `example_inputs` (a local batch, flat).
 
     `loss_fn` is an Objective (batch.py: which tensors go to the model, which to the
     loss), or a plain loss function taking the output and every input. Works on real,
     meta or fake tensors: nothing is computed. The model's own parameters are not
-    modified.
+    modified. `kernels="gpu"` traces the dropouts as a GPU runs them (GpuKernels): for
+    the planner costing a GPU cluster on a meta or CPU model.
     """
+    if kernels not in ("cpu", "gpu"):
+        raise ValueError(f"kernels must be 'cpu' or 'gpu', got {kernels!r}")
     example_inputs = tuple(example_inputs)
     bad = [type(a).__name__ for a in example_inputs if not isinstance(a, torch.Tensor)]
     if bad:
@@ -108,7 +116,8 @@ def trace_train_step(model: torch.nn.Module, example_inputs: Sequence[Any],
     objective.check_signatures(model)
     wrapper = _ModelWithLoss(model, objective)
     source = TraceSource(_export(wrapper, model, example_inputs), example_inputs,
-                         _alias_groups(model), repeated_block_container(model))
+                         _alias_groups(model), repeated_block_container(model),
+                         kernels=kernels)
     return _trace_from(source)
 
 
@@ -155,6 +164,66 @@ def _trace_from(source: TraceSource) -> TrainGraph:
     tg = TrainGraph(gm=gm, signature=sig, provides=frozenset({"traced", "retraceable"}),
                     source=source)
     return annotate(tg, source.blocks)
+
+
+class GpuKernels:
+    """The ForwardHook that traces dropout as a GPU runs it, on CPU (or meta) tensors.
+
+    A CPU has no fused kernel for either dropout a transformer draws, so its trace keeps
+    more than a GPU step does:
+
+    - `dropout(x, p, train)` on a CPU is `x * (empty_like(x).bernoulli_(1 - p) / (1 - p))`:
+      its backward keeps that scaled mask in x's dtype (4 bytes an element in fp32). A
+      GPU (`is_fused_kernel_acceptable`) runs `native_dropout`, whose mask is bool: 1 byte.
+    - `scaled_dot_product_attention(..., dropout_p > 0)`: the CPU's fused kernel has no
+      dropout, so attention takes its math path, keeping the probabilities, their mask
+      and the dropped probabilities, batch x heads x s x s each, in fp32. A GPU's flash
+      or memory-efficient kernel draws the dropout inside (Philox) and keeps the output
+      and one log-sum-exp per row. The trace takes the CPU's fused kernel with the
+      dropout probability instead (a boolean mask made additive first, as the composite
+      does): what the planner already costs as the fused attention of a step without
+      dropout (its FLOPs, its saved values).
+
+    Innermost of the hooks: AMP and tensor parallelism see the exported ops and their
+    rules; this hook only chooses the kernel. A graph traced with it is for costing;
+    the CPU's flash attention kernel refuses dropout_p > 0 if it is run."""
+
+    def call_function(self, node: fx.Node, args: tuple, kwargs: dict,
+                      run: Callable[[tuple, dict], Any]) -> Any:
+        if node.target is _DROPOUT:
+            x, p, train = _bound(_DROPOUT, args, kwargs)
+            if train and 0 < p < 1 and x.is_floating_point() and x.numel() > 0:
+                return torch.ops.aten.native_dropout.default(x, p, True)[0]
+        elif node.target is _SDPA:
+            q, k, v, mask, p, causal, scale, gqa = _bound(_SDPA, args, kwargs)
+            if p > 0:
+                if mask is not None and mask.dtype == torch.bool:  # as the composite does
+                    mask = torch.where(mask, torch.zeros((), dtype=q.dtype, device=q.device),
+                                       torch.full((), -math.inf, dtype=q.dtype, device=q.device))
+                if gqa and k.shape[-3] != q.shape[-3]:
+                    groups = q.shape[-3] // k.shape[-3]
+                    k, v = (t.repeat_interleave(groups, -3) for t in (k, v))
+                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
+                    q, k, v, p, causal, attn_mask=mask, scale=scale)[0]
+        return run(args, kwargs)
+
+
+_DROPOUT = torch.ops.aten.dropout.default
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+GPU_KERNELS = GpuKernels()
+
+
+def _bound(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[Any]:
+    """The op's arguments by its schema's order, defaults filled in."""
+    out = []
+    for i, arg in enumerate(op._schema.arguments):
+        if i < len(args):
+            out.append(args[i])
+        elif arg.name in kwargs:
+            out.append(kwargs[arg.name])
+        else:
+            out.append(arg.default_value)
+    return out
 
 
 class _HookedInterpreter(fx.Interpreter):
@@ -265,7 +334,8 @@ def _trace_joint(source: TraceSource) -> tuple[fx.GraphModule, GraphSignature]:
         for slot, value in zip(user_slots, inputs):
             args[slot] = value
         with fx_traceback.preserve_node_meta():
-            outs = _HookedInterpreter(ep.graph_module, source.hooks).run(*args)
+            hooks = ((GPU_KERNELS,) if source.kernels == "gpu" else ()) + source.hooks
+            outs = _HookedInterpreter(ep.graph_module, hooks).run(*args)
             loss = outs[loss_index]
             if loss.grad_fn is not None:
                 setup_stacktrace_preservation_hooks([loss.grad_fn])

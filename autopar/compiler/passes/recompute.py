@@ -18,7 +18,10 @@ keeping them alive from the forward:
 Under every policy a value another layer reads (a layer's input or output) is kept,
 so recomputation never reaches across layers. Random ops (dropout masks) are kept:
 recomputing them would draw new numbers; those, and any op that is not a pure aten
-op, are listed in `PassResult.declined` with the reason.
+op, are listed in `PassResult.declined` with the reason. A GPU's dropout
+(`native_dropout`: its output and a bool mask) keeps its mask, and its output is
+recomputed from it (`native_dropout_backward(input, mask, 1 / (1 - p))`, the same
+product), so it keeps 1 byte an element, not its output.
 
 The rewrite: for each backward node that reads a value chosen for recomputation, a
 copy of the value's op (and of the chosen ops it needs, recursively) is inserted

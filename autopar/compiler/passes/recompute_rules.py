@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from autopar.compiler.ir import meta as M
+from autopar.compiler.ir.annotate import node_bytes
 from autopar.compiler.ir.graph import TrainGraph
 
 aten = torch.ops.aten
@@ -69,7 +70,7 @@ def _why_kept(node: fx.Node) -> str | None:
     target = node.target
     if target is not operator.getitem and not isinstance(target, torch._ops.OpOverload):
         return f"{target} is not an aten op"
-    if _random(node):
+    if _random(node) and _kept_mask(node) is None:
         return "made by a random op (a dropout mask): recomputing it would draw new numbers"
     if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
         return "it writes its input in place"
@@ -77,13 +78,38 @@ def _why_kept(node: fx.Node) -> str | None:
 
 
 def _random(node: fx.Node) -> bool:
-    """A random op, or an in-place op on a random op's result (dropout: bernoulli_, div_)."""
+    """A random op, an in-place op on a random op's result (dropout: bernoulli_, div_),
+    or an output of native_dropout (taken by getitem: a copy of the getitem would keep
+    the op's tuple, output and mask, alive into the backward)."""
     target = node.target
+    if target is operator.getitem:
+        return isinstance(node.args[0], fx.Node) and node.args[0].target is _DROPOUT
     if not isinstance(target, torch._ops.OpOverload):
         return False
     if torch.Tag.nondeterministic_seeded in target.tags:
         return True
     return target._schema.is_mutable and any(_random(a) for a in node.all_input_nodes)
+
+
+_DROPOUT = aten.native_dropout.default
+_DROPOUT_BACKWARD = aten.native_dropout_backward.default
+
+
+def _kept_mask(node: fx.Node) -> fx.Node | None:
+    """For the output of a training `native_dropout` (a GPU's dropout: the output and a
+    bool mask, traced by ir.trace.GpuKernels), the node of its mask, which is kept: a
+    copy of the output is `native_dropout_backward(input, mask, 1 / (1 - p))`, the same
+    product (input * mask * scale) without a new draw, so recomputation keeps 1 byte an
+    element, not the output. None for any other node (and where the mask is not taken)."""
+    if node.target is not operator.getitem or node.args[1] != 0:
+        return None
+    op = node.args[0]
+    if not isinstance(op, fx.Node) or op.target is not _DROPOUT:
+        return None
+    p, train = (list(op.args) + [op.kwargs.get("p"), op.kwargs.get("train")])[1:3]
+    if not train or not 0 < p < 1:
+        return None
+    return next((u for u in op.users if u.target is operator.getitem and u.args[1] == 1), None)
 
 
 def _read_by_another_layer(node: fx.Node) -> bool:
@@ -115,13 +141,19 @@ def rewrite(graph: fx.Graph, chosen: set[fx.Node]) -> int:
 
     def materialize(value: fx.Node, before: fx.Node) -> fx.Node:
         if value not in copies:
+            target, args, kwargs = value.target, value.args, value.kwargs
+            mask = _kept_mask(value)
+            if mask is not None:  # a dropout's output: its input times the kept mask
+                x, p = value.args[0].args[:2]
+                target, args, kwargs = _DROPOUT_BACKWARD, (x, mask, 1.0 / (1.0 - p)), {}
             args, kwargs = fx.node.map_arg(
-                (value.args, value.kwargs),
-                lambda a: materialize(a, before) if a in chosen else a)
+                (args, kwargs), lambda a: materialize(a, before) if a in chosen else a)
             with graph.inserting_before(before):
-                copy = graph.create_node("call_function", value.target, args, kwargs,
+                copy = graph.create_node("call_function", target, args, kwargs,
                                          name=f"{value.name}_recomputed")
             copy.meta = dict(value.meta)
+            if mask is not None:
+                copy.meta[M.BYTES] = node_bytes(copy)
             copy.meta[M.ROLE] = M.Role.BACKWARD
             copy.meta[M.RECOMPUTED] = value.name
             copies[value] = copy

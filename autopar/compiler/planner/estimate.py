@@ -87,7 +87,8 @@ class Estimator:
         self.model, self.cluster, self.loss_fn = model, cluster, loss_fn
         self.optimizer, self.efficiency, self.passes = optimizer, efficiency, passes
         self.trace_blocks = trace_blocks  # planner/scaled.py: trace a few blocks, scale
-        self.traces = Traces(model, self.example_inputs, loss_fn, trace_blocks)
+        self.traces = Traces(model, self.example_inputs, loss_fn, trace_blocks,
+                             kernels=cluster.device.kind)
         self.rewrites = Rewrites(self.traces, cluster, passes)
         self.replicas = Replicas()
         self.schedules = ScheduleTimes(cluster, optimizer, efficiency)

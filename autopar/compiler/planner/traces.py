@@ -65,9 +65,12 @@ class Traces:
     two-stage pipeline template."""
 
     def __init__(self, model: torch.nn.Module, example_inputs: tuple, loss_fn: LossFn | None,
-                 trace_blocks: int | None) -> None:
+                 trace_blocks: int | None, kernels: str = "cpu") -> None:
         self.model, self.example_inputs, self.loss_fn = model, example_inputs, loss_fn
         self.trace_blocks = trace_blocks
+        # whose kernels the trace takes (trace_train_step's `kernels`): the cluster's device
+        # kind, so a GPU cluster's step is costed with the dropouts a GPU runs
+        self.kernels = kernels
         self._entries: dict[TraceKey, TracedEntry] = {}
         self._keys: dict[Layout, TraceKey] = {}  # asked for every layout the search sees
 
@@ -109,7 +112,7 @@ class Traces:
         keep = key[1]
         local = local_example(self.example_inputs, layout)
         with reduced(self.model, keep) as stack:
-            traced = trace_train_step(self.model, local, self.loss_fn)
+            traced = trace_train_step(self.model, local, self.loss_fn, kernels=self.kernels)
         scaling = Scaling(stack[0], multiplicities(stack[1], keep)) \
             if keep and stack and stack[1] > keep else None
         flops = scaled_summary(summarize(traced), traced, scaling).model_flops
