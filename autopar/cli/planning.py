@@ -31,9 +31,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
     constraints = {k: getattr(args, k) for k in _PLAN_CONSTRAINTS if getattr(args, k) is not None}
     constraints["max_memory_fraction"] = args.max_memory_fraction
-    if args.workers is not None and (args.workers < 0 or args.workers and not args.trace_blocks):
-        raise SystemExit("autopar plan: --workers N needs N >= 0 and --trace-blocks (a worker "
-                         "sends scaled summaries back, not an exact trace's graphs)")
     try:
         cluster = cluster_from_args(args.cluster, args.nodes, None, args.nproc)
         with torch.device("meta"):  # nothing is allocated: weights and batch are shapes only
@@ -43,7 +40,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                 optimizer=args.optimizer, progress=show,
                                 trace_blocks=args.trace_blocks, workers=args.workers,
                                 **constraints)
-    except (LayoutError, ClusterSpecError, PlanError) as exc:
+    except (LayoutError, ClusterSpecError, PlanError, ValueError) as exc:
         raise SystemExit(f"autopar plan: {exc}") from exc
     for path in args.report or ():
         plan.save_report(path)
@@ -197,11 +194,14 @@ def add_planner_commands(sub) -> None:
                       help="share of device memory a layout may use (default 0.9)")
     plan.add_argument("--optimizer", choices=("adamw", "adam", "sgd-momentum", "sgd"),
                       default="adamw")
-    plan.add_argument("--trace-blocks", type=int, default=None, metavar="K",
-                      help="trace K repeated blocks and scale their costs (deep models)")
+    plan.add_argument("--trace-blocks", type=trace_blocks_arg, default="auto",
+                      metavar="auto|exact|K",
+                      help="auto (default): trace two of the model's repeated blocks and "
+                           "scale their costs when it has more; exact: trace the whole model "
+                           "(minutes for billions of parameters); K: K blocks")
     plan.add_argument("--workers", type=int, default=None, metavar="N",
-                      help="with --trace-blocks: N processes rewrite graphs while the search "
-                           "costs (default: one per CPU, up to 2; 0: none)")
+                      help="with per-block tracing: N processes rewrite graphs while the "
+                           "search costs (default: one per CPU, up to 2; 0: none)")
     plan.add_argument("--report", action="append", metavar="PATH",
                       help="write the report: .html, .md or .json (repeatable)")
     plan.add_argument("--trace", metavar="PATH",
@@ -230,3 +230,17 @@ def add_planner_commands(sub) -> None:
     val.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     val.add_argument("--json", action="store_true")
     val.set_defaults(func=cmd_validate)
+
+
+def trace_blocks_arg(text: str) -> int | str:
+    """--trace-blocks: 'auto', 'exact' or a positive count of blocks."""
+    if text in ("auto", "exact"):
+        return text
+    try:
+        count = int(text)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(f"expected auto, exact or a positive count of "
+                                         f"blocks, got {text!r}")
+    return count

@@ -134,7 +134,7 @@ def test_a_workers_refusal_is_the_searchs_and_a_dead_workers_layouts_come_home(
 
 def test_workers_are_refused_without_trace_blocks():
     model, batch = meta_gpt2(layers=2, hidden=64, heads=4, vocab=100, batch=8, seq=16)
-    with pytest.raises(ValueError, match="workers needs trace_blocks"):
+    with pytest.raises(ValueError, match="workers needs per-block tracing"):
         autopar.plan(model, CLUSTER, batch, causal_lm_loss, workers=1)
     with pytest.raises(ValueError, match="workers must be a count"):
         autopar.plan(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2, workers=-1)

@@ -36,7 +36,7 @@ def scaled(gpt8):
 @pytest.fixture(scope="module")
 def exact(gpt8):
     model, batch = gpt8
-    return Estimator(model, CLUSTER, batch, causal_lm_loss)
+    return Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks="exact")
 
 
 def test_every_depth_and_schedule_shares_one_trace_and_one_rewrite(scaled):
@@ -330,7 +330,7 @@ def test_a_stage_of_several_blocks_keeps_what_its_blocks_hand_one_another():
     (replicated._handed_on). Under full recomputation they are what the activations
     are: against exact tracing, equal (5% under before)."""
     model, batch = meta_gpt2(layers=8, hidden=256, heads=8, vocab=1000, batch=16, seq=512)
-    exact = Estimator(model, CLUSTER, batch, causal_lm_loss)
+    exact = Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks="exact")
     scaled = Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2)
     for fields in (dict(pp=2, microbatches=8, recompute="full"),
                    dict(pp=4, microbatches=8, recompute="full"),

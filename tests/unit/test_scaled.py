@@ -6,10 +6,12 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 import autopar
 from autopar.compiler.planner import scaled as S
 from autopar.compiler.planner.estimate import Estimator
+from autopar.compiler.planner.report import to_markdown
 from autopar.compiler.analysis.summary import summarize
 from autopar.examples import causal_lm_loss, gpt2
 from tests.unit.test_cost_model import meta_gpt2
@@ -69,7 +71,7 @@ def test_scaled_predictions_match_exact_ones(fields):
     model, batch = meta_gpt2(layers=8, hidden=256, heads=8, vocab=1000, batch=16, seq=64)
     c = autopar.ClusterSpec.preset("dgx-h100")
     layout = autopar.Layout(**fields)
-    exact = Estimator(model, c, batch, causal_lm_loss).predict(layout)
+    exact = Estimator(model, c, batch, causal_lm_loss, trace_blocks="exact").predict(layout)
     approx = Estimator(model, c, batch, causal_lm_loss, trace_blocks=2).predict(layout)
     assert approx.flops_per_step == exact.flops_per_step
     assert approx.step_time_s == pytest.approx(exact.step_time_s, rel=0.03)
@@ -79,7 +81,7 @@ def test_scaled_predictions_match_exact_ones(fields):
     # (planner/replicated.py; tests/unit/test_replicated.py has more layouts)
     rel = 0.01 if layout.pp == 1 else 0.03
     assert approx.peak_memory_bytes == pytest.approx(exact.peak_memory_bytes, rel=rel)
-    with pytest.raises(ValueError, match="trace_blocks must be a positive integer"):
+    with pytest.raises(ValueError, match=r"trace_blocks must be 'auto', 'exact'"):
         Estimator(model, c, batch, causal_lm_loss, trace_blocks=0)
 
 
@@ -95,6 +97,43 @@ def test_a_scaled_step_holds_as_few_reduce_scattered_buckets_as_the_real_one(fie
     model, batch = meta_gpt2(layers=8, hidden=256, heads=8, vocab=1000, batch=16, seq=64)
     c = autopar.ClusterSpec.preset("dgx-h100")
     layout = autopar.Layout(**fields)
-    exact = Estimator(model, c, batch, causal_lm_loss).predict(layout)
+    exact = Estimator(model, c, batch, causal_lm_loss, trace_blocks="exact").predict(layout)
     approx = Estimator(model, c, batch, causal_lm_loss, trace_blocks=2).predict(layout)
     assert approx.peak_memory_bytes == pytest.approx(exact.peak_memory_bytes, rel=0.05)
+
+
+def test_auto_traces_two_blocks_of_a_deep_model_and_says_so():
+    """trace_blocks="auto" (plan's and estimate's default) is trace_blocks=2 on a model of
+    more than two alike blocks, and exact otherwise; the prediction and the plan say which."""
+    model, batch = meta_gpt2(layers=8, hidden=256, heads=8, vocab=1000, batch=16, seq=64)
+    c = autopar.ClusterSpec.preset("dgx-h100")
+    for layout in (autopar.Layout(dp=8), autopar.Layout(dp=4, pp=2, microbatches=4)):
+        auto = autopar.estimate(model, c, layout, batch, causal_lm_loss)
+        two = Estimator(model, c, batch, causal_lm_loss, trace_blocks=2).predict(layout)
+        exact = autopar.estimate(model, c, layout, batch, causal_lm_loss, trace_blocks="exact")
+        assert (auto.step_time_s, auto.peak_memory_bytes) == (two.step_time_s, two.peak_memory_bytes)
+        assert auto.tracing.startswith("per block: ") and "of the 8 blocks of transformer.h" in auto.tracing
+        assert exact.tracing == "exact: the whole model traced"
+    assert "template" in auto.tracing and "2 stages" in auto.tracing
+    small, small_batch = meta_gpt2(layers=2, hidden=64, heads=4, vocab=100, batch=8, seq=16)
+    assert Estimator(small, c, small_batch, causal_lm_loss).trace_blocks is None
+    plan = autopar.plan(model, c, batch, causal_lm_loss, workers=0, tp=1, pp=1, zero=0,
+                        recompute="none", amp="off")
+    assert plan.details["tracing"].startswith("per block: 2 of the 8 blocks")
+    assert f"Traced {plan.details['tracing']}." in to_markdown(plan)
+
+
+def test_blocks_that_differ_are_traced_whole_or_refused():
+    """A stack of one class whose blocks differ in shape (an MLP of Linears of several
+    widths) cannot be stood for by two of them: auto traces it whole, k is refused."""
+    widths = [32, 64, 128, 64, 32]
+    model = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:])])
+    batch = (torch.randn(8, 32),)
+
+    def loss(out, x):
+        return out.square().mean()
+
+    c = autopar.ClusterSpec.preset("dgx-h100")
+    assert Estimator(model, c, batch, loss).trace_blocks is None
+    with pytest.raises(ValueError, match=r"the blocks of Sequential are not alike \(block 1's parameters"):
+        Estimator(model, c, batch, loss, trace_blocks=2)

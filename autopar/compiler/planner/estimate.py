@@ -40,7 +40,7 @@ from autopar.compiler.planner.rewrites import ExportedEntry, Group, RewriteKey, 
 from autopar.compiler.planner.schedule_times import ScheduleTimes
 from autopar.compiler.planner.stages import StageSummary
 from autopar.compiler.planner.template_floors import NO_FLOORS, PipelineFloors, TemplateFloors
-from autopar.compiler.planner.traces import Traces, stages_of
+from autopar.compiler.planner.traces import Traces, resolve_trace_blocks, stages_of
 from autopar.compiler.planner.workers import WorkerPool
 from autopar.costs import DEFAULT_EFFICIENCY, OPTIMIZER_STATES, Efficiency
 from autopar.layout import Layout, LayoutError
@@ -50,18 +50,22 @@ def estimate(model: torch.nn.Module, cluster: ClusterSpec, layout: Layout,
              example_inputs: Batch, loss_fn: LossFn | None = None,
              optimizer: str = "adamw", efficiency: Efficiency = DEFAULT_EFFICIENCY,
              passes: Sequence[GraphPass | str] | None = None,
-             example_targets: Batch | None = None) -> Prediction:
+             example_targets: Batch | None = None,
+             trace_blocks: int | str | None = "auto") -> Prediction:
     """Predict one training step of `model` on `cluster` under `layout`.
 
     `example_inputs` (and `example_targets`) is one global batch, as `autopar.compile`
     takes it. `optimizer` is the optimizer's kind for the
     memory and time of its step: "adamw", "adam", "sgd-momentum" or "sgd". `passes`
-    replaces the default pass list, to score your own passes.
+    replaces the default pass list, to score your own passes. `trace_blocks`: "auto"
+    traces two of the model's repeated blocks and scales them to the stack when it has
+    more (a pipeline: a two-stage template), "exact" (or None) the whole model, k that
+    many blocks; `Prediction.tracing` says which was done (docs/planner.md).
     """
     check_layout(layout, cluster)
     objective, flat = Objective.from_example(example_inputs, example_targets, loss_fn)
     return Estimator(model, cluster, flat, objective, optimizer, efficiency,
-                     passes).predict(layout)
+                     passes, trace_blocks).predict(layout)
 
 
 class Estimator:
@@ -74,7 +78,7 @@ class Estimator:
                  example_inputs: Sequence[torch.Tensor], loss_fn: LossFn | None = None,
                  optimizer: str = "adamw", efficiency: Efficiency = DEFAULT_EFFICIENCY,
                  passes: Sequence[GraphPass | str] | None = None,
-                 trace_blocks: int | None = None) -> None:
+                 trace_blocks: int | str | None = "auto") -> None:
         if optimizer not in OPTIMIZER_STATES:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, "
                              f"got {optimizer!r}")
@@ -82,12 +86,11 @@ class Estimator:
         if not self.example_inputs:
             raise ValueError("estimate needs example_inputs: one global batch (meta tensors "
                              "will do)")
-        if trace_blocks is not None and (not isinstance(trace_blocks, int) or trace_blocks < 1):
-            raise ValueError(f"trace_blocks must be a positive integer or None, got {trace_blocks!r}")
         self.model, self.cluster, self.loss_fn = model, cluster, loss_fn
         self.optimizer, self.efficiency, self.passes = optimizer, efficiency, passes
-        self.trace_blocks = trace_blocks  # planner/scaled.py: trace a few blocks, scale
-        self.traces = Traces(model, self.example_inputs, loss_fn, trace_blocks,
+        # planner/scaled.py: trace a few blocks, scale (traces.resolve_trace_blocks)
+        self.trace_blocks = resolve_trace_blocks(model, trace_blocks)
+        self.traces = Traces(model, self.example_inputs, loss_fn, self.trace_blocks,
                              kernels=cluster.device.kind)
         self.rewrites = Rewrites(self.traces, cluster, passes)
         self.replicas = Replicas()
@@ -112,6 +115,7 @@ class Estimator:
                 times=self._step_times(layout, summary, stages),
                 compute_dtype=summary.compute_dtype(
                     None if stages is None else stages.op_copies()))
+            self._predictions[layout].tracing = self.traces.describe(layout)
         return self._predictions[layout]
 
     def step_time(self, layout: Layout) -> float:

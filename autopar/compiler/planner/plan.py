@@ -57,17 +57,20 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs: Batch,
          loss_fn: LossFn | None = None, optimizer: str = "adamw",
          efficiency: Efficiency = DEFAULT_EFFICIENCY,
          progress: Callable[[int, int, Layout], None] | None = None,
-         trace_blocks: int | None = None, workers: int | None = None,
+         trace_blocks: int | str | None = "auto", workers: int | None = None,
          example_targets: Batch | None = None, **constraints: Any) -> Plan:
     """The fastest layout of `model` on `cluster` that fits memory, and every other one
     with why not. Constraints fix Layout fields (tp=2, amp="bf16") or set
     max_memory_fraction (default 0.9). `progress(done, total, layout)` is called
-    before each candidate is costed. `trace_blocks=k` traces k of the model's repeated
-    blocks (one per stage for a pipeline) and scales their costs to the whole stack
-    (planner/scaled.py): faster for deep models, approximate. `workers=k` forks k
+    before each candidate is costed. `trace_blocks`: "auto" (default) traces two of the
+    model's repeated blocks when it has more (a pipeline: a two-stage template) and
+    scales their costs to the whole stack (planner/scaled.py, planner/replicated.py):
+    seconds for deep models, within a few percent of exact; "exact" (or None) traces the
+    whole model for every layout (minutes for billions of parameters); k: k blocks. The
+    plan says which (`plan.details["tracing"]`). `workers=k` forks k
     processes that rewrite graphs while the search costs (planner/workers.py: the same
-    plan, sooner on more than one core; only with trace_blocks, on Linux); None: one per
-    CPU up to MAX_WORKERS; 0: none. The batch is passed as to `autopar.compile`
+    plan, sooner on more than one core; only with per-block tracing, on Linux); None: one
+    per CPU up to MAX_WORKERS; 0: none. The batch is passed as to `autopar.compile`
     (`example_inputs` to the model, `example_targets` only to the loss)."""
     if workers is not None and (not isinstance(workers, int) or workers < 0):
         raise ValueError(f"workers must be a count of processes (0: none) or None, got "
@@ -101,6 +104,7 @@ def _search(model, cluster, example_inputs, loss_fn, optimizer, efficiency, prog
             trace_blocks, workers, constraints, fixed, fraction) -> Plan:
     estimator = Estimator(model, cluster, example_inputs, loss_fn, optimizer, efficiency,
                           trace_blocks=trace_blocks)
+    trace_blocks = estimator.trace_blocks  # "auto" resolved: None or a count
     candidates = _candidates(model, cluster, example_inputs, fixed)
     start = time.perf_counter()
     costed, pruned = prune_static(candidates, model, cluster, fraction, optimizer)
@@ -128,6 +132,7 @@ def _search(model, cluster, example_inputs, loss_fn, optimizer, efficiency, prog
                                         efficiency, trace_blocks, constraints, exc.smallest)
             raise PlanError(f"{exc}{hint}") from None
         result.details = details(estimator, result.layout, cluster, efficiency, optimizer)
+        result.details["tracing"] = estimator.traces.describe(result.layout)
     finally:
         estimator.close_workers()
     result.details["search"] = {"candidates": len(candidates), "pruned": len(pruned),
@@ -391,7 +396,9 @@ def _worker_count(workers: int | None, trace_blocks: int | None) -> int:
     (the parent costs while they rewrite: on two CPUs one worker keeps both busy, a
     second takes time from the parent)."""
     if workers is not None and trace_blocks is None and workers > 0:
-        raise ValueError("workers needs trace_blocks: a worker sends scaled summaries back, "
+        raise ValueError("workers needs per-block tracing (trace_blocks 'auto' on a model "
+                         "with more than two repeated blocks, or k): a worker sends scaled "
+                         "summaries back, "
                          "not an exact trace's graphs")
     if trace_blocks is None or not worker_available():
         return 0

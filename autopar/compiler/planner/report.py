@@ -72,6 +72,8 @@ def headline(plan: Plan) -> list[str]:
              f"Predicted step {_ms(p.step_time_s)} ms, {p.tflops_per_device:.3g} TFLOP/s per "
              f"device, MFU {p.mfu:.1%}, pipeline bubble {p.bubble_fraction:.1%}, peak memory "
              f"{_gb(p.peak_memory_bytes)} GB per device."]
+    if plan.details.get("tracing"):
+        lines.append(f"Traced {plan.details['tracing']}.")
     if plan.alternatives:
         lay, _, why = plan.alternatives[0]
         lines.append(f"Runner-up: {lay}: {why}.")

@@ -26,6 +26,9 @@ class Prediction:
     # bytes per rank by category (parameters, gradients, optimizer_states, activations,
     # ...); peak_memory_bytes is their sum
     memory: dict[str, int] = field(default_factory=dict)
+    # how the step was traced: the whole model, or a few repeated blocks scaled
+    # (Estimator's trace_blocks; planner/traces.py Traces.describe)
+    tracing: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -17,6 +17,7 @@ import torch
 
 from autopar.compiler.analysis.summary import GraphSummary, summarize
 from autopar.compiler.ir.batch import LossFn
+from autopar.compiler.ir.annotate import repeated_block_container
 from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.ir.trace import batch_dims_of, local_example, trace_train_step
 from autopar.compiler.passes.defaults import is_pipelined
@@ -46,6 +47,56 @@ class TracedEntry:
 
     def without_graph(self) -> TracedEntry:
         return replace(self, graph=None)
+
+
+# blocks `trace_blocks="auto"` traces of a model with more repeated blocks than that: as
+# many as a pipeline's template, so a step with and without a pipeline share the size
+AUTO_BLOCKS = TEMPLATE_BLOCKS
+
+
+def resolve_trace_blocks(model: torch.nn.Module, trace_blocks: int | str | None) -> int | None:
+    """plan's and estimate's `trace_blocks` as the planner uses it: blocks to trace, or None
+    to trace the whole model (exact).
+
+    "auto" (the default): AUTO_BLOCKS of the model's repeated blocks
+    (`repeated_block_container`) when it has more, else exact. "exact" or None: the whole
+    model, every layout (minutes for a model of billions of parameters: each block's ops
+    are traced, rewritten and replayed). k: k blocks, scaled to the stack."""
+    if trace_blocks is None or trace_blocks == "exact":
+        return None
+    if trace_blocks == "auto":
+        found = repeated_block_container(model)
+        if found is None or found[1] <= AUTO_BLOCKS or unlike_block(model, found[0]):
+            return None
+        return AUTO_BLOCKS
+    if isinstance(trace_blocks, bool) or not isinstance(trace_blocks, int) or trace_blocks < 1:
+        raise ValueError(f"trace_blocks must be 'auto', 'exact' (or None) or a positive "
+                         f"number of blocks, got {trace_blocks!r}")
+    found = repeated_block_container(model)
+    differs = unlike_block(model, found[0]) if found is not None else None
+    if differs:
+        raise ValueError(f"trace_blocks={trace_blocks}: the blocks of "
+                         f"{found[0] or type(model).__name__} are not alike "
+                         f"({differs}), so a few cannot stand for the rest; use "
+                         f"trace_blocks='exact'")
+    return trace_blocks
+
+
+def unlike_block(model: torch.nn.Module, path: str) -> str | None:
+    """Why the blocks of the container at `path` cannot stand for one another (a block
+    whose parameters and buffers differ in name, shape or dtype from the first's), or
+    None when they are alike."""
+    blocks = list(model.get_submodule(path))
+
+    def state(block: torch.nn.Module) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        return [(name, tuple(t.shape), t.dtype) for name, t in
+                [*block.named_parameters(), *block.named_buffers()]]
+
+    first = state(blocks[0])
+    for i, block in enumerate(blocks[1:], 1):
+        if state(block) != first:
+            return f"block {i}'s parameters differ from block 0's"
+    return None
 
 
 def stages_of(layout: Layout) -> int:
@@ -128,6 +179,20 @@ class Traces:
         if stages_of(layout) > 1:
             return TEMPLATE_BLOCKS
         return None if is_pipelined(layout) else self.trace_blocks
+
+    def describe(self, layout: Layout) -> str:
+        """How `layout` is traced, in a sentence for the plan and the prediction."""
+        keep = self._blocks_kept(layout)
+        found = repeated_block_container(self.model)
+        if keep is None or found is None or found[1] <= keep:
+            return "exact: the whole model traced"
+        path, count = found
+        if stages_of(layout) > 1:
+            return (f"per block: a two-stage template of {keep} of the {count} blocks of "
+                    f"{path}, replicated to {stages_of(layout)} stages (trace_blocks='exact' "
+                    f"traces every block)")
+        return (f"per block: {keep} of the {count} blocks of {path} traced, their costs "
+                f"scaled to the stack (trace_blocks='exact' traces every block)")
 
     def is_template(self, layout: Layout) -> bool:
         """Whether `layout` is costed from a two-stage template (a scaled trace, several
