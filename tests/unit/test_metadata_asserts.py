@@ -1,7 +1,8 @@
 """Export's metadata assertions under forward hooks: `.float()` / `.to(dtype)` leave an
 `_assert_tensor_metadata` of the traced dtype, which AMP's casts (and tensor parallelism's
 shards) make false; the re-trace skips exactly those, and the hook-free trace still runs
-every one. Also: HiGHS prints nothing to stdout unless the passes log asks for it."""
+every one. Also: HiGHS prints nothing to stdout unless the passes log asks for it,
+nor from inside autopar.plan."""
 
 from __future__ import annotations
 
@@ -260,3 +261,26 @@ def test_highs_prints_nothing_unless_the_passes_log_asks():
     assert all(child.returncode == 0 for child in children.values()), out
     assert "HiGHS" not in out[""][0], out[""][0]
     assert "Running HiGHS" in out["+passes"][0], out["+passes"]
+
+
+_PLAN_CHILD = """
+import autopar
+from autopar.examples import gpt2
+autopar.logs.configure_from_env()
+ex = gpt2(layers=2, hidden=64, heads=4, vocab=256, batch=8, seq=32)
+plan = autopar.plan(ex.model, autopar.ClusterSpec.local(2), ex.batch, ex.loss_fn, tp=2,
+                    workers=0)  # tp_solver: HiGHS, in this process
+print("chosen", plan.layout)
+"""
+
+
+def test_plan_prints_nothing_from_highs():
+    """A fresh process (HiGHS's banner prints once per process) plans a layout whose
+    tensor-parallel placement HiGHS solves: its stdout holds only what the script prints."""
+    child = subprocess.run([sys.executable, "-c", _PLAN_CHILD], capture_output=True, text=True,
+                           env={**os.environ, "AUTOPAR_LOGS": ""}, cwd=REPO, timeout=300,
+                           check=False)
+    assert child.returncode == 0, child.stderr
+    for word in ("HiGHS", "Copyright", "THIRD_PARTY_NOTICES", "MIP", "Coefficient ranges"):
+        assert word not in child.stdout, child.stdout
+    assert child.stdout == "chosen Layout(tp=2)\n"

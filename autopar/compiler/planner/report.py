@@ -5,15 +5,16 @@ format: open it at ui.perfetto.dev or chrome://tracing).
 
 Both text forms render the same tables (`tables`): the layout and why, the step
 time by part, memory by category against the device, the tensor-parallel placement
-of each parameter, the alternatives with why not, the refused layouts, per-layer
-costs.
+of each parameter, the Pareto front of step time against memory (the HTML plots every
+costed layout above it), the alternatives with why not, the refused layouts grouped
+by reason with the range of each figure, per-layer costs.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections import Counter
+from collections.abc import Sequence
 from html import escape
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,7 +24,8 @@ from autopar.compiler.passes.tp_rules import show
 from autopar.compiler.planner import report_svg as svg
 
 if TYPE_CHECKING:  # result.Plan.save_report calls this module: no import at run time
-    from autopar.compiler.planner.result import Plan
+    from autopar.compiler.planner.result import Plan, Prediction
+    from autopar.layout import Layout
 
 MAX_ALTERNATIVES = 40
 STEP_PARTS = ("compute", "exposed_comm", "bubble", "optimizer")
@@ -96,19 +98,15 @@ def tables(plan: Plan) -> list[tuple[str, list[str], list[list[str]]]]:
                     ["parameter", "placement"],
                     [[name, show(tuple(pl) if isinstance(pl, list) else pl)]
                      for name, pl in table["params"].items()]))
+    out.append((TRADEOFF, ["layout", "step ms", "peak GB", "fits", "chosen"],
+                pareto_rows(plan)))
     alts = plan.alternatives[:MAX_ALTERNATIVES]
     out.append((f"Alternatives ({len(alts)} of {len(plan.alternatives)})",
                 ["layout", "step ms", "peak GB", "why not"],
                 [[str(lay), _ms(pr.step_time_s), _gb(pr.peak_memory_bytes), why]
                  for lay, pr, why in alts]))
-    kinds: Counter[str] = Counter()
-    first: dict[str, str] = {}  # each kind's first layout, with its whole reason
-    for lay, why in plan.skipped:
-        kind = _reason_kind(why)
-        kinds[kind] += 1
-        first.setdefault(kind, f"{lay}: {why}")
     out.append(("Layouts not costed or refused, by reason", ["layouts", "reason", "first"],
-                [[str(n), kind, first[kind]] for kind, n in kinds.most_common()]))
+                [[str(n), reason, first] for n, reason, first in skip_groups(plan.skipped)]))
     out.append(("Per-layer cost (one rank's micro-batch, forward + backward)",
                 ["layer", "GFLOP", "roofline ms"],
                 [[row["name"], f"{row['flops'] / 1e9:.4g}", _ms(row["seconds"])]
@@ -116,10 +114,94 @@ def tables(plan: Plan) -> list[tuple[str, list[str], list[list[str]]]]:
     return out
 
 
-def _reason_kind(why: str) -> str:
-    """A skipped layout's reason with its figures left out: the reasons of a large
-    search (each with its own bound or step time) group into a few rows."""
-    return re.sub(r"\d+(\.\d+)?(e[+-]?\d+)?", "#", why)
+# a figure in a reason: a number standing alone, not digits inside a name (fp32, bf16,
+# 1f1b) nor part of a longer one
+_FIGURE = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?:e[+-]?\d+)?(?!\w|\.\d)")
+_SLOT = "\0"  # where a figure was, in a reason's kind: no reason holds it
+
+
+def skip_groups(skipped: Sequence[tuple[Layout, str]]) -> list[tuple[int, str, str]]:
+    """(count, reason, first) per kind of reason of the skipped layouts, most frequent
+    first: a large search skips thousands, each reason with its own figures, so reasons
+    that differ only in their figures group into one row. There each figure reads as
+    the range it took over the group ("12.3–45.6", one value when all equal); `first`
+    is the group's first layout with its whole reason."""
+    counts: dict[str, int] = {}  # by the reason with each figure as a _SLOT
+    figures: dict[str, list[list[str]]] = {}  # the values of each slot, in order
+    first: dict[str, str] = {}
+    for lay, why in skipped:
+        kind, found = _FIGURE.sub(_SLOT, why), _FIGURE.findall(why)
+        if kind not in counts:
+            counts[kind], figures[kind], first[kind] = 0, [[] for _ in found], f"{lay}: {why}"
+        counts[kind] += 1
+        for slot, figure in zip(figures[kind], found):
+            slot.append(figure)
+    rows = [(n, _filled(kind, [_span(slot) for slot in figures[kind]]), first[kind])
+            for kind, n in counts.items()]
+    return sorted(rows, key=lambda row: -row[0])  # stable: ties in order of first seen
+
+
+def _span(figures: list[str]) -> str:
+    lo, hi = min(figures, key=float), max(figures, key=float)
+    return lo if float(lo) == float(hi) else f"{lo}–{hi}"
+
+
+def _filled(kind: str, spans: list[str]) -> str:
+    """`kind` with its slots replaced by `spans`, in order."""
+    parts = kind.split(_SLOT)
+    return "".join(p + s for p, s in zip(parts, [*spans, ""]))
+
+
+# -- time against memory -------------------------------------------------------------------
+
+TRADEOFF = "Step time against peak memory: the Pareto front"
+
+
+def costed(plan: Plan) -> list[tuple[Layout, Prediction]]:
+    """Every costed layout, the chosen first: Plan.alternatives holds all the others,
+    those over memory included."""
+    return [(plan.layout, plan.predicted), *((lay, pr) for lay, pr, _ in plan.alternatives)]
+
+
+def memory_allowed(plan: Plan) -> float:
+    """Bytes per device a plan may use: the device's memory times max_memory_fraction."""
+    return ClusterSpec.from_dict(plan.cluster).device.memory_bytes * plan.max_memory_fraction
+
+
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
+    """The indices of the points (memory, time) that no other point beats: none is at
+    most as large in both and differs, by memory then time. Equal points are all on it."""
+    front: list[int] = []
+    for i in sorted(range(len(points)), key=points.__getitem__):
+        # sorted, a point is on the front if faster than every point before it (the
+        # front's last is the fastest of those), or equal to the front's last
+        if not front or points[i][1] < points[front[-1]][1] or points[i] == points[front[-1]]:
+            front.append(i)
+    return front
+
+
+def _front(plan: Plan) -> list[int]:
+    return pareto_front([(pr.peak_memory_bytes, pr.step_time_s) for _, pr in costed(plan)])
+
+
+def pareto_rows(plan: Plan) -> list[list[str]]:
+    """The Pareto front's layouts, smallest memory first."""
+    points, allowed, rows = costed(plan), memory_allowed(plan), []
+    for i in _front(plan):
+        lay, pr = points[i]
+        rows.append([str(lay), _ms(pr.step_time_s), _gb(pr.peak_memory_bytes),
+                     "yes" if pr.peak_memory_bytes <= allowed else "no",
+                     "yes" if i == 0 else ""])
+    return rows
+
+
+def tradeoff_svg(plan: Plan) -> str:
+    """Every costed layout's step time against its peak memory (report_svg.tradeoff)."""
+    capacity = ClusterSpec.from_dict(plan.cluster).device.memory_bytes
+    return svg.tradeoff([(str(lay), pr.peak_memory_bytes / 1e9, pr.step_time_s * 1e3)
+                         for lay, pr in costed(plan)], _front(plan), chosen=0,
+                        limit=(f"allowed: {plan.max_memory_fraction:.0%} of {_gb(capacity)} GB",
+                               memory_allowed(plan) / 1e9))
 
 
 # -- renderings ----------------------------------------------------------------------------
@@ -153,6 +235,7 @@ def to_html(plan: Plan) -> str:
             [(k, v / 1e9) for k, v in p.memory.items()], "GB",
             limit=(f"allowed {plan.max_memory_fraction:.0%} of {_gb(capacity)} GB",
                    capacity * plan.max_memory_fraction / 1e9)),
+        TRADEOFF: tradeoff_svg(plan),
         "Per-layer cost (one rank's micro-batch, forward + backward)": svg.column_bars(
             [(r["name"], r["seconds"] * 1e3) for r in plan.details.get("layers", [])], "ms"),
     }

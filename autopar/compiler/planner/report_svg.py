@@ -84,3 +84,84 @@ def column_bars(rows: list[tuple[str, float]], unit: str, width: int = 640) -> s
                    f'{150 + value / top * (width - 220):.1f}" y="{y + 11}">{value:.3g} {unit}</text>')
     return (f'<svg class="chart" width="{width}" height="{8 + 18 * len(rows)}" '
             f'xmlns="http://www.w3.org/2000/svg" font-size="11">{"".join(out)}</svg>')
+
+
+def _domain(values: list[float]) -> tuple[float, float]:
+    """The range of `values` with a 5% margin either side (not below 0 for values that
+    are not), never empty."""
+    lo, hi = min(values), max(values)
+    pad = (hi - lo) * 0.05 or abs(hi) * 0.05 or 1.0
+    return (max(lo - pad, 0.0) if lo >= 0 else lo - pad), hi + pad
+
+
+def tradeoff(points: list[tuple[str, float, float]], front: list[int], chosen: int,
+             limit: tuple[str, float], width: int = 640, height: int = 360) -> str:
+    """Step time (y) against peak memory per device (x) of `points` (label, GB, ms): one
+    circle each, titled with its label and figures, `chosen` (an index) larger and red,
+    those over `limit` (label, GB) hollow; the Pareto front (`front`: indices by
+    memory) a line through its points; the memory limit a labelled vertical line."""
+    left, right, top, bottom = 60, 20, 24, 64
+    (x_lo, x_hi), (y_lo, y_hi) = (_domain([gb for _, gb, _ in points] + [limit[1]]),
+                                  _domain([ms for _, _, ms in points]))
+
+    def at(gb: float, ms: float) -> tuple[float, float]:
+        return (left + (gb - x_lo) / (x_hi - x_lo) * (width - left - right),
+                height - bottom - (ms - y_lo) / (y_hi - y_lo) * (height - top - bottom))
+
+    axes = (f'<path d="M{left} {top}V{height - bottom}H{width - right}" fill="none" '
+            f'stroke="#888"/><text x="{(left + width - right) / 2}" y="{height - bottom + 30}" '
+            f'text-anchor="middle">peak memory per device (GB)</text>'
+            f'<text x="4" y="{top - 10}">step time (ms)</text>')
+    out = [axes]
+    for f in (0, 0.25, 0.5, 0.75, 1.0):
+        gb, ms = x_lo + f * (x_hi - x_lo), y_lo + f * (y_hi - y_lo)
+        x, y = at(gb, ms)
+        out.append(f'<text x="{x:.1f}" y="{height - bottom + 14}" text-anchor="middle">'
+                   f'{gb:.3g}</text><text x="{left - 4}" y="{y + 4:.1f}" text-anchor="end">'
+                   f'{ms:.4g}</text>')
+    lx = at(limit[1], y_lo)[0]
+    out.append(f'<line class="limit" x1="{lx:.2f}" y1="{top}" x2="{lx:.2f}" '
+               f'y2="{height - bottom}" stroke="#d00" stroke-width="1.5" stroke-dasharray="4 3"/>'
+               f'<text x="{min(lx + 4, width - 220):.2f}" y="{top + 10}" fill="#d00">'
+               f'{escape(limit[0])}</text>')
+    line = " ".join("{:.2f},{:.2f}".format(*at(*points[i][1:])) for i in front)
+    out.append(f'<polyline class="front" points="{line}" fill="none" stroke="{OTHER}" '
+               f'stroke-width="1.5"/>')
+    on_front = set(front)
+    for i in sorted(range(len(points)), key=lambda i: i == chosen):  # the chosen on top
+        label, gb, ms = points[i]
+        x, y = at(gb, ms)
+        notes = "".join(note for note, yes in ((", chosen", i == chosen),
+                                              (", on the Pareto front", i in on_front),
+                                              (", over the memory allowed", gb > limit[1]))
+                        if yes)
+        out.append(f'<circle class="point{" chosen" if i == chosen else ""}" cx="{x:.2f}" '
+                   f'cy="{y:.2f}" {_MARKS[_mark(i == chosen, gb > limit[1])]}><title>'
+                   f'{escape(label)}: {ms:.4g} ms, {gb:.3g} GB{notes}</title></circle>')
+    out.append(_tradeoff_legend(height - 14))
+    return (f'<svg class="chart" width="{width}" height="{height}" '
+            f'xmlns="http://www.w3.org/2000/svg" font-size="11">{"".join(out)}</svg>')
+
+
+# the circle of a layout in `tradeoff`: chosen, fitting in memory, over it
+_MARKS = {"chosen": 'r="6" fill="#d00" stroke="#d00"',
+          "fits": f'r="3.5" fill="{COLORS["compute"]}" stroke="{COLORS["compute"]}"',
+          "over": f'r="3.5" fill="none" stroke="{COLORS["compute"]}"'}
+
+
+def _mark(chosen: bool, over: bool) -> str:
+    return "chosen" if chosen else ("over" if over else "fits")
+
+
+def _tradeoff_legend(y: float) -> str:
+    items = [(f'<circle cx="6" cy="-4" {_MARKS[k]}/>', text) for k, text in
+             (("chosen", "chosen"), ("fits", "fits in the memory allowed"),
+              ("over", "over the memory allowed"))]
+    items.append((f'<line x1="0" y1="-4" x2="12" y2="-4" stroke="{OTHER}" stroke-width="1.5"/>',
+                  "Pareto front"))
+    out, x = [], 10
+    for mark, text in items:
+        out.append(f'<g transform="translate({x},{y})">{mark}<text x="16" y="0">'
+                   f'{escape(text)}</text></g>')
+        x += 36 + 6 * len(text)
+    return "".join(out)
