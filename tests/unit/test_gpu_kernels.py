@@ -3,6 +3,7 @@
 
 import operator
 
+import pytest
 import torch
 
 import autopar
@@ -73,3 +74,32 @@ def test_dropout_costs_its_one_byte_masks_on_a_gpu_cluster():
                  for ex in (gpt2(layers=2, vocab=64, seq=256),
                             gpt2(layers=2, vocab=64, seq=256, dropout=0.1))]
         assert 0 < peaks[1] - peaks[0] <= masks, (recompute, peaks)
+
+
+def test_attention_on_a_gpu_cluster_is_costed_as_the_fused_kernel():
+    """GPT-2 with dropout 0.1 (transformers' defaults: sdpa attention) on a DGX A100: the
+    same model FLOPs as its eager attention (two matmuls of 2 b h s^2 d each way), and
+    saved memory a + b s + c s^2 where c covers only the model's causal mask (one s x s
+    per step, shared by every head and sequence: 4 bytes, and 4 more for its additive
+    form), not the b h s^2 scores eager attention keeps.
+
+    Derivation: with activations A(s) = b s + c s^2, c = (A(2s) - 2 A(s)) / (2 s^2)."""
+    cluster = autopar.ClusterSpec.preset("dgx-a100-80gb")
+    layout = autopar.Layout(dp=8)
+
+    def predict(attention, seq):
+        ex = gpt2(layers=2, vocab=64, seq=seq, dropout=0.1, attention=attention)
+        return autopar.estimate(ex.model, cluster, layout, ex.batch, ex.loss_fn)
+
+    def quadratic(attention, s=256):
+        short, long = predict(attention, s), predict(attention, 2 * s)
+        assert short.flops_per_step > 0
+        return (long.memory["activations"] - 2 * short.memory["activations"]) / (2 * s**2)
+
+    for seq in (256, 512):
+        assert predict("sdpa", seq).flops_per_step == \
+            pytest.approx(predict("eager", seq).flops_per_step, rel=1e-6)
+    fused = quadratic("sdpa")
+    assert 0 <= fused <= 8
+    # eager keeps s x s values per head (its probabilities, the dropout's mask)
+    assert quadratic("eager") > 2 * fused
