@@ -99,12 +99,15 @@ def neox_config(layers: int, hidden: int, heads: int, vocab: int, positions: int
 
 
 def neox(layers: int = 2, hidden: int = 64, heads: int = 4, vocab: int = 256, batch: int = 8,
-         seq: int = 32, seed: int = 0, attention: str = "eager") -> Example:
-    """A GPT-NeoX of `neox_config` (dropout off, untied embeddings)."""
+         seq: int = 32, seed: int = 0, attention: str = "eager",
+         dropout: float = 0.0) -> Example:
+    """A GPT-NeoX of `neox_config` (untied embeddings; `dropout`: attention and residual,
+    0 so that parity with eager PyTorch does not depend on random draws)."""
     from transformers import GPTNeoXForCausalLM
 
     torch.manual_seed(seed)
-    model = GPTNeoXForCausalLM(neox_config(layers, hidden, heads, vocab, max(seq, 64), attention))
+    model = GPTNeoXForCausalLM(neox_config(layers, hidden, heads, vocab, max(seq, 64), attention,
+                                           dropout=dropout))
     ids = torch.randint(0, vocab, (batch, seq))
     return Example(model, (ids,), causal_lm_loss,
                    f"GPT-NeoX (transformers), {layers} layers, hidden {hidden}, {attention} "

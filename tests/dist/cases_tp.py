@@ -189,3 +189,29 @@ def check_resume_and_reshard(factory, layout, other_layout, batches=4) -> None:
 @case(world=2)
 def tp2_checkpoint_resume_equals_uninterrupted_and_loads_into_dp2():
     check_resume_and_reshard(llama, autopar.Layout(tp=2), autopar.Layout(dp=2))
+
+
+@case(world=2)
+def tp2_attention_dropout_split_by_heads_keeps_replicas_alike():
+    """GPT-NeoX with dropout 0.1 (residuals and sdpa attention) under tp=2:
+    attention is split by heads with its dropout (each rank draws its own heads' mask:
+    docs/tensor_parallel.md, "Dropout"), and the replicated weights (norms, biases of
+    row-parallel layers, positions) stay bit-identical on both ranks step after step:
+    the ranks' generators stay in step. Not compared with single-process PyTorch: the
+    masks differ."""
+    batch, heads, seq = 4, 8, 64
+    ex = neox(hidden=256, heads=heads, vocab=1024, batch=batch, seq=seq, attention="sdpa",
+              dropout=0.1)
+    step = autopar.compile(ex.model, autopar.ClusterSpec.local(2), example_inputs=ex.batch,
+                           loss_fn=ex.loss_fn, optimizer=sgd, layout=autopar.Layout(tp=2))
+    _scores_split(step, batch, heads, seq, 2)
+    torch.manual_seed(1234)  # every rank seeded alike, as a user's script does
+    losses = [step(*b).item() for b in make_batches(ex.batch, 3)]
+    assert all(torch.isfinite(torch.tensor(losses))) and len(set(losses)) == 3, losses
+    replicated = [(e.name, p) for e, p in zip(step.program.params, step.params)
+                  if e.shard_dim is None]
+    assert replicated
+    for name, p in replicated:
+        other = [torch.empty_like(p) for _ in range(2)]
+        dist.all_gather(other, p.detach().contiguous())
+        assert torch.equal(other[0], other[1]), name

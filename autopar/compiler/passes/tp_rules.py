@@ -390,8 +390,10 @@ def _mask_dim(mask: torch.Tensor, d: int) -> Placement:
 
 @_rule(aten.scaled_dot_product_attention.default)
 def _sdpa_rule(node: fx.Node, tp: int) -> list[Strategy]:
-    if node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0):
-        return []  # dropout inside attention draws per-rank random numbers
+    # with dropout_p > 0 each rank draws the mask of its own heads (or sequences) from its
+    # own generator, as a split `dropout` does (docs/tensor_parallel.md, "Dropout"): the
+    # tp ranks draw equal counts, so their generators stay in step for the replicated
+    # dropouts after it
     return _attention_options(node, tp, 1)
 
 
