@@ -16,10 +16,12 @@ recomputed forward) over the predicted step time and the GPU count.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -50,18 +52,9 @@ class Row:
         return self.gpus // (self.tp * self.pp)
 
 
-TABLE_1 = [
-    Row(1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
-    Row(3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-    Row(7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
-    Row(18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-    Row(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
-    Row(76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    Row(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
-    Row(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    Row(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
-    Row(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
-]
+# the reference figures, with their source and what of them was confirmed
+DATA = json.loads((Path(__file__).parent / "data" / "megatron_sc21_table1.json").read_text())
+TABLE_1 = [Row(**row) for row in DATA["rows"]]
 DEFAULT_ROWS = [1.7, 3.6, 7.5, 18.4, 39.1, 76.1, 145.6]
 
 
@@ -120,6 +113,56 @@ def predict(row: Row, layout: autopar.Layout, attention: str,
                      trace_blocks=trace_blocks).predict(layout)
 
 
+def plan_row(row: Row, attention: str = "sdpa", arch: str = "gpt2"):
+    """`autopar.plan` of the row's model on its cluster with the planner's defaults (fp16,
+    as the paper trained): (plan, seconds the call took)."""
+    model, batch = gpt(row, attention, arch)
+    cluster = autopar.ClusterSpec.preset("dgx-a100-80gb", nodes=row.gpus // 8)
+    start = time.perf_counter()
+    plan = autopar.plan(model, cluster, batch, causal_lm_loss, amp="fp16")
+    return plan, time.perf_counter() - start
+
+
+def brief(layout: autopar.Layout) -> str:
+    out = f"dp={layout.dp} tp={layout.tp} pp={layout.pp} m={layout.microbatches}"
+    if layout.virtual_stages > 1:
+        out += f" v={layout.virtual_stages}"
+    if layout.pp > 1 and layout.schedule != "1f1b":
+        out += f" {layout.schedule}"
+    return out + (f" zero={layout.zero}" if layout.zero else "") + f" {layout.recompute}"
+
+
+def plan_table(rows: list[Row], args) -> None:
+    """One row per published row: planning time with defaults, the chosen layout and the
+    paper's, and both predicted against the published time (signed)."""
+    print("| row | plan s | chosen | chosen predicted TFLOP/s/GPU | paper's layout | its "
+          "predicted | paper | error (paper's layout) | chosen no slower |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    errors = []
+    for row in rows:
+        flops = paper_flops(row.batch, row.layers, row.hidden)
+        try:
+            plan, seconds = plan_row(row, args.attention, args.arch)
+        except Exception as exc:  # report the failing row, do not hide it
+            print(f"| {row.billions}B | error: {type(exc).__name__}: {exc} | | | | | | | |",
+                  flush=True)
+            continue
+        layout = layout_of(row, args.micro_batch, args.schedule)
+        paper = predict(row, layout, args.attention, arch=args.arch)
+        chosen_rate = flops / plan.predicted.step_time_s / row.gpus / 1e12
+        paper_rate = flops / paper.step_time_s / row.gpus / 1e12
+        error = paper_rate / row.tflops - 1
+        errors.append(error)
+        print(f"| {row.billions}B | {seconds:.1f} | {brief(plan.layout)} | {chosen_rate:.1f} | "
+              f"{brief(layout)} | {paper_rate:.1f} | {row.tflops:.0f} | {error:+.1%} | "
+              f"{'yes' if plan.predicted.step_time_s <= paper.step_time_s else 'no'} |",
+              flush=True)
+    if errors:
+        print(f"median error {statistics.median(errors):+.1%}, median |error| "
+              f"{statistics.median(abs(e) for e in errors):.1%}, worst |error| "
+              f"{max(abs(e) for e in errors):.1%} over {len(errors)} rows")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", nargs="+", type=float, default=DEFAULT_ROWS,
@@ -134,10 +177,16 @@ def main() -> None:
     p.add_argument("--arch", default="gpt2", choices=["gpt2", "neox"],
                    help="transformers' GPT-2, or GPT-NeoX (q/k/v laid out per head, as "
                         "Megatron-LM's)")
+    p.add_argument("--plan", action="store_true",
+                   help="also plan each row with autopar.plan's defaults (fp16 fixed) and "
+                        "compare the chosen layout with the paper's")
     args = p.parse_args()
     # the tensor-parallel rules probe strategies on fake tensors; their refusals are noise
     logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
     rows = {row.billions: row for row in TABLE_1}
+    if args.plan:
+        plan_table([rows[b] for b in args.rows], args)
+        return
     print(f"arch={args.arch} attention={args.attention} micro_batch={args.micro_batch} "
           f"schedule={args.schedule}")
     print("| row | layout | paper TFLOP/s/GPU | predicted (paper's FLOPs) | error | autopar "

@@ -7,6 +7,8 @@ import logging
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import autopar
 from autopar.compiler.planner import scaled as S
@@ -137,3 +139,24 @@ def test_blocks_that_differ_are_traced_whole_or_refused():
     assert Estimator(model, c, batch, loss).trace_blocks is None
     with pytest.raises(ValueError, match=r"the blocks of Sequential are not alike \(block 1's parameters"):
         Estimator(model, c, batch, loss, trace_blocks=2)
+
+
+@settings(max_examples=4, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(layers=st.integers(3, 6), hidden=st.sampled_from([64, 128]),
+       heads=st.sampled_from([2, 4]), seq=st.sampled_from([32, 64]),
+       nodes=st.sampled_from([1, 2]), preset=st.sampled_from(["dgx-h100", "dgx-a100-80gb"]))
+def test_per_block_and_exact_plans_choose_layouts_equally_fast(layers, hidden, heads, seq,
+                                                                nodes, preset):
+    """For random small GPTs and clusters, the layout the default (per-block) plan chooses
+    and the one the exact plan chooses, both costed exactly, are within 5% of each other."""
+    model, batch = meta_gpt2(layers=layers, hidden=hidden, heads=heads, vocab=512, batch=32,
+                             seq=seq)
+    cluster = autopar.ClusterSpec.preset(preset, nodes=nodes)
+    fixed = {"amp": "bf16", "recompute": "none", "tp": 1}  # a search of seconds, exact too
+    fast = autopar.plan(model, cluster, batch, causal_lm_loss, workers=0, **fixed)
+    exact = autopar.plan(model, cluster, batch, causal_lm_loss, trace_blocks="exact", **fixed)
+    assert fast.details["tracing"].startswith("per block")
+    costed = Estimator(model, cluster, batch, causal_lm_loss, trace_blocks="exact")
+    times = [costed.predict(p.layout).step_time_s for p in (fast, exact)]
+    assert times[0] == pytest.approx(times[1], rel=0.05), (fast.layout, exact.layout, times)
