@@ -104,6 +104,17 @@ def hierarchical_all_reduce(nbytes: float, per_node: int, nodes: int, intra: Lin
             + flat_all_reduce(nbytes / per_node, nodes, inter, eff))
 
 
+def hierarchical_all_gather(nbytes: float, per_node: int, nodes: int, intra: LinkSpec,
+                            inter: LinkSpec, eff: float = 1.0) -> float:
+    """All-gather (or reduce-scatter) of an n-byte full tensor over `nodes` nodes holding
+    `per_node` ranks each, as NCCL runs it over one ring per network port (rail): the
+    ranks with the same place in their node gather their shards over the network
+    (n / per_node bytes among `nodes` ranks, per_node rings at once), then each node's
+    ranks gather among themselves over the node's links."""
+    return (ring_all_gather(nbytes / per_node, nodes, inter, eff)
+            + ring_all_gather(nbytes, per_node, intra, eff))
+
+
 def collective_time(kind: str, nbytes: float, group_size: int, cluster: ClusterSpec,
                     stride: int = 1, eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
     """Seconds for one collective over `group_size` ranks `stride` apart (the product of
@@ -118,15 +129,19 @@ def collective_time(kind: str, nbytes: float, group_size: int, cluster: ClusterS
     if group_size <= 1:
         return 0.0
     spans_nodes = group_spans_nodes(group_size, stride, cluster)
-    link = cluster.inter_node if spans_nodes else cluster.intra_node
-    if kind != "all_reduce":
-        # a ring across nodes runs at the pace of its slowest (network) hop
-        return ring_all_gather(nbytes, group_size, link, eff.link)
     if not spans_nodes:
-        return flat_all_reduce(nbytes, group_size, link, eff.link)
+        if kind != "all_reduce":
+            return ring_all_gather(nbytes, group_size, cluster.intra_node, eff.link)
+        return flat_all_reduce(nbytes, group_size, cluster.intra_node, eff.link)
+    # a node's ranks of the group each use their own network port: with one rank a node
+    # the whole tensor crosses one port per node; with several, each port carries its share
     per_node = max(1, min(group_size, cluster.devices_per_node // stride))
-    return hierarchical_all_reduce(nbytes, per_node, math.ceil(group_size / per_node),
-                                   cluster.intra_node, cluster.inter_node, eff.link)
+    nodes = math.ceil(group_size / per_node)
+    if kind != "all_reduce":
+        return hierarchical_all_gather(nbytes, per_node, nodes, cluster.intra_node,
+                                       cluster.inter_node, eff.link)
+    return hierarchical_all_reduce(nbytes, per_node, nodes, cluster.intra_node,
+                                   cluster.inter_node, eff.link)
 
 
 def group_spans_nodes(group_size: int, stride: int, cluster: ClusterSpec) -> bool:

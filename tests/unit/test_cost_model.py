@@ -92,8 +92,14 @@ def test_collective_time_picks_the_link_of_the_group():
     c = cluster(nodes=2, per_node=4)
     inside = costs.collective_time("all_reduce", 1e8, 4, c, 1, EXACT)
     assert inside == pytest.approx(costs.flat_all_reduce(1e8, 4, c.intra_node))
+    # 8 ranks on 2 nodes of 4, one network port each: 4 rings of 2 (one per port) gather
+    # a quarter each over the network, then each node's 4 gather over its links
     gather = costs.collective_time("all_gather", 1e8, 8, c, 1, EXACT)
-    assert gather == pytest.approx(costs.ring_all_gather(1e8, 8, c.inter_node))
+    assert gather == pytest.approx(costs.ring_all_gather(1e8 / 4, 2, c.inter_node)
+                                   + costs.ring_all_gather(1e8, 4, c.intra_node))
+    # one rank a node (ranks 4 apart): the whole tensor crosses the one port of each node
+    spread = costs.collective_time("reduce_scatter", 1e8, 2, c, 4, EXACT)
+    assert spread == pytest.approx(costs.ring_all_gather(1e8, 2, c.inter_node))
     assert costs.group_spans_nodes(4, 1, c) is False and costs.group_spans_nodes(8, 1, c) is True
     assert costs.collective_time("all_reduce", 1e8, 1, c) == 0.0
     with pytest.raises(ValueError, match="unknown collective 'broadcast'"):
