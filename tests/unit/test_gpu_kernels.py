@@ -1,5 +1,6 @@
 """Dropout traced as a GPU runs it (ir/trace.py GpuKernels) for the planner's GPU clusters:
-`native_dropout` with a 1-byte mask, attention's dropout inside the fused kernel."""
+bool masks, attention's dropout inside the fused kernel; recomputation of a GPU's
+`native_dropout`."""
 
 import operator
 
@@ -20,21 +21,22 @@ def _targets(tg):
 
 
 def _masks(tg):
-    return [n for n in tg.call_nodes() if n.target is operator.getitem
-            and n.args[0].target == aten.native_dropout.default and n.args[1] == 1]
+    """The dropout masks a trace draws in bool (1 byte an element)."""
+    return [n for n in tg.call_nodes()
+            if n.target == aten.bernoulli_.float and n.meta[M.VAL].dtype == torch.bool]
 
 
-def test_a_gpu_trace_takes_native_dropout_and_the_fused_attention():
+def test_a_gpu_trace_draws_bool_masks_and_takes_the_fused_attention():
     ex = gpt2(layers=2, dropout=0.1)
     cpu = trace_train_step(ex.model, ex.batch, ex.loss_fn)
     gpu = trace_train_step(ex.model, ex.batch, ex.loss_fn, kernels="gpu")
-    # the CPU: masks drawn with bernoulli_, attention on its math path (s x s probabilities)
-    assert aten.bernoulli_.float in _targets(cpu) and aten._safe_softmax.default in _targets(cpu)
-    assert aten.bernoulli_.float not in _targets(gpu)
+    # the CPU: fp32 masks, attention on its math path (s x s probabilities)
+    assert aten._safe_softmax.default in _targets(cpu) and not _masks(cpu)
     assert aten._safe_softmax.default not in _targets(gpu)
     # the embeddings' dropout and two residual dropouts per block, each with a bool mask
     assert len(_masks(gpu)) == 1 + 2 * 2
-    assert all(m.meta[M.VAL].dtype == torch.bool for m in _masks(gpu))
+    assert not [n for n in gpu.call_nodes() if n.target == aten.bernoulli_.float
+                and n.meta[M.VAL].dtype != torch.bool]
     attention = [n for n in gpu.call_nodes()
                  if n.target == aten._scaled_dot_product_flash_attention_for_cpu.default]
     assert len(attention) == 2 and all(n.args[3] == 0.1 for n in attention)
@@ -53,12 +55,24 @@ def test_full_recomputation_keeps_the_mask_and_recomputes_the_dropout_from_it():
     masks = _masks(out)
     assert {m.name for m in masks if m.meta.get(M.LAYER) is not None} <= declined
     copies = [n for n in out.call_nodes() if n.meta.get(M.RECOMPUTED)]
-    # nothing random is copied, nor a getitem of native_dropout (it would keep both outputs)
-    assert aten.native_dropout.default not in {c.target for c in copies}
-    assert not [c for c in copies if c.target is operator.getitem
-                and c.args[0].target == aten.native_dropout.default]
-    redone = [c for c in copies if c.target == aten.native_dropout_backward.default]
-    assert len(redone) == 2 and all(c.args[1] in masks and c.args[2] == 1 / 0.9 for c in redone)
+    # nothing random is copied; the dropped values are recomputed from the kept masks
+    assert not {aten.bernoulli_.float, aten.empty_like.default} & {c.target for c in copies}
+    redone = [c for c in copies if c.target == aten.mul.Tensor and set(c.args) & set(masks)]
+    assert len(redone) == 2, [c.format_node() for c in copies]
+
+
+def test_dropout_fuses_with_the_kernels_around_it():
+    """The mask draw and the product join fused kernels: no draw is left a kernel of its
+    own, and each mask leaves its kernel as bool."""
+    ex = gpt2(layers=2, dropout=0.1, attention="eager")
+    tg = trace_train_step(ex.model, ex.batch, ex.loss_fn, kernels="gpu")
+    out, _ = autopar.run_passes(tg, autopar.Layout())
+    assert not [n for n in out.call_nodes()
+                if n.target in (aten.bernoulli_.float, aten.empty_like.default)]
+    fused = [n for n in out.call_nodes() if n.target == torch.ops.autopar.fused.default]
+    outputs = [g.meta[M.VAL].dtype for f in fused for g in f.users if M.VAL in g.meta]
+    # the embeddings', two residual and one attention dropout per block
+    assert outputs.count(torch.bool) == 1 + 3 * 2
 
 
 def test_dropout_costs_its_one_byte_masks_on_a_gpu_cluster():
@@ -103,3 +117,41 @@ def test_attention_on_a_gpu_cluster_is_costed_as_the_fused_kernel():
     assert 0 <= fused <= 8
     # eager keeps s x s values per head (its probabilities, the dropout's mask)
     assert quadratic("eager") > 2 * fused
+
+
+class _NativeDropoutBlock(torch.nn.Module):
+    """An MLP block that calls the GPU's dropout op itself between its matmuls (a CUDA
+    trace has it: torch's dropout runs `native_dropout` where
+    `is_fused_kernel_acceptable`)."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.down(torch.native_dropout(torch.relu(self.up(x)), 0.25, True)[0])
+
+
+class _NativeDropoutMLP(torch.nn.Module):
+    def __init__(self, blocks: int = 2):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_NativeDropoutBlock() for _ in range(blocks))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_recomputation_keeps_a_native_dropout_mask_and_redoes_its_product():
+    model = _NativeDropoutMLP()
+    tg = trace_train_step(model, (torch.randn(4, 16),), lambda out, x: out.square().mean())
+    out, results = autopar.run_passes(tg, autopar.Layout(recompute="full", fusion=False))
+    verify(out)
+    masks = [n for n in out.call_nodes() if n.target is operator.getitem
+             and n.args[0].target == aten.native_dropout.default and n.args[1] == 1]
+    assert len(masks) == 2
+    copies = [n for n in out.call_nodes() if n.meta.get(M.RECOMPUTED)]
+    assert aten.native_dropout.default not in {c.target for c in copies}
+    redone = [c for c in copies if c.target == aten.native_dropout_backward.default]
+    assert redone and all(c.args[1] in masks and c.args[2] == 1 / 0.75 for c in redone)

@@ -175,6 +175,10 @@ class GpuKernels:
     - `dropout(x, p, train)` on a CPU is `x * (empty_like(x).bernoulli_(1 - p) / (1 - p))`:
       its backward keeps that scaled mask in x's dtype (4 bytes an element in fp32). A
       GPU (`is_fused_kernel_acceptable`) runs `native_dropout`, whose mask is bool: 1 byte.
+      The trace draws a bool mask the same way, `x * empty_like(x, bool).bernoulli_(1 -
+      p) / (1 - p)`: its backward keeps the bool mask, and the fusion pass joins the draw
+      and the product to the kernels around them as it does the CPU's, where a GPU
+      compiler (or Megatron's fused kernels) would.
     - `scaled_dot_product_attention(..., dropout_p > 0)`: the CPU's fused kernel has no
       dropout, so attention takes its math path, keeping the probabilities, their mask
       and the dropped probabilities, batch x heads x s x s each, in fp32. A GPU's flash
@@ -193,7 +197,8 @@ class GpuKernels:
         if node.target is _DROPOUT:
             x, p, train = _bound(_DROPOUT, args, kwargs)
             if train and 0 < p < 1 and x.is_floating_point() and x.numel() > 0:
-                return torch.ops.aten.native_dropout.default(x, p, True)[0]
+                keep = torch.empty_like(x, dtype=torch.bool).bernoulli_(1 - p)
+                return x * keep / (1 - p)
         elif node.target is _SDPA:
             q, k, v, mask, p, causal, scale, gqa = _bound(_SDPA, args, kwargs)
             if p > 0:
