@@ -109,8 +109,9 @@ def _options(name: str, default: list, fixed: dict[str, Any]) -> list:
 def candidate_layouts(cluster: ClusterSpec, batch: int | None, blocks: int,
                       fixed: dict[str, Any]) -> list[Layout]:
     """Every layout the search costs (see the module docstring), constraints applied.
-    Micro-batches: 1 without a pipeline, pp and 2 pp with one (each size is a trace of
-    its own: fix `microbatches` to try another)."""
+    Micro-batches: 1 without a pipeline; with one pp, 2 pp and micro-batches of 1, 2, 4
+    and 8 sequences (`_micro_batch_counts`; each size is a trace of its own: fix
+    `microbatches` to try another)."""
     world = cluster.world_size
     amps = ["off", "bf16"] if "bf16" in cluster.device.peak_flops else ["off"]
     out: dict[Layout, None] = {}  # ordered, and a membership test that does not scan
@@ -120,7 +121,7 @@ def candidate_layouts(cluster: ClusterSpec, batch: int | None, blocks: int,
             dp = world // tp // pp
             if dp * tp * pp != world:
                 continue
-            micro = _options("microbatches", [1] if pp == 1 else [pp, 2 * pp], fixed)
+            micro = _options("microbatches", _micro_batch_counts(pp, dp, batch), fixed)
             for m, (sched, vs), zero, amp in itertools.product(
                     [m for m in micro if batch is None or batch % (dp * m) == 0],
                     _schedules(pp, blocks), _options("zero", [0, 1, 2, 3] if dp > 1 else [0], fixed),
@@ -133,6 +134,27 @@ def candidate_layouts(cluster: ClusterSpec, batch: int | None, blocks: int,
                 if layout is not None:
                     out.setdefault(layout)
     return list(out)
+
+
+# sequences per micro-batch a pipeline is also tried with, as Megatron-LM's users tune
+# --micro-batch-size: small ones shrink the bubble (more micro-batches) and the
+# activations in flight, large ones run larger kernels
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+
+
+def _micro_batch_counts(pp: int, dp: int, batch: int | None) -> list[int]:
+    """Micro-batch counts tried for a pipeline of `pp` stages: pp and 2 pp, and those
+    giving each micro-batch MICRO_BATCH_SIZES sequences of a rank's share (at least pp
+    of them). 1 without a pipeline (accumulation is not costed from per-block traces:
+    fix `microbatches` to try it)."""
+    if pp == 1:
+        return [1]
+    counts = [pp, 2 * pp]
+    if batch is not None and batch % dp == 0:
+        share = batch // dp
+        counts += [share // size for size in MICRO_BATCH_SIZES
+                   if share % size == 0 and share // size >= pp]
+    return sorted(set(counts))
 
 
 def _constrained(fields: dict[str, Any], fixed: dict[str, Any]) -> Layout | None:
