@@ -109,8 +109,8 @@ def _options(name: str, default: list, fixed: dict[str, Any]) -> list:
 def candidate_layouts(cluster: ClusterSpec, batch: int | None, blocks: int,
                       fixed: dict[str, Any]) -> list[Layout]:
     """Every layout the search costs (see the module docstring), constraints applied.
-    Micro-batches: 1 without a pipeline; with one pp, 2 pp and micro-batches of 1, 2, 4
-    and 8 sequences (`_micro_batch_counts`; each size is a trace of its own: fix
+    Micro-batches: 1 without a pipeline; with one pp, 2 pp and micro-batches of one
+    sequence (`_micro_batch_counts`; each size is a trace of its own: fix
     `microbatches` to try another)."""
     world = cluster.world_size
     amps = ["off", "bf16"] if "bf16" in cluster.device.peak_flops else ["off"]
@@ -136,10 +136,11 @@ def candidate_layouts(cluster: ClusterSpec, batch: int | None, blocks: int,
     return list(out)
 
 
-# sequences per micro-batch a pipeline is also tried with, as Megatron-LM's users tune
-# --micro-batch-size: small ones shrink the bubble (more micro-batches) and the
-# activations in flight, large ones run larger kernels
-MICRO_BATCH_SIZES = (1, 2, 4, 8)
+# sequences per micro-batch a pipeline is also tried with (Megatron-LM's
+# --micro-batch-size; 1 in its published runs): the smallest bubble and the fewest
+# activations in flight. Each size is a trace and rewrites of its own: 2, 4 and 8 as
+# well doubled the planning time of Megatron's 1.7B row (24 s to 52 s) for the same plan
+MICRO_BATCH_SIZES = (1,)
 
 
 def _micro_batch_counts(pp: int, dp: int, batch: int | None) -> list[int]:
