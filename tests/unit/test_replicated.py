@@ -84,21 +84,15 @@ def test_replicated_stages_hold_the_whole_model(scaled, gpt8):
     dict(dp=1, tp=2, pp=4, microbatches=4, schedule="gpipe"),
     dict(dp=2, pp=4, microbatches=4, zero=3)])
 def test_replicated_predictions_match_exact_tracing(fields, scaled, exact):
-    """Measured here: within 2% of step time and 2.5% of peak memory here (and
-    within 1.7% on a 16-block GPT of hidden 1024, seq 128), but for zero-bubble.
-
-    Zero-bubble's peak is the last stage's first W (weight gradients of micro-batch 1):
-    there the template's replay holds 2.74 MB less than the exact one's, the tied head
-    weight's gradient (1000 x 256 fp32, 1.02 MB) and 1.7 MB of its temporaries; a known
-    gap of the template (docs/planner.md), 3.1% of this model's 87 MB peak."""
+    """Measured here: within 1.3% of step time; four of the seven peaks equal to the
+    byte, zero-bubble's 4 bytes under (at its last stage's first W, which holds the
+    tied head weight's gradient part), GPipe's -0.5% and interleaved's -1.9%: with tp=2
+    the traced blocks differ from one another (docs/planner.md)."""
     layout = autopar.Layout(**fields)
     approx, whole = scaled.predict(layout), exact.predict(layout)
     assert approx.flops_per_step == whole.flops_per_step
     assert approx.step_time_s == pytest.approx(whole.step_time_s, rel=0.03)
-    if layout.schedule == "zero-bubble":
-        assert 0 <= whole.peak_memory_bytes - approx.peak_memory_bytes <= 2_740_000
-    else:
-        assert approx.peak_memory_bytes == pytest.approx(whole.peak_memory_bytes, rel=0.03)
+    assert approx.peak_memory_bytes == pytest.approx(whole.peak_memory_bytes, rel=0.03)
 
 
 @pytest.mark.parametrize("fields", [dict(dp=1, pp=8, microbatches=8, schedule="interleaved",
@@ -323,13 +317,33 @@ def test_a_ranks_send_buffers_do_not_grow_with_the_micro_batches(scaled):
     assert held[0] == held[1]
 
 
-def test_a_stage_of_several_blocks_keeps_what_its_blocks_hand_one_another():
+@pytest.mark.parametrize("dropout", [0.1, 0.0])
+def test_a_stage_of_several_blocks_keeps_what_its_blocks_hand_one_another(dropout):
     """A stage of c blocks keeps, for its backward, the input of each of its blocks; the
     template's block receives its input from another stage, so the c - 1 inputs the
     stage's own blocks hand one another are counted from the block's output
-    (replicated._handed_on). Under full recomputation they are what the activations
-    are: against exact tracing, equal (5% under before)."""
-    model, batch = meta_gpt2(layers=8, hidden=256, heads=8, vocab=1000, batch=16, seq=512)
+    (replicated._handed_on), the block's output is sent on, and the c - 1 earlier
+    blocks' saved values and weight gradients are alive while the last block runs
+    (replicated._program). Under full recomputation a block keeps its input, the
+    attention kernel's outputs (kept: its dropout is drawn inside) and, with dropout, two
+    bool masks; at 512 tokens, 2 sequences a micro-batch, hidden 256: 1 MiB each hidden
+    state, 32 KiB of log-sum-exp, 256 KiB a mask. The first rank of pp=2 (4 blocks, 2
+    micro-batches in flight) holds 2 x (embedding output + 3 hand-offs + the sent output
+    + 4 x (attention output + log-sum-exp) + the 512 KiB causal mask + 4 KiB), 19.26 MiB
+    without dropout, 23.76 MiB with it (+ 9 masks a micro-batch): activations equal to
+    exact tracing's, to the byte.
+
+    Peaks: equal with dropout 0.1; without dropout 1 MiB under at the first rank's
+    backward (-1.0% at pp=2, -1.4% at pp=4): there the exact stage's block boundary makes
+    the block's output gradient and a copy of it (dropout with p=0), where the template's
+    cut sends one tensor (docs/planner.md)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=8, n_embd=256, n_head=8, vocab_size=1000, n_positions=512,
+                        use_cache=False, resid_pdrop=dropout, embd_pdrop=dropout,
+                        attn_pdrop=dropout)
+    with torch.device("meta"):
+        model, batch = GPT2LMHeadModel(config), (torch.randint(0, 1000, (16, 512)),)
     exact = Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks="exact")
     scaled = Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2)
     for fields in (dict(pp=2, microbatches=8, recompute="full"),

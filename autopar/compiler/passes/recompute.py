@@ -18,7 +18,10 @@ keeping them alive from the forward:
 Under every policy a value another layer reads (a layer's input or output) is kept,
 so recomputation never reaches across layers. Random ops (dropout masks) are kept:
 recomputing them would draw new numbers; those, and any op that is not a pure aten
-op, are listed in `PassResult.declined` with the reason. A GPU's dropout
+op, are listed in `PassResult.declined` with the reason. So are the outputs of a kept
+op with several (attention whose dropout is drawn inside the kernel: its output and
+log-sum-exp): a copy of their getitem would read the kept op's outputs in the
+backward, which therefore stay alive from the forward all the same. A GPU's dropout
 (`native_dropout`: its output and a bool mask) keeps its mask, and its output is
 recomputed from it (`native_dropout_backward(input, mask, 1 / (1 - p))`, the same
 product), so it keeps 1 byte an element, not its output.

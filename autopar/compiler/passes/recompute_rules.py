@@ -58,7 +58,7 @@ def choose(tg: TrainGraph, per_layer: dict[int | None, str]) -> tuple[set[fx.Nod
             continue  # a weight matmul's output: expensive to redo
         if _read_by_another_layer(node):
             continue  # a layer's input or output: the policy keeps it
-        why = _why_kept(node)
+        why = _why_kept(node, chosen)
         if why is None:
             chosen.add(node)
         elif any(u.meta[M.ROLE] == M.Role.BACKWARD for u in node.users):
@@ -66,12 +66,16 @@ def choose(tg: TrainGraph, per_layer: dict[int | None, str]) -> tuple[set[fx.Nod
     return chosen, kept
 
 
-def _why_kept(node: fx.Node) -> str | None:
+def _why_kept(node: fx.Node, chosen: set[fx.Node]) -> str | None:
     target = node.target
     if target is not operator.getitem and not isinstance(target, torch._ops.OpOverload):
         return f"{target} is not an aten op"
     if _random(node) and _kept_mask(node) is None:
         return "made by a random op (a dropout mask): recomputing it would draw new numbers"
+    if target is operator.getitem and node.args[0] not in chosen and _kept_mask(node) is None:
+        # a copy of the getitem would read the kept op's outputs in the backward: they
+        # stay alive from the forward all the same (attention with its dropout inside)
+        return "an output of a kept op: its copy would keep the op's outputs alive"
     if isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
         return "it writes its input in place"
     return None

@@ -14,13 +14,16 @@ pipeline from it, as if the whole model had been traced and cut:
   template's head, block and tail times balanced, `Template.blocks_per_stage`): each block op runs c_s times
   (`OpRecord.repeat`, its model FLOPs likewise), each block parameter is there c_s
   times (as c_s tensors), and a block op's storage counts c_s times when it is kept
-  for another program of its stage (saved activations, gradients); storage that a
-  program frees itself (a transient) or sends on counts once, as the real stage
-  runs its blocks one after another;
+  for another program of its stage (saved activations, gradients) or handed to the
+  stage's next block (`_handed_on`); storage that a program frees itself (a
+  transient) counts once, as the real stage runs its blocks one after another
+  (`_program` replays a program as its last block: the earlier blocks' kept values
+  alive, and the output gradient the block after made on the stage);
 - a value one block sends the next goes between each pair of neighbouring stages;
-  what the embeddings send the blocks goes from the first stage to every other one,
-  what the head sends back (a tied weight's gradient) from the last to the first;
-  tied parameters read by both template stages are read by the first and the last.
+  what the embeddings send the blocks goes from the first stage to every other one;
+  a value a stage sends stays in its micro-batch's environment, as in the lowered
+  programs; tied parameters read by both template stages are read by the first and
+  the last, each of which keeps its part of their gradient (`_split`).
 
 Stages with the same role and block count share one `StageSummary.kinds` entry,
 so the pipeline cost model replays their programs once. What a whole-model trace
@@ -36,6 +39,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+
+from torch import fx
 
 from autopar.cluster import ClusterSpec
 from autopar.compiler.analysis.memory import (
@@ -83,6 +88,11 @@ class Template:
     tail_s: float = 0.0
     # per value sent between the two stages: (phase, from a block op, to a block op, bytes)
     sends: tuple[tuple[str, bool, bool, int], ...] = ()
+    sent: frozenset[int] = frozenset()  # the storages of those values
+    # a weight read on both stages (a tied embedding): the adds summing its gradient's
+    # terms across the stages, and the storages of those terms (split_gradient_sums)
+    split: frozenset[int] = frozenset()
+    parts: frozenset[int] = frozenset()
 
     def blocks_per_stage(self, n_stages: int) -> tuple[int, ...]:
         """Blocks of each stage, cut as AssignStages cuts the whole model (balanced_cuts:
@@ -94,6 +104,11 @@ class Template:
     def kept(self) -> frozenset[int]:
         """Storages read by another program of their own stage, or returned by the step."""
         return _kept_storages(self)
+
+    @functools.cached_property
+    def block_outputs(self) -> dict[int, frozenset[int]]:
+        """_block_outputs of the template."""
+        return _block_outputs(self)
 
     @functools.cached_property
     def handed_on(self) -> dict[int, frozenset[int]]:
@@ -138,15 +153,38 @@ def template_of(tg: TrainGraph, blocks: int, cluster: ClusterSpec) -> Template:
                 head += node_time(n, cluster)
             else:
                 tail += node_time(n, cluster)
-    return Template(summarize(tg), stages, op_layers(tg), param_layers(tg), blocks,
-                    head, block, tail, _sends(tg))
+    summary = summarize(tg)
+    sends, sent = _sends(tg, summary)
+    return Template(summary, stages, op_layers(tg), param_layers(tg), blocks,
+                    head, block, tail, sends, sent, *_split(tg, summary))
 
 
-def _sends(tg: TrainGraph) -> tuple[tuple[str, bool, bool, int], ...]:
-    """The values one template stage sends the other, and whether block ops make and read
-    them (as stages.stage_summary counts them: a value once per receiving stage)."""
-    out = []
+def _indices(tg: TrainGraph, summary: GraphSummary) -> dict[fx.Node, int]:
+    """Each call node's OpRecord in `summary` (summarize's order: user inputs, then calls)."""
+    first = sum(1 for op in summary.ops if op.role == "input")
+    return {n: first + k for k, n in enumerate(tg.call_nodes())}
+
+
+def _split(tg: TrainGraph, summary: GraphSummary) -> tuple[frozenset[int], frozenset[int]]:
+    """(the adds of split_gradient_sums, the storages of the terms they sum) in `summary`:
+    the lowering gives each stage its terms' part of the gradient instead (one step
+    output a stage), summed once a step."""
+    index = _indices(tg, summary)
     split = split_gradient_sums(tg, lambda n: n.meta.get(M.STAGE))
+    terms = {a for n in split for a in n.args[:2] if isinstance(a, fx.Node) and a not in split}
+    parts = {summary.ops[index[a]].storage for a in terms if a in index}
+    parts.discard(None)
+    return frozenset(index[n] for n in split), frozenset(parts)
+
+
+def _sends(tg: TrainGraph, summary: GraphSummary
+           ) -> tuple[tuple[tuple[str, bool, bool, int], ...], frozenset[int]]:
+    """The values one template stage sends the other, and whether block ops make and read
+    them (as stages.stage_summary counts them: a value once per receiving stage); and
+    their storages in `summary` (of `tg`)."""
+    out, sent = [], set()
+    split = split_gradient_sums(tg, lambda n: n.meta.get(M.STAGE))
+    index = _indices(tg, summary)
     for n in tg.call_nodes():
         stage = n.meta.get(M.STAGE)
         readers = [u for u in n.users if u.meta.get(M.STAGE) not in (None, stage) and u not in split]
@@ -156,7 +194,9 @@ def _sends(tg: TrainGraph) -> tuple[tuple[str, bool, bool, int], ...]:
         out.append((phase, n.meta.get(M.LAYER) is not None,
                     any(u.meta.get(M.LAYER) is not None for u in readers),
                     tensor_bytes(n.meta.get(M.VAL))))
-    return tuple(out)
+        sent.add(summary.ops[index[n]].storage)
+    sent.discard(None)
+    return tuple(out), frozenset(sent)
 
 
 def _messages(t: Template, counts: tuple[int, ...]) -> tuple[Message, ...]:
@@ -237,16 +277,32 @@ def _handed_on(t: Template) -> dict[int, frozenset[int]]:
     hand-offs per micro-batch, which no template stage shows (none when a block's
     backward does not read its input)."""
     ops, stage_of, program_of = t.summary.ops, t.stages.stage_of, t.stages.program_of
+    outputs = t.block_outputs
+    if not any(ops[u].storage in outputs[0] for i, op in enumerate(ops)
+               if stage_of[i] == 1 and program_of[i] != "F" for u in op.uses):
+        return {}
+    return outputs
+
+
+def _block_outputs(t: Template) -> dict[int, frozenset[int]]:
+    """Template stage -> the storages of its block's output: block 0's, read by block 1;
+    block 1's, read by the head's forward. Where a fused region of the head took in block
+    1's last ops (its residual add: the region's outputs include a block 1 value), that
+    output, and not the block's values the region reads."""
+    ops, stage_of, program_of = t.summary.ops, t.stages.stage_of, t.stages.program_of
     into_block1 = {ops[u].storage for i, op in enumerate(ops)
                    if stage_of[i] == 1 and t.op_layer[i] == 1 for u in op.uses
                    if stage_of[u] == 0 and t.op_layer[u] == 0}
     into_block1.discard(None)
-    if not any(ops[u].storage in into_block1 for i, op in enumerate(ops)
-               if stage_of[i] == 1 and program_of[i] != "F" for u in op.uses):
-        return {}
-    into_head = {ops[u].storage for i, op in enumerate(ops)
-                 if stage_of[i] == 1 and t.op_layer[i] is None for u in op.uses
-                 if stage_of[u] == 1 and t.op_layer[u] == 1}
+    head = {i for i, op in enumerate(ops) if stage_of[i] == 1 and program_of[i] == "F"
+            and t.op_layer[i] is None}
+    tails: dict[int, set[int]] = {}  # a head region -> its getitems of a block 1 value
+    for g, op in enumerate(ops):
+        if op.target == "getitem" and op.uses and op.uses[0] in head and t.op_layer[g] == 1:
+            tails.setdefault(op.uses[0], set()).add(op.storage)
+    into_head = {s for i in head for s in tails.get(i, ())}
+    into_head |= {ops[u].storage for i in head if i not in tails for u in ops[i].uses
+                  if stage_of[u] == 1 and program_of[u] == "F" and t.op_layer[u] == 1}
     into_head.discard(None)
     return {0: frozenset(into_block1), 1: frozenset(into_head)}
 
@@ -268,6 +324,11 @@ def replicate(t: Template, n_stages: int, representatives: bool = False
     counts = t.blocks_per_stage(n_stages)
     kept, handed_on = t.kept, t.handed_on
     handed: list[int] = []
+    repeated: list[int] = []
+    handed_back: list[tuple[int, int, tuple[int, ...]]] = []
+    sent: list[int] = []
+    # a block's output gradient: what the template's block receives from the stage after
+    back = sum(nbytes for phase, _, to_block, nbytes in t.sends if phase == "B" and to_block)
     n_inputs = sum(1 for s in t.stages.stage_of if s is None)
     ops: list[OpRecord] = list(t.summary.ops[:n_inputs])
     stage_of: list[int | None] = [None] * n_inputs
@@ -286,19 +347,45 @@ def replicate(t: Template, n_stages: int, representatives: bool = False
         passed = handed_on.get(source, frozenset()) if role != "last" and counts[s] > 1 \
             else frozenset()
         handed += [where[i] for i in chosen if i in passed]
+        # what a stage sends: the template's messages, and a middle stage's block output
+        sent += [where[i] for i in chosen if i in t.sent
+                 or (role == "middle" and i in t.block_outputs[1])]
+        if counts[s] > 1:
+            repeated += [where[i] for i in chosen if t.op_layer[i] is not None
+                         and (i in kept or i in passed)]
+        if counts[s] > 1 and role != "last" and back:
+            readers = _gradient_readers(t, chosen)
+            if readers:
+                handed_back.append((s, back, tuple(where[i] for i in readers)))
         for i in chosen:
-            ops.append(_copy(t.summary.ops[i], where, counts[s] if t.op_layer[i] is not None
-                             else None, i in kept or i in passed, s))
+            op = _copy(t.summary.ops[i], where, counts[s] if t.op_layer[i] is not None
+                       else None, i in kept or i in passed, s)
+            ops.append(changed(op, allocates=0) if i in t.split else op)
             stage_of.append(s)
             program_of.append(t.stages.program_of[i])
-        outputs.update(where[i] for i in t.summary.output_storages if i in where and i >= n_inputs)
+        outputs.update(where[i] for i in (t.summary.output_storages - t.split) | t.parts
+                       if i in where and i >= n_inputs)
     summary = replace(t.summary, ops=tuple(ops), output_storages=frozenset(outputs),
                       **_params(t, counts))
     messages = _messages(t, counts)
     stages = StageSummary(stages=n_stages, stage_of=tuple(stage_of), program_of=tuple(program_of),
                           messages=messages, param_stages=_params(t, counts, stages=True),
-                          kinds=tuple(kinds), handed=tuple(handed))
+                          kinds=tuple(kinds), handed=tuple(handed), repeated=tuple(repeated),
+                          handed_back=tuple(handed_back), sent=tuple(sent))
     return summary, stages
+
+
+def _gradient_readers(t: Template, chosen: list[int]) -> list[int]:
+    """The backward ops of a stage (template indices, of `chosen`) that read a gradient
+    made outside the stage's selection: the block's output gradient, which the template's
+    block receives (stage 0) or takes from the head (stage 1); not the head's part of a tied
+    weight's gradient, which stays on the last stage. Not only block ops: a fused backward
+    region across a block's end may have lost its block (fuse_regions)."""
+    ops, inside, stage_of = t.summary.ops, set(chosen), t.stages.stage_of
+    return [i for i in chosen if t.stages.program_of[i] != "F"
+            and any((s := ops[u].storage) is not None and s not in inside
+                    and ops[s].role == "backward" and ops[s].allocates
+                    and (s in t.sent or stage_of[s] == stage_of[i]) for u in ops[i].uses)]
 
 
 def block_work_floor(t: Template, cluster: ClusterSpec, layout: Layout,
@@ -362,17 +449,88 @@ def _params(t: Template, counts: tuple[int, ...], stages: bool = False):
 # -- memory ---------------------------------------------------------------------------------
 
 def _program(summary: GraphSummary, members: list[int], own: set[tuple[int, str]],
-             readers: dict[int, set[tuple[int, str]]]):
+             readers: dict[int, set[tuple[int, str]]], blocks: int = 1,
+             repeated: frozenset[int] = frozenset(),
+             handed_back: tuple[int, frozenset[int]] = (0, frozenset()),
+             late: dict[int, int] | None = None):
     """Liveness of one program (its inputs held outside it: `own` are its (stage, program)
-    labels) and the bytes of step outputs (gradients) it makes."""
-    where = {i: k for k, i in enumerate(members)}
-    ops = tuple(changed(op, uses=tuple(where[u] for u in op.uses if u in where),
-                        storage=where.get(op.storage), waits_on=where.get(op.waits_on),
-                        allocates=op.allocates if op.storage in where else 0)
-                for op in (summary.ops[i] for i in members))
-    returned = frozenset(where[s] for s in where
-                         if s in summary.output_storages or readers.get(s, own) - own)
-    liveness = graph_liveness(GraphSummary(ops, (), (), 0, returned))
+    labels) and the bytes of step outputs (gradients) it makes.
+
+    An output of a multi-output op that a later program of the stage takes (`late`:
+    getitem -> op; a fused region's weight-gradient part, which W takes from I) is made
+    by the op and kept for that program, as the lowered programs pass it on: here, bytes
+    the op's program returns, and none in the later program.
+
+    A replicated stage runs its `blocks` blocks one after another, and its block ops stand
+    for the last of them (the peak: the earlier blocks' outputs are alive):
+    - a `repeated` storage (c copies' bytes) that outlives the program has the c - 1
+      earlier blocks' copies alive from the first block op on (their weight gradients,
+      their saved values), the last block's from its op; one that the program frees itself
+      (a value the weight gradient reads, when I and W run as one program) is one block's,
+      freed before the next block makes its own; so does an output taken later (`late`);
+    - `handed_back` (bytes, readers): on a stage whose blocks hand their input gradient to
+      the block before, the last block's output gradient is the block after's input
+      gradient, made on the stage: alive from the first block op to its last reader here
+      (with readers in a later program, the c - 1 made on the stage are kept for it)."""
+    late = late or {}
+    inside = set(members)
+    returned = {s for s in members
+                if s in summary.output_storages or readers.get(s, own) - own}
+    taken_later: dict[int, list[int]] = {}  # op -> its outputs a later program takes
+    for g, source in late.items():
+        if source in inside and g not in inside:
+            taken_later.setdefault(source, []).append(g)
+    order: list[int | None] = []
+    ops: list[OpRecord] = []
+    kept_new: list[bool] = []  # per value made here (order None): kept past the program
+    earlier = 0
+    for i in members:
+        op = summary.ops[i]
+        if i in late and late[i] not in inside:  # made by an earlier program: held outside
+            op = changed(op, allocates=0)
+        elif i in repeated and op.storage == i:
+            one = op.allocates // blocks
+            earlier += op.allocates - one if i in returned else 0
+            op = changed(op, allocates=one)
+        order.append(i)
+        ops.append(op)
+        if i in taken_later:
+            last = 0  # the last block's copies (or the op's, outside the blocks)
+            for g in taken_later[i]:
+                one = summary.ops[g].allocates // (blocks if g in repeated else 1)
+                last += one
+                earlier += one * (blocks - 1) if summary.ops[g].layer is not None else 0
+            order.append(None)
+            ops.append(OpRecord(f"{op.name} (taken later)", op.role, allocates=last))
+            kept_new.append(True)
+    back, back_readers = handed_back
+    here = [i for i in members if i in back_readers]
+    transient = back if here and len(here) == len(back_readers) else 0
+    if here and not transient and min(back_readers) in inside:
+        # made here, read again by a later program (W): the c - 1 made on the stage kept
+        earlier += back * (blocks - 1)
+    first = next((k for k, op in enumerate(ops) if op.layer is not None), None)
+    made = []  # what the program holds before its last block: (bytes, kept past the program)
+    if first is not None:
+        made = [(size, kept) for size, kept in ((earlier, True), (transient, False)) if size]
+    before = sum(1 for i in order[:first] if i is None) if first is not None else 0
+    for k, (size, kept) in enumerate(made):
+        order.insert(first + k, None)
+        ops.insert(first + k, OpRecord("earlier blocks" if kept else "gradient from the next block",
+                                       ops[first + k].role, allocates=size))
+        kept_new.insert(before + k, kept)
+    where = {i: k for k, i in enumerate(order) if i is not None}
+    new = [k for k, i in enumerate(order) if i is None]  # in kept_new's order
+    last_reader = where[here[-1]] if transient and first is not None else None
+    back_at = new[before + made.index((transient, False))] if last_reader is not None else None
+    ops = [changed(op, storage=k) if i is None else
+           changed(op, uses=tuple(where[u] for u in op.uses if u in where)
+                   + ((back_at,) if k == last_reader else ()),
+                   storage=where.get(op.storage), waits_on=where.get(op.waits_on),
+                   allocates=op.allocates if op.storage in where else 0)
+           for k, (i, op) in enumerate(zip(order, ops))]
+    returned_at = {where[s] for s in returned} | {k for k, kept in zip(new, kept_new) if kept}
+    liveness = graph_liveness(GraphSummary(tuple(ops), (), (), 0, frozenset(returned_at)))
     grads = sum(summary.ops[s].allocates for s in summary.output_storages if s in where)
     return liveness, grads
 
@@ -453,11 +611,24 @@ def stage_programs(summary: GraphSummary, stages: StageSummary, shared: dict | N
                     (stages.stage_of[i], stages.program_of[i]))
         for i in stages.handed:  # kept for the stage's next blocks' backward (_handed_on)
             readers.setdefault(i, set()).add((stages.stage_of[i], "W"))
+        for i in stages.sent:  # read by another stage: a message, not a use in the replica
+            readers.setdefault(i, set()).add((None, "sent"))
         groups = stages.programs()
+        repeated = frozenset(stages.repeated)
+        back = {s: (size, frozenset(ops)) for s, size, ops in stages.handed_back}
+        late = {}  # getitem -> its op, run by another (an earlier) program of the stage
+        for i, op in enumerate(summary.ops):
+            if op.target == "getitem" and op.uses and op.storage == i:
+                source = op.uses[0]
+                if stages.stage_of[source] == stages.stage_of[i] is not None \
+                        and stages.program_of[source] != stages.program_of[i]:
+                    late[i] = source
     for s, kind, programs, key in keys:
         if key not in cache:
             members = sorted(i for p in programs for i in groups.get((s, p), ()))
-            cache[key] = _program(summary, members, {(s, p) for p in programs}, readers)
+            cache[key] = _program(summary, members, {(s, p) for p in programs}, readers,
+                                  stages.kinds[s][1] if stages.kinds else 1, repeated,
+                                  back.get(s, (0, frozenset())), late)
         out[s, kind] = cache[key]
     return out
 

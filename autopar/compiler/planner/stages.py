@@ -51,6 +51,15 @@ class StageSummary:
     # replicated stages: ops whose output the stage's next blocks keep for their backward
     # (replicated._handed_on), counted as read by a later program of the stage
     handed: tuple[int, ...] = ()
+    # replicated stages: block ops whose storage counts once per block of their stage
+    # (kept for another program of the stage, or handed on; replicated._copy)
+    repeated: tuple[int, ...] = ()
+    # replicated stages: (stage, bytes, its block ops that read it) of the gradient a stage's
+    # blocks hand one another in the backward, which the template's block receives
+    handed_back: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+    # replicated stages: ops whose value the stage sends to another stage, an output of
+    # its program as in the lowered program (in the micro-batch's environment)
+    sent: tuple[int, ...] = ()
 
     def op_copies(self) -> tuple[int, ...] | None:
         """Per op: the stages of its stage's kind (a replica with one stage of each kind
@@ -84,8 +93,9 @@ def stage_summary(tg: TrainGraph) -> StageSummary:
     for n in calls:  # inserted after the cut: with its latest input (lower_pipeline's rule)
         if stage[n] is None:
             stage[n] = max((stage.get(a) or 0 for a in n.all_input_nodes), default=0)
-    messages = _messages(calls, stage, split_gradient_sums(tg, stage.__getitem__))
-    program = _programs(calls, stage)
+    split = split_gradient_sums(tg, stage.__getitem__)
+    messages = _messages(calls, stage, split)
+    program = _programs(calls, stage, split)
     n_state = len(tg.signature.params) + len(tg.signature.buffers)
     n_inputs = len(tg.placeholders()) - n_state
     params = tg.placeholders()[:len(tg.signature.params)]
@@ -113,10 +123,12 @@ def _messages(calls: list[fx.Node], stage: dict, split: set[fx.Node]
     return out
 
 
-def _programs(calls: list[fx.Node], stage: dict) -> dict[fx.Node, str]:
-    """F for forward ops; the backward split as the zero-bubble lowering splits it."""
+def _programs(calls: list[fx.Node], stage: dict, split: set[fx.Node]) -> dict[fx.Node, str]:
+    """F for forward ops; the backward split as the zero-bubble lowering splits it (a term
+    of a shared weight's gradient that `split` sums across stages is the stage's part of
+    it, not a value sent: lower_pipeline._split_shared_gradients)."""
     sent = {n for n in calls if n.meta[M.ROLE] == M.Role.BACKWARD
-            and any(u in stage and stage[u] != stage[n] for u in n.users)}
+            and any(u in stage and stage[u] != stage[n] and u not in split for u in n.users)}
     out: dict[fx.Node, str] = {}
     for s in sorted(set(stage.values())):
         backward = [n for n in calls if stage[n] == s and n.meta[M.ROLE] == M.Role.BACKWARD]
