@@ -93,15 +93,18 @@ def test_a_scaled_step_holds_as_few_reduce_scattered_buckets_as_the_real_one(fie
     """Each reduce-scatter is waited for two buckets later (insert_allreduce): a bucket
     let go of before the backward ends counts once in the scaled step, as the real step
     holds as few at a time, of the same size (scaled by the gradient ratio, four blocks'
-    worth each: +4.5% and +10% over the exact peak). Within 5%; the step time is
-    not compared: a scaled step has fewer, larger buckets and undercounts their
-    per-message latency (-9% and -13% here)."""
+    worth each). So the scaled peak is over the exact one by at most the two buckets in
+    flight being four blocks' worth instead of one: 2 x 3 x bucket_mb (measured: 2.3 MB
+    and 1.9 MB, 3.2% and 5.1% of these peaks). The step time is not compared: a scaled
+    step has fewer, larger buckets and undercounts their per-message latency (-9% and
+    -13% here)."""
     model, batch = meta_gpt2(layers=8, hidden=256, heads=8, vocab=1000, batch=16, seq=64)
     c = autopar.ClusterSpec.preset("dgx-h100")
     layout = autopar.Layout(**fields)
     exact = Estimator(model, c, batch, causal_lm_loss, trace_blocks="exact").predict(layout)
     approx = Estimator(model, c, batch, causal_lm_loss, trace_blocks=2).predict(layout)
-    assert approx.peak_memory_bytes == pytest.approx(exact.peak_memory_bytes, rel=0.05)
+    excess = approx.peak_memory_bytes - exact.peak_memory_bytes
+    assert 0 <= excess <= 2 * 3 * layout.bucket_mb * 2**20, (excess, exact.peak_memory_bytes)
 
 
 def test_auto_traces_two_blocks_of_a_deep_model_and_says_so():
