@@ -249,6 +249,8 @@ def _print_estimate(model: str, cluster, layout, pred) -> None:
     console.print(f"[bold]{model}[/bold] on {cluster.describe()}, {layout}")
     console.print(f"{_fmt_count(pred.flops_per_step)}FLOP per step, "
                   f"{pred.tflops_per_device:.1f} TFLOP/s per device, MFU {pred.mfu:.1%}")
+    if pred.tracing:
+        console.print(f"traced {pred.tracing}")
     times = Table(title=f"step time {pred.step_time_s * 1e3:.2f} ms")
     for col in ("part", "ms", "of step"):
         times.add_column(col, justify="left" if col == "part" else "right")
