@@ -637,3 +637,20 @@ def test_each_default_pass_declares_the_layout_fields_it_reads():
     a, b = piped.replace(schedule="gpipe", microbatches=4), piped.replace(dp=1, microbatches=1)
     assert reads_of(default_passes(a), a) == reads_of(default_passes(piped), piped)
     assert reads_of(default_passes(b), b) != reads_of(default_passes(piped), piped)
+
+
+def test_pipelines_are_tried_with_micro_batches_of_one_sequence():
+    """A rank's share of 7 sequences on pp=4 gives 7 micro-batches of one (besides pp and
+    2 pp), though the batch of 14 does not split over the dp x pp = 8 ranks of the
+    unpipelined layout the search bounds pipelines with: that bound is left out, the
+    layout is costed."""
+    assert S._micro_batch_counts(4, 2, 14) == [4, 7, 8]
+    assert S._micro_batch_counts(1, 2, 14) == [1]
+    ex = gpt2(layers=4, hidden=64, heads=4, vocab=256, batch=14, seq=32)
+    c = ClusterSpec.preset("dgx-h100")
+    plan = autopar.plan(ex.model, c, ex.batch, ex.loss_fn, workers=0, tp=1, pp=4, dp=2,
+                        zero=0, amp="bf16", schedule="1f1b", recompute="none")
+    costed = [plan.layout] + [lay for lay, _, _ in plan.alternatives]
+    skipped = [lay for lay, _ in plan.skipped]
+    # 4 and 8 micro-batches do not split the batch of 14 over dp=2: not candidates
+    assert {lay.microbatches for lay in costed + skipped} == {7}

@@ -278,7 +278,7 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
                          if t.is_floating_point()}
     factor = min([1.0, *cluster.device.op_time_factors.values()])
     listed = cluster.device.peak_flops
-    floors: dict[Layout, tuple[float, float]] = {}
+    floors: dict[Layout, tuple[float, float] | None] = {}  # None: no reference split
     stack = repeated_block_container(model)
     blocks = stack[1] if stack else 0
 
@@ -306,9 +306,16 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
         if unpipelined is None:
             return 0.0, 0.0
         if unpipelined not in floors:
-            summary = estimator.rewritten_summary(unpipelined)
+            try:
+                summary = estimator.rewritten_summary(unpipelined)
+            except LayoutError:  # the batch does not split over dp x pp ranks (a pipeline
+                # of micro-batches of one sequence, 7 a rank): no floor from it
+                floors[unpipelined] = None
+                return 0.0, 0.0
             if summary is None:  # not costed yet: no floor from it (asked again later)
                 return 0.0, 0.0
+        if floors[unpipelined] is None:
+            return 0.0, 0.0
             floors[unpipelined] = model_compute_floor(summary, cluster, eff)
         whole, in_blocks = floors[unpipelined]
         fullest = math.ceil(blocks / layout.pp) * layout.pp / blocks if blocks else 1.0
