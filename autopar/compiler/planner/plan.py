@@ -314,9 +314,9 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
                 return 0.0, 0.0
             if summary is None:  # not costed yet: no floor from it (asked again later)
                 return 0.0, 0.0
+            floors[unpipelined] = model_compute_floor(summary, cluster, eff)
         if floors[unpipelined] is None:
             return 0.0, 0.0
-            floors[unpipelined] = model_compute_floor(summary, cluster, eff)
         whole, in_blocks = floors[unpipelined]
         fullest = math.ceil(blocks / layout.pp) * layout.pp / blocks if blocks else 1.0
         return (max(whole * bubble_factor(layout), in_blocks * fullest) * BOUND_MARGIN,
