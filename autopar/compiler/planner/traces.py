@@ -122,6 +122,7 @@ class Traces:
         # whose kernels the trace takes (trace_train_step's `kernels`): the cluster's device
         # kind, so a GPU cluster's step is costed with the dropouts a GPU runs
         self.kernels = kernels
+        self._stack = repeated_block_container(model)  # (path, blocks) or None: for describe
         self._entries: dict[TraceKey, TracedEntry] = {}
         self._keys: dict[Layout, TraceKey] = {}  # asked for every layout the search sees
 
@@ -183,7 +184,7 @@ class Traces:
     def describe(self, layout: Layout) -> str:
         """How `layout` is traced, in a sentence for the plan and the prediction."""
         keep = self._blocks_kept(layout)
-        found = repeated_block_container(self.model)
+        found = self._stack
         if keep is None or found is None or found[1] <= keep:
             return "exact: the whole model traced"
         path, count = found
