@@ -185,6 +185,12 @@ class DeviceSpec(_Spec):
     # measured / modelled time of ops by aten name ("mm", "_log_softmax") and of the
     # optimizer step ("optimizer.adamw"), fitted by `autopar calibrate --model`
     op_time_factors: dict[str, Annotated[float, Field(gt=0, allow_inf_nan=False)]] = {}
+    # the attention kernels the cluster runs: "fused" (FlashAttention or the memory-
+    # efficient kernel: torch's sdpa on a GPU; attention a model writes out op by op,
+    # transformers' "eager", is costed as it too) or "unfused" (matmul, softmax, matmul
+    # with the scores materialised in the model's dtype, for sdpa and written-out
+    # attention alike: Megatron-LM of 2021). GPUs only: a CPU runs its own kernels
+    attention: Literal["fused", "unfused"] = "fused"
 
 
 class LinkSpec(_Spec):

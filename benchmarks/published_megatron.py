@@ -105,10 +105,19 @@ def gpt(row: Row, attention: str, arch: str = "gpt2"):
                                                         device="meta"),)
 
 
-def predict(row: Row, layout: autopar.Layout, attention: str,
-            trace_blocks: int | None = 2, arch: str = "gpt2") -> autopar.Prediction:
-    model, batch = gpt(row, attention, arch)
+def cluster_of(row: Row, attention: str = "fused") -> autopar.ClusterSpec:
+    """The row's DGX A100 80GB nodes; `attention` (DeviceSpec): "unfused" costs attention
+    with its scores materialised, as the paper's Megatron-LM of 2021 ran it."""
     cluster = autopar.ClusterSpec.preset("dgx-a100-80gb", nodes=row.gpus // 8)
+    device = cluster.device.model_copy(update={"attention": attention})
+    return cluster.model_copy(update={"device": device})
+
+
+def predict(row: Row, layout: autopar.Layout, attention: str,
+            trace_blocks: int | None = 2, arch: str = "gpt2",
+            kernels: str = "fused") -> autopar.Prediction:
+    model, batch = gpt(row, attention, arch)
+    cluster = cluster_of(row, kernels)
     return Estimator(model, cluster, batch, causal_lm_loss,
                      trace_blocks=trace_blocks).predict(layout)
 
@@ -177,6 +186,10 @@ def main() -> None:
     p.add_argument("--arch", default="gpt2", choices=["gpt2", "neox"],
                    help="transformers' GPT-2, or GPT-NeoX (q/k/v laid out per head, as "
                         "Megatron-LM's)")
+    p.add_argument("--kernels", default="fused", choices=["fused", "unfused"],
+                   help="DeviceSpec.attention: attention costed as the fused kernel, or as "
+                        "matmul, softmax, matmul with the scores materialised (the "
+                        "paper's 2021 Megatron-LM)")
     p.add_argument("--plan", action="store_true",
                    help="also plan each row with autopar.plan's defaults (fp16 fixed) and "
                         "compare the chosen layout with the paper's")
@@ -188,7 +201,7 @@ def main() -> None:
         plan_table([rows[b] for b in args.rows], args)
         return
     print(f"arch={args.arch} attention={args.attention} micro_batch={args.micro_batch} "
-          f"schedule={args.schedule}")
+          f"schedule={args.schedule} kernels={args.kernels}")
     print("| row | layout | paper TFLOP/s/GPU | predicted (paper's FLOPs) | error | autopar "
           "TFLOP/s/GPU | MFU | bubble | step s | estimate s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -200,7 +213,8 @@ def main() -> None:
                  + (f" v={layout.virtual_stages}" if layout.virtual_stages > 1 else ""))
         start = time.perf_counter()
         try:
-            pred = predict(row, layout, args.attention, args.trace_blocks or None, args.arch)
+            pred = predict(row, layout, args.attention, args.trace_blocks or None, args.arch,
+                           args.kernels)
         except Exception as exc:  # report the failing layout, do not hide it
             print(f"| {billions}B | {brief} | {row.tflops:.0f} | error: "
                   f"{type(exc).__name__}: {exc} | | | | | | |", flush=True)

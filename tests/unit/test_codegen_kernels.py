@@ -74,6 +74,21 @@ def test_softmax_forward_and_backward(a, b, n, dtype, log, transpose, seed):
 
 
 @SETTINGS
+@given(a=dims, n=cols, dtype=dtypes, seed=st.integers(0, 99))
+def test_masked_fill_scale_and_softmax(a, n, dtype, seed):
+    """Attention's unfused scores (a GPU without fused attention): scaled, a causal mask
+    broadcast over the rows' batch filled with -inf, softmax; and the backward's
+    masked_fill with 0."""
+    x, dy = _rand((a, n, n), dtype, seed), _rand((a, n, n), dtype, seed + 1)
+    masked = ~torch.ones(n, n, dtype=torch.bool).tril()
+
+    def fn(x, dy, masked):
+        y = aten._softmax(aten.masked_fill.Scalar(x * 0.125, masked, float("-inf")), -1, False)
+        return [y, aten.masked_fill.Scalar(dy, masked, 0.0)]
+    assert_error_model(*run_both(fn, x, dy, masked))
+
+
+@SETTINGS
 @given(a=dims, b=dims, n=cols, dtype=dtypes, seed=st.integers(0, 99))
 def test_safe_softmax_gives_zero_on_fully_masked_rows(a, b, n, dtype, seed):
     """_safe_softmax (SDPA's math path): a softmax, except that a row of -inf gives zeros."""

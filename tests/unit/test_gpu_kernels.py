@@ -71,8 +71,9 @@ def test_dropout_fuses_with_the_kernels_around_it():
                 if n.target in (aten.bernoulli_.float, aten.empty_like.default)]
     fused = [n for n in out.call_nodes() if n.target == torch.ops.autopar.fused.default]
     outputs = [g.meta[M.VAL].dtype for f in fused for g in f.users if M.VAL in g.meta]
-    # the embeddings', two residual and one attention dropout per block
-    assert outputs.count(torch.bool) == 1 + 3 * 2
+    # the embeddings' and two residual dropouts per block: eager attention's own is drawn
+    # inside the fused attention kernel a GPU runs (eager_attention.py)
+    assert outputs.count(torch.bool) == 1 + 2 * 2
 
 
 def test_dropout_costs_its_one_byte_masks_on_a_gpu_cluster():
@@ -91,11 +92,12 @@ def test_dropout_costs_its_one_byte_masks_on_a_gpu_cluster():
 
 
 def test_attention_on_a_gpu_cluster_is_costed_as_the_fused_kernel():
-    """GPT-2 with dropout 0.1 (transformers' defaults: sdpa attention) on a DGX A100: the
-    same model FLOPs as its eager attention (two matmuls of 2 b h s^2 d each way), and
+    """GPT-2 with dropout 0.1 on a DGX A100, its sdpa attention (transformers' default)
+    and its eager one: the same model FLOPs (two matmuls of 2 b h s^2 d each way), and
     saved memory a + b s + c s^2 where c covers only the model's causal mask (one s x s
     per step, shared by every head and sequence: 4 bytes, and 4 more for its additive
-    form), not the b h s^2 scores eager attention keeps.
+    form), not the b h s^2 scores, probabilities and dropout mask (4 b h bytes and more
+    per s^2) the eager decomposition keeps on a CPU.
 
     Derivation: with activations A(s) = b s + c s^2, c = (A(2s) - 2 A(s)) / (2 s^2)."""
     cluster = autopar.ClusterSpec.preset("dgx-a100-80gb")
@@ -113,10 +115,8 @@ def test_attention_on_a_gpu_cluster_is_costed_as_the_fused_kernel():
     for seq in (256, 512):
         assert predict("sdpa", seq).flops_per_step == \
             pytest.approx(predict("eager", seq).flops_per_step, rel=1e-6)
-    fused = quadratic("sdpa")
-    assert 0 <= fused <= 8
-    # eager keeps s x s values per head (its probabilities, the dropout's mask)
-    assert quadratic("eager") > 2 * fused
+    for attention in ("sdpa", "eager"):
+        assert 0 <= quadratic(attention) <= 8, attention
 
 
 class _NativeDropoutBlock(torch.nn.Module):

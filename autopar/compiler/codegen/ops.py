@@ -129,6 +129,7 @@ POINTWISE: dict[object, Callable[..., str]] = {
         f"({dy} * tl.sigmoid({x}) * (1.0 + {x} * (1.0 - tl.sigmoid({x}))))"),
     aten.threshold_backward.default: lambda dy, x, t: f"tl.where({x} <= {lit(t)}, 0.0, {dy})",
     aten.where.self: lambda c, x, y: f"tl.where({c}, {x}, {y})",
+    aten.masked_fill.Scalar: lambda x, m, v: f"tl.where({m}, {lit(v)}, {x})",
     aten.eq.Tensor: lambda x, y: f"({x} == {y})", aten.eq.Scalar: lambda x, y: f"({x} == {y})",
     aten.ne.Tensor: lambda x, y: f"({x} != {y})", aten.ne.Scalar: lambda x, y: f"({x} != {y})",
     aten.lt.Tensor: lambda x, y: f"({x} < {y})", aten.lt.Scalar: lambda x, y: f"({x} < {y})",

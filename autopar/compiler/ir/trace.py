@@ -22,6 +22,7 @@ import dataclasses
 import math
 import re
 import traceback
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -38,6 +39,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.compiler.ir.annotate import annotate, repeated_block_container
 from autopar.compiler.ir.batch import BatchError, LossFn, Objective, as_objective
+from autopar.compiler.ir.eager_attention import Fused, fuse_eager_attention
 from autopar.compiler.ir.graph import GraphSignature, TensorSpec, TrainGraph
 from autopar.compiler.ir.program import LOSS_SCALE_INPUT
 from autopar.layout import Layout
@@ -92,21 +94,28 @@ class TraceSource:
     # the device whose kernels the trace takes where a CPU's differ ("cpu" or "gpu",
     # DeviceSpec.kind): "gpu" runs every exported op through GPU_KERNELS, innermost
     kernels: str = "cpu"
+    # with kernels "gpu", the attention kernels (DeviceSpec.attention): "fused" (sdpa, and
+    # attention written out op by op taken as sdpa: gpu_forward) or "unfused" (matmul,
+    # softmax, matmul in the model's dtype, sdpa too: GpuKernels)
+    attention: str = "fused"
 
 
 def trace_train_step(model: torch.nn.Module, example_inputs: Sequence[Any],
                      loss_fn: LossFn | Objective | None = None,
-                     kernels: str = "cpu") -> TrainGraph:
+                     kernels: str = "cpu", attention: str = "fused") -> TrainGraph:
     """Trace one training step of `model` on `example_inputs` (a local batch, flat).
 
     `loss_fn` is an Objective (batch.py: which tensors go to the model, which to the
     loss), or a plain loss function taking the output and every input. Works on real,
     meta or fake tensors: nothing is computed. The model's own parameters are not
-    modified. `kernels="gpu"` traces the dropouts as a GPU runs them (GpuKernels): for
-    the planner costing a GPU cluster on a meta or CPU model.
+    modified. `kernels="gpu"` traces the dropouts as a GPU runs them (GpuKernels), and
+    attention by `attention` (TraceSource.attention): for the planner costing a GPU
+    cluster on a meta or CPU model.
     """
     if kernels not in ("cpu", "gpu"):
         raise ValueError(f"kernels must be 'cpu' or 'gpu', got {kernels!r}")
+    if attention not in ("fused", "unfused"):
+        raise ValueError(f"attention must be 'fused' or 'unfused', got {attention!r}")
     example_inputs = tuple(example_inputs)
     bad = [type(a).__name__ for a in example_inputs if not isinstance(a, torch.Tensor)]
     if bad:
@@ -117,7 +126,7 @@ def trace_train_step(model: torch.nn.Module, example_inputs: Sequence[Any],
     wrapper = _ModelWithLoss(model, objective)
     source = TraceSource(_export(wrapper, model, example_inputs), example_inputs,
                          _alias_groups(model), repeated_block_container(model),
-                         kernels=kernels)
+                         kernels=kernels, attention=attention)
     return _trace_from(source)
 
 
@@ -163,7 +172,22 @@ def _trace_from(source: TraceSource) -> TrainGraph:
     gm, sig = _trace_joint(source)
     tg = TrainGraph(gm=gm, signature=sig, provides=frozenset({"traced", "retraceable"}),
                     source=source)
+    if _fuses_attention(source):
+        fused = gpu_forward(source.exported.graph_module)[1]
+        tg.attrs["eager_attention"] = {"fused": fused.rewritten, "left": list(fused.left)}
     return annotate(tg, source.blocks)
+
+
+def _fuses_attention(source: TraceSource) -> bool:
+    return source.kernels == "gpu" and source.attention == "fused"
+
+
+def forward_module(source: TraceSource) -> fx.GraphModule:
+    """The exported forward a trace of `source` runs, node for node: what a pass that
+    plans per exported node (tensor parallelism) must read."""
+    if _fuses_attention(source):
+        return gpu_forward(source.exported.graph_module)[0]
+    return source.exported.graph_module
 
 
 class GpuKernels:
@@ -188,34 +212,79 @@ class GpuKernels:
       does): what the planner already costs as the fused attention of a step without
       dropout (its FLOPs, its saved values).
 
+    With `fused=False` (DeviceSpec.attention "unfused": a cluster without fused attention
+    kernels, as Megatron-LM's of 2021) sdpa is traced as matmul, softmax, dropout (a bool
+    mask) and matmul in q's dtype: the scores and probabilities are materialised.
+
     Innermost of the hooks: AMP and tensor parallelism see the exported ops and their
     rules; this hook only chooses the kernel. A graph traced with it is for costing;
     the CPU's flash attention kernel refuses dropout_p > 0 if it is run."""
+
+    def __init__(self, fused: bool = True):
+        self.fused = fused
 
     def call_function(self, node: fx.Node, args: tuple, kwargs: dict,
                       run: Callable[[tuple, dict], Any]) -> Any:
         if node.target is _DROPOUT:
             x, p, train = _bound(_DROPOUT, args, kwargs)
             if train and 0 < p < 1 and x.is_floating_point() and x.numel() > 0:
-                keep = torch.empty_like(x, dtype=torch.bool).bernoulli_(1 - p)
-                return x * keep / (1 - p)
+                return _bool_mask_dropout(x, p)
         elif node.target is _SDPA:
             q, k, v, mask, p, causal, scale, gqa = _bound(_SDPA, args, kwargs)
-            if p > 0:
-                if mask is not None and mask.dtype == torch.bool:  # as the composite does
-                    mask = torch.where(mask, torch.zeros((), dtype=q.dtype, device=q.device),
-                                       torch.full((), -math.inf, dtype=q.dtype, device=q.device))
-                if gqa and k.shape[-3] != q.shape[-3]:
-                    groups = q.shape[-3] // k.shape[-3]
-                    k, v = (t.repeat_interleave(groups, -3) for t in (k, v))
-                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
-                    q, k, v, p, causal, attn_mask=mask, scale=scale)[0]
+            if self.fused and p == 0:  # the CPU's kernel: the fused one, in the trace
+                return run(args, kwargs)
+            if gqa and k.shape[-3] != q.shape[-3]:
+                groups = q.shape[-3] // k.shape[-3]
+                k, v = (t.repeat_interleave(groups, -3) for t in (k, v))
+            if not self.fused:
+                return _unfused_attention(q, k, v, mask, p, causal, scale)
+            if mask is not None and mask.dtype == torch.bool:  # as the composite does
+                mask = torch.where(mask, torch.zeros((), dtype=q.dtype, device=q.device),
+                                   torch.full((), -math.inf, dtype=q.dtype, device=q.device))
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default(
+                q, k, v, p, causal, attn_mask=mask, scale=scale)[0]
         return run(args, kwargs)
+
+
+def _bool_mask_dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    keep = torch.empty_like(x, dtype=torch.bool).bernoulli_(1 - p)
+    return x * keep / (1 - p)
+
+
+def _unfused_attention(q, k, v, mask, p: float, causal: bool, scale) -> torch.Tensor:
+    """sdpa as a GPU without fused attention runs it: the scores and probabilities
+    materialised in q's dtype (Megatron-LM's scale-mask-softmax kernel takes and gives
+    half values)."""
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale
+    if causal:
+        keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, -math.inf)
+    if mask is not None and mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, -math.inf)
+    elif mask is not None:
+        scores = scores + mask.to(scores.dtype)
+    probs = torch.softmax(scores, dim=-1)
+    if p > 0:
+        probs = _bool_mask_dropout(probs, p)
+    return probs @ v
 
 
 _DROPOUT = torch.ops.aten.dropout.default
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 GPU_KERNELS = GpuKernels()
+GPU_KERNELS_UNFUSED = GpuKernels(fused=False)
+_GPU_FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def gpu_forward(gm: fx.GraphModule) -> tuple[fx.GraphModule, Fused]:
+    """The exported forward `gm` as a GPU trace runs it: attention written out op by op
+    taken as one scaled_dot_product_attention (eager_attention.py), which GpuKernels
+    then traces as the fused kernel. Kept per exported graph: every re-trace of a trace
+    (AMP, tensor parallelism) runs the same one."""
+    if gm not in _GPU_FORWARDS:
+        _GPU_FORWARDS[gm] = fuse_eager_attention(gm)
+    return _GPU_FORWARDS[gm]
 
 
 def _bound(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[Any]:
@@ -320,6 +389,7 @@ def _trace_joint(source: TraceSource) -> tuple[fx.GraphModule, GraphSignature]:
     n_user = len(user_inputs)
     if any(_on_meta(t) for t in [*state.values(), *user_inputs]):
         _meta_devices_to_cpu(ep.graph_module)
+    forward = forward_module(source)
 
     def joint_step(*flat):
         params, bufs, inputs = (flat[:n_params], flat[n_params:n_params + n_buffers],
@@ -339,8 +409,9 @@ def _trace_joint(source: TraceSource) -> tuple[fx.GraphModule, GraphSignature]:
         for slot, value in zip(user_slots, inputs):
             args[slot] = value
         with fx_traceback.preserve_node_meta():
-            hooks = ((GPU_KERNELS,) if source.kernels == "gpu" else ()) + source.hooks
-            outs = _HookedInterpreter(ep.graph_module, hooks).run(*args)
+            gpu = GPU_KERNELS if source.attention == "fused" else GPU_KERNELS_UNFUSED
+            hooks = ((gpu,) if source.kernels == "gpu" else ()) + source.hooks
+            outs = _HookedInterpreter(forward, hooks).run(*args)
             loss = outs[loss_index]
             if loss.grad_fn is not None:
                 setup_stacktrace_preservation_hooks([loss.grad_fn])

@@ -48,7 +48,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 from autopar.compiler.ir.annotate import module_of, tensor_bytes
 from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.ir.program import mesh_group_tag
-from autopar.compiler.ir.trace import canonical_state_names, retrace, strip_wrapper
+from autopar.compiler.ir.trace import (
+    canonical_state_names,
+    forward_module,
+    retrace,
+    strip_wrapper,
+)
 from autopar.compiler.passes import tp_comm
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
 from autopar.compiler.passes.manager import register_pass
@@ -233,7 +238,7 @@ class TensorParallel(GraphPass):
         # NOTE: the result is the plan's, not the trace's: when AMP follows, its re-trace
         # runs this hook too, and this one is left to it
         out = retrace(tg, hook, param_shards=shards, deferred=ctx.may_defer_retrace)
-        table = placement_table(tg.source.exported.graph, plan, exported)
+        table = placement_table(forward_module(tg.source).graph, plan, exported)
         out.attrs["tp"] = {"tp": tp, "rank": rank, "cost_s": plan.cost_s,
                            "replicated_cost_s": plan.replicated_cost_s, **table}
         stats = Counter(show(p) for p in table["params"].values())
@@ -256,7 +261,7 @@ def plan_tensor_parallel(tg: TrainGraph, tp: int, cluster: Any, world_size: int,
     if tg.source is None:
         raise ValueError("tensor parallelism needs a graph straight from trace_train_step")
     ep = tg.source.exported
-    graph = ep.graph_module.graph
+    graph = forward_module(tg.source).graph
     canonical = canonical_state_names(ep)
     trainable = {p.name for p in tg.signature.params}
     params: dict[str, str] = {}

@@ -91,7 +91,8 @@ class Estimator:
         # planner/scaled.py: trace a few blocks, scale (traces.resolve_trace_blocks)
         self.trace_blocks = resolve_trace_blocks(model, trace_blocks)
         self.traces = Traces(model, self.example_inputs, loss_fn, self.trace_blocks,
-                             kernels=cluster.device.kind)
+                             kernels=cluster.device.kind,
+                             attention=cluster.device.attention)
         self.rewrites = Rewrites(self.traces, cluster, passes)
         self.replicas = Replicas()
         self.schedules = ScheduleTimes(cluster, optimizer, efficiency)

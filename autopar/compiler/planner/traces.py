@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -44,6 +44,9 @@ class TracedEntry:
     graph: TrainGraph | None  # None: kept from a worker, which sends no graph
     model_flops: int  # of the whole stack (scaled when only a few blocks were traced)
     scaling: Scaling | None  # None: every block was traced
+    # the trace's attention written out op by op (trace_train_step's attrs
+    # "eager_attention"): {"fused": count, "left": [(softmax node, why), ...]}, or {}
+    attention: dict = field(default_factory=dict)
 
     def without_graph(self) -> TracedEntry:
         return replace(self, graph=None)
@@ -110,18 +113,35 @@ def scaled_summary(summary: GraphSummary, tg: TrainGraph, scaling: Scaling | Non
     return summary if scaling is None else scale_summary(summary, tg, scaling.counts)
 
 
+def _attention_clause(attention: dict) -> str:
+    """What the trace did with attention written out op by op, for `Traces.describe`."""
+    if not attention or not (attention["fused"] or attention["left"]):
+        return ""
+    out = ""
+    if attention["fused"]:
+        out = (f"; attention written out op by op costed as the fused kernel a GPU runs "
+               f"({attention['fused']} in the trace; DeviceSpec.attention='unfused' "
+               f"costs its ops)")
+    if attention["left"]:
+        name, why = attention["left"][0]
+        more = f" and {len(attention['left']) - 1} more" if len(attention["left"]) > 1 else ""
+        out += f"; a softmax costed as written, not as attention: {name} ({why}){more}"
+    return out
+
+
 class Traces:
     """The traces of one model's micro-batches, by `key`, and what decides how a
     layout is traced: how many blocks it keeps, and whether it is costed from a
     two-stage pipeline template."""
 
     def __init__(self, model: torch.nn.Module, example_inputs: tuple, loss_fn: LossFn | None,
-                 trace_blocks: int | None, kernels: str = "cpu") -> None:
+                 trace_blocks: int | None, kernels: str = "cpu",
+                 attention: str = "fused") -> None:
         self.model, self.example_inputs, self.loss_fn = model, example_inputs, loss_fn
         self.trace_blocks = trace_blocks
         # whose kernels the trace takes (trace_train_step's `kernels`): the cluster's device
         # kind, so a GPU cluster's step is costed with the dropouts a GPU runs
-        self.kernels = kernels
+        self.kernels, self.attention = kernels, attention
         self._stack = repeated_block_container(model)  # (path, blocks) or None: for describe
         self._entries: dict[TraceKey, TracedEntry] = {}
         self._keys: dict[Layout, TraceKey] = {}  # asked for every layout the search sees
@@ -164,11 +184,13 @@ class Traces:
         keep = key[1]
         local = local_example(self.example_inputs, layout)
         with reduced(self.model, keep) as stack:
-            traced = trace_train_step(self.model, local, self.loss_fn, kernels=self.kernels)
+            traced = trace_train_step(self.model, local, self.loss_fn, kernels=self.kernels,
+                                      attention=self.attention)
         scaling = Scaling(stack[0], multiplicities(stack[1], keep)) \
             if keep and stack and stack[1] > keep else None
         flops = scaled_summary(summarize(traced), traced, scaling).model_flops
-        return TracedEntry(key, traced, flops, scaling)
+        return TracedEntry(key, traced, flops, scaling,
+                           dict(traced.attrs.get("eager_attention", {})))
 
     def _blocks_kept(self, layout: Layout) -> int | None:
         """Blocks to trace (None: all): a pipeline of several stages traces the two of its
@@ -185,15 +207,17 @@ class Traces:
         """How `layout` is traced, in a sentence for the plan and the prediction."""
         keep = self._blocks_kept(layout)
         found = self._stack
+        entry = self._entries.get(self.key(layout))
+        attention = _attention_clause(entry.attention) if entry is not None else ""
         if keep is None or found is None or found[1] <= keep:
-            return "exact: the whole model traced"
+            return "exact: the whole model traced" + attention
         path, count = found
         if stages_of(layout) > 1:
             return (f"per block: a two-stage template of {keep} of the {count} blocks of "
                     f"{path}, replicated to {stages_of(layout)} stages (trace_blocks='exact' "
-                    f"traces every block)")
+                    f"traces every block){attention}")
         return (f"per block: {keep} of the {count} blocks of {path} traced, their costs "
-                f"scaled to the stack (trace_blocks='exact' traces every block)")
+                f"scaled to the stack (trace_blocks='exact' traces every block){attention}")
 
     def is_template(self, layout: Layout) -> bool:
         """Whether `layout` is costed from a two-stage template (a scaled trace, several
