@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from autopar.compiler.ir.batch import Objective, normalizer_means
+from autopar.compiler.ir.batch import BatchError, Objective, normalizer_means
 from autopar.compiler.ir.pipeline_program import PipelineProgram, StageProgram
 from autopar.compiler.ir.program import TensorEntry, bind_groups
 from autopar.runtime.loss_scaler import LossScaler
@@ -144,7 +144,9 @@ class PipelineStep:
 
     def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
         """One step on a global batch, passed as the example batch was (see Objective)."""
-        micro = self._micro_batches(self._with_counts(self.objective.flatten(args, kwargs)))
+        flat = self.objective.flatten(args, kwargs)
+        self._check_batch(flat)  # before the loss's counts read it in the compiled shape
+        micro = self._micro_batches(self._with_counts(flat))
         self._gather_params()
         if self.loss_scaler is not None:  # the step's trailing input: the loss scale
             scale = self.loss_scaler.scale_input()
@@ -256,6 +258,16 @@ class PipelineStep:
         env.update(zip(self.program.keys[n:], micro_inputs))
         return env
 
+    def _check_batch(self, global_batch: Sequence[torch.Tensor]) -> None:
+        """BatchError, naming the input, where the global batch is not the size compiled."""
+        m = self.program.schedule.microbatches
+        for entry, dim, x in zip(self.program.inputs, self.program.batch_dims, global_batch):
+            if dim is not None and x.shape[dim] != entry.shape[dim] * m * self.dp:
+                raise BatchError(
+                    f"{entry.name}: global batch of {x.shape[dim]} along dim {dim}, but the "
+                    f"program was compiled for {entry.shape[dim] * m * self.dp} (micro-batches "
+                    f"of {entry.shape[dim]} x {m} x dp={self.dp}); compile again for a new size")
+
     def _micro_batches(self, global_batch) -> list[list[torch.Tensor]]:
         m = self.program.schedule.microbatches
         out = [[] for _ in range(m)]
@@ -265,10 +277,6 @@ class PipelineStep:
                     part.append(x)
                 continue
             size = entry.shape[dim]
-            if x.shape[dim] != size * m * self.dp:
-                raise ValueError(f"{entry.name}: global batch of {x.shape[dim]} along dim {dim}, "
-                                 f"compiled for {size * m * self.dp} (micro-batches of {size} x "
-                                 f"{m} x dp={self.dp})")
             local = x.narrow(dim, self.dp_rank * size * m, size * m)
             for i, part in enumerate(out):
                 part.append(local.narrow(dim, i * size, size))

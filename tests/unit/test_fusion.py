@@ -228,9 +228,10 @@ def _train(ex, layout, mode="eager"):
 def test_fused_step_on_cpu_is_bit_identical_to_unfused(layout):
     """Without a GPU the fused graph runs the regions' own aten ops: nothing changes."""
     ex = llama(layers=1, batch=4, seq=8)
-    plain_losses, plain_state, _ = _train(ex, autopar.Layout(**layout))
+    plain_losses, plain_state, plain = _train(ex, autopar.Layout(fusion=False, **layout))
     losses, state, step = _train(ex, autopar.Layout(fusion=True, **layout))
     assert [r for r in step.pass_results if r.name == "fusion"][0].stats["kernels"] > 0
+    assert "fusion" not in [r.name for r in plain.pass_results]  # the reference is unfused
     assert losses == plain_losses
     assert all(torch.equal(state[k], plain_state[k]) for k in plain_state)
 
@@ -270,7 +271,7 @@ def test_dropout_on_cpu_is_bit_identical_and_triton_draws_are_seeded():
     losses and weights as the unfused step. The kernels draw their own (Philox) masks:
     reproducible under torch.manual_seed, and training with them moves the loss."""
     ex = gpt2(layers=1, batch=2, seq=8, dropout=0.1)
-    plain = _train_seeded(ex, autopar.Layout(), "eager")
+    plain = _train_seeded(ex, autopar.Layout(fusion=False), "eager")
     fused = _train_seeded(ex, autopar.Layout(fusion=True), "auto")
     assert fused[0] == plain[0]
     assert all(torch.equal(fused[1][k], plain[1][k]) for k in plain[1])
@@ -283,7 +284,7 @@ def test_amp_bf16_with_triton_kernels_within_bf16_eps():
     """bf16 AMP graphs: kernels load and store bf16, compute in fp32 (eager rounds every
     op to bf16), so losses agree to bf16's epsilon, not bit for bit."""
     ex = gpt2(layers=1, batch=2, seq=8)
-    plain, _, _ = _train(ex, autopar.Layout(amp="bf16"))
+    plain, _, _ = _train(ex, autopar.Layout(amp="bf16", fusion=False))
     fused, _, _ = _train(ex, autopar.Layout(amp="bf16", fusion=True), mode="triton")
     eps = torch.finfo(torch.bfloat16).eps
     assert all(abs(a - b) <= eps * abs(b) for a, b in zip(fused, plain)), (fused, plain)

@@ -243,11 +243,36 @@ class TensorParallel(GraphPass):
                            "replicated_cost_s": plan.replicated_cost_s, **table}
         stats = Counter(show(p) for p in table["params"].values())
         declined = [(f"split of {name}", why) for name, why in table["replicated_why"].items()]
+        declined += whole_attention(forward_module(tg.source).graph, plan, tp)
         return out, PassResult(self.name, changed=True,
                                stats={"params": dict(stats),
                                       "predicted_speedup": round(
                                           plan.replicated_cost_s / max(plan.cost_s, 1e-12), 3)},
                                declined=declined)
+
+
+_ATTENTION = (torch.ops.aten.scaled_dot_product_attention.default,
+              torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+
+
+def whole_attention(graph: fx.Graph, plan: TPPlan, tp: int) -> list[tuple[str, str]]:
+    """(attention op, why) for each attention the plan runs whole on every rank (q, k and
+    v gathered): said in the pass result, never silently. Heads that do not divide by
+    tp are the usual reason; else the solver found the split costlier."""
+    out = []
+    for node in graph.nodes:
+        strategy = plan.choice.get(node.name)
+        if node.target not in _ATTENTION or strategy is None or \
+                any(p != R for p in strategy.inputs[:3]):
+            continue
+        heads = [a.meta["val"].shape[1] for a in node.args[:2]
+                 if isinstance(a, fx.Node) and a.meta["val"].dim() == 4]
+        odd = [h for h in heads if h % tp]
+        why = (f"{'/'.join(map(str, heads))} heads (q/k) do not split over tp={tp}" if odd
+               else "splitting it by heads was costed higher")
+        out.append((f"attention {node.name} at {module_of(node)[0] or 'the model'}",
+                    f"{why}: it runs whole on every rank, q, k and v gathered"))
+    return out
 
 
 def plan_tensor_parallel(tg: TrainGraph, tp: int, cluster: Any, world_size: int,
