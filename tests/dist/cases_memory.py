@@ -70,6 +70,14 @@ recompute_case("pp2_1f1b_recompute_full_gpt2_tied_sgd", lambda: gpt2(layers=4), 
 recompute_case("pp2_zero_bubble_recompute_selective_llama_adamw", lambda: llama(layers=4), adamw,
                pp=2, microbatches=4, schedule="zero-bubble", recompute="selective")
 
+# SGD with momentum where the layout had only AdamW
+recompute_case("dp2_zero2_recompute_selective_gpt2_tied_sgd", gpt2, sgd, dp=2, zero=2,
+               recompute="selective")
+recompute_case("dp2_zero3_recompute_full_llama_sgd", llama, sgd, dp=2, zero=3, recompute="full")
+recompute_case("tp2_recompute_full_llama_sgd", llama, sgd, tp=2, recompute="full")
+recompute_case("pp2_zero_bubble_recompute_selective_llama_sgd", lambda: llama(layers=4), sgd,
+               pp=2, microbatches=4, schedule="zero-bubble", recompute="selective")
+
 
 def _budget_between_policies(example, layout) -> int:
     """A budget halfway between this rank's predicted peak with and without full

@@ -42,6 +42,8 @@ pp_case("tp2_pp2_zero_bubble_llama_sgd", lambda: llama(layers=4), sgd, world=4, 
         microbatches=2, schedule="zero-bubble")
 pp_case("tp2_microbatches4_gradient_accumulation_gpt2_adamw", lambda: gpt2(layers=2), adamw,
         tp=2, microbatches=4)
+pp_case("tp2_microbatches4_gradient_accumulation_llama_sgd", lambda: llama(layers=2), sgd,
+        tp=2, microbatches=4)
 
 
 @case(world=2)

@@ -56,6 +56,8 @@ tp_case("tp2_sequence_parallel_parity_llama_gqa_adamw", llama, adamw, tp=2, sequ
 tp_case("tp2_sequence_parallel_parity_gpt2_tied_sgd", gpt2, sgd, tp=2, sequence_parallel=True)
 tp_case("dp2_tp2_sequence_parallel_parity_gpt2_tied_adamw", gpt2, adamw, world=4, dp=2, tp=2,
         sequence_parallel=True)
+tp_case("dp2_tp2_sequence_parallel_parity_gpt2_tied_sgd", gpt2, sgd, world=4, dp=2, tp=2,
+        sequence_parallel=True)
 
 
 def neox_eager() -> Example:

@@ -101,3 +101,15 @@ zero_case("dp2_pp2_zero1_parity_llama_sgd", lambda: llama(layers=4), sgd, world=
 zero_case("dp2_pp2_zero3_parity_llama_adamw", lambda: llama(layers=4), adamw, world=4, dp=2,
           pp=2, microbatches=4, zero=3)
 zero_case("dp2_microbatches4_zero3_parity_gpt2_tied_sgd", gpt2, sgd, dp=2, microbatches=4, zero=3)
+
+# SGD with momentum where the layout had only AdamW, which is nearly blind to gradient
+# scale (a sum where a mean belongs passes under Adam, not under SGD)
+zero_case("dp2_tp2_zero2_parity_llama_sgd", llama, sgd, world=4, dp=2, tp=2, zero=2)
+zero_case("dp4_zero3_parity_llama_sgd", lambda: llama(batch=8), sgd, world=4, dp=4, zero=3)
+zero_case("dp2_pp2_zero2_parity_gpt2_tied_sgd", lambda: gpt2(layers=4), sgd, world=4, dp=2,
+          pp=2, microbatches=4, zero=2)
+zero_case("dp2_pp2_zero3_parity_llama_sgd", lambda: llama(layers=4), sgd, world=4, dp=2, pp=2,
+          microbatches=4, zero=3)
+zero_case("dp2_microbatches4_zero2_parity_gpt2_tied_sgd", gpt2, sgd, dp=2, microbatches=4,
+          zero=2)
+zero_case("dp2_zero3_odd_rows_padded_gpt2_tied_sgd", lambda: gpt2(vocab=255), sgd, dp=2, zero=3)
