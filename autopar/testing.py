@@ -12,7 +12,8 @@ Tolerances (fp32), see FINDINGS.md "Numerics of parity checks":
   ~0, such as key biases under softmax, and on elements whose gradient is far
   below the rest of their tensor's: plain gradient accumulation over 4 micro-batches
   moves one of GPT-2's MLP weights 5.8e-3 of the tensor's movement away from the
-  full-batch step, tests/unit/test_testing.py). SGD gets no such allowance, so a
+  full-batch step; in float64 the two agree to 5e-12 of the move, so it is rounding:
+  tests/unit/test_testing.py). SGD gets no such allowance, so a
   gradient scale error (sum instead of mean, 1.0001x) fails there;
 - an absolute floor of 1e-6 of the largest movement of any weight in the model: a
   weight whose true gradient is zero and that starts at zero (BERT's key biases)
