@@ -4,8 +4,9 @@ Public names only (the contract users, docs and tests rely on); docs/architectur
 maps the package behind them.
 """
 
-from autopar.api import compile, trace
+from autopar.api import check, compile, trace
 from autopar.cluster import ClusterSpec
+from autopar.compiler.ir.collectives import CollectiveMismatch
 from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.ir.trace import TraceError
 from autopar.compiler.passes.base import GraphPass, PassContext, PassOptions, PassResult
@@ -23,8 +24,8 @@ from autopar.runtime.mesh import WorldSizeError
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointError", "ClusterSpec", "Efficiency", "GraphPass", "Layout", "LayoutError",
+    "CheckpointError", "ClusterSpec", "CollectiveMismatch", "Efficiency", "GraphPass", "Layout", "LayoutError",
     "PassContext", "PassManager", "PassOptions", "PassResult", "Plan", "PlanError",
-    "Prediction", "TraceError", "TrainGraph", "WorldSizeError", "compile", "default_passes",
+    "Prediction", "TraceError", "TrainGraph", "WorldSizeError", "check", "compile", "default_passes",
     "estimate", "plan", "register_pass", "run_passes", "trace",
 ]

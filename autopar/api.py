@@ -11,10 +11,16 @@ import os
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 
 from autopar.cluster import ClusterSpec
 from autopar.compiler.analysis.memory import profile_optimizer
 from autopar.compiler.ir.batch import Batch, LossFn, Objective
+from autopar.compiler.ir.collectives import (
+    check_collectives,
+    describe_plain,
+    program_collectives,
+)
 from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.ir.trace import local_example, trace_train_step
 from autopar.compiler.lowering.lower import to_program
@@ -84,10 +90,10 @@ def compile(model: torch.nn.Module,  # noqa: A001 - the contract's name
     local = local_example(example_inputs, layout)
     tg = trace_train_step(model, local, objective)
     options = PassOptions(
-        # each rank's program holds its own blocks (tp is the inner mesh dim)
-        tp_rank=launched_rank() % layout.tp,
-        # which block of each gathered embedding table this rank keeps
-        dp_rank=launched_rank() // (layout.tp * layout.pp) % layout.dp if layout.zero >= 2 else 0,
+        # each rank's program holds its own blocks (tp is the inner mesh dim), and with
+        # ZeRO-2/3 its block of each gathered embedding table
+        tp_rank=_rank_options(launched_rank(), layout)[0],
+        dp_rank=_rank_options(launched_rank(), layout)[1],
         # what the user's optimizer holds, for recompute="auto"'s memory budget
         optimizer_memory=profile_optimizer(optimizer) if layout.recompute == "auto" else "adamw",
         amp_lists=amp_lists or None)
@@ -102,10 +108,59 @@ def compile(model: torch.nn.Module,  # noqa: A001 - the contract's name
         step = PipelineStep(lower_pipeline(tg, layout), model, optimizer, objective=objective)
     else:
         step = DistributedStep(to_program(tg, layout), model, optimizer, objective=objective)
+    _check_collectives_across_ranks(step.program)
     step.pass_results = results
     step.train_graph = tg  # the rewritten graph the step runs (to inspect, or cost)
     step.plan = plan  # the Plan it came from (layout=None or a Plan), else None
     return step
+
+
+def check(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor] | Batch,
+          loss_fn: LossFn | None = None, layout: Layout | None = None,
+          cluster: ClusterSpec | None = None, example_targets: Sequence | None = None,
+          passes: Sequence[GraphPass | str] | None = None) -> int:
+    """Build every rank's program of `layout` in this process (no process is launched)
+    and check that the ranks of each group run the same collectives in the same order,
+    with the same shapes and dtypes (compiler/ir/collectives.py). Returns how many
+    collectives were compared; raises CollectiveMismatch naming the rank, the node and
+    the two operations at the first difference. `compile` runs the same check across
+    the launched ranks. Ranks whose passes read the same options (tensor-parallel rank,
+    ZeRO's data-parallel rank) build the same program, so each is built once."""
+    layout = layout or Layout()
+    objective, example_inputs = Objective.from_example(example_inputs, example_targets, loss_fn)
+    if not example_inputs:
+        raise ValueError("check needs example_inputs: one global batch, as passed to the step")
+    tg = trace_train_step(model, local_example(example_inputs, layout), objective)
+    built: dict[tuple[int, int], dict] = {}
+    by_rank = {}
+    for rank in range(layout.world_size):
+        options = _rank_options(rank, layout)
+        if options not in built:
+            out, _ = run_passes(tg, layout, cluster, passes, options=PassOptions(
+                tp_rank=options[0], dp_rank=options[1]))
+            program = lower_pipeline(out, layout) if is_pipelined(layout) else \
+                to_program(out, layout)
+            built[options] = (program.mesh, program_collectives(program))
+        by_rank[rank] = built[options][1]
+    return check_collectives(by_rank, built[_rank_options(0, layout)][0])
+
+
+def _rank_options(rank: int, layout: Layout) -> tuple[int, int]:
+    """(tp_rank, dp_rank) the passes read for `rank`, as `compile` gives them."""
+    dp_rank = rank // (layout.tp * layout.pp) % layout.dp if layout.zero >= 2 else 0
+    return rank % layout.tp, dp_rank
+
+
+def _check_collectives_across_ranks(program) -> None:
+    """Every rank's collectives against its groups' peers (ir/collectives.py), before any
+    step runs: one all_gather_object of each rank's list; CollectiveMismatch, on every
+    rank alike, names the first difference."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    mine = describe_plain(program_collectives(program))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    check_collectives(dict(enumerate(everyone)), program.mesh)
 
 
 def _plan_for_job(model, cluster, example_inputs: tuple, loss_fn, optimizer,

@@ -223,13 +223,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from autopar.cluster import ClusterSpecError
     from autopar.compiler.planner.estimate import estimate
     from autopar.examples import load_model_spec
-    from autopar.layout import Layout, LayoutError
+    from autopar.layout import LayoutError
 
     try:
-        layout = Layout(dp=args.dp, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
-                        schedule=args.schedule, virtual_stages=args.virtual_stages,
-                        amp=args.amp, zero=args.zero, recompute=args.recompute,
-                        bucket_mb=args.bucket_mb)
+        layout = _layout_from_args(args, bucket_mb=args.bucket_mb)
         cluster = cluster_from_args(args.cluster, args.nodes, layout)
         with torch.device("meta"):  # nothing is allocated: weights and batch are shapes only
             example = load_model_spec(args.model)
@@ -271,6 +268,31 @@ def _print_estimate(model: str, cluster, layout, pred) -> None:
     console.print(memory)
 
 
+# -- autopar check ------------------------------------------------------------------------
+
+def cmd_check(args: argparse.Namespace) -> int:
+    import torch
+
+    from autopar.api import check
+    from autopar.compiler.ir.collectives import CollectiveMismatch
+    from autopar.examples import load_model_spec
+    from autopar.layout import LayoutError
+
+    try:
+        layout = _layout_from_args(args, sequence_parallel=args.sequence_parallel)
+        with torch.device("meta"):  # the programs are built on shapes; nothing runs
+            example = load_model_spec(args.model)
+        compared = check(example.model, example.batch, example.loss_fn, layout)
+    except LayoutError as exc:
+        raise SystemExit(f"autopar check: {exc}") from exc
+    except CollectiveMismatch as exc:
+        console.print(f"[red]autopar check: {exc}[/red]")
+        return 1
+    console.print(f"{args.model}, {layout}: the {layout.world_size} ranks' programs agree "
+                  f"({compared} collectives compared within their groups)")
+    return 0
+
+
 # -- autopar kernels ----------------------------------------------------------------------
 
 def cmd_kernels(args: argparse.Namespace) -> int:
@@ -297,6 +319,15 @@ def cmd_kernels(args: argparse.Namespace) -> int:
 
 
 # -- entry point --------------------------------------------------------------------------
+
+def _layout_from_args(args: argparse.Namespace, **more):
+    """The Layout of `_add_layout_args`' flags and --dp, with `more` fields."""
+    from autopar.layout import Layout
+
+    return Layout(dp=args.dp, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
+                  schedule=args.schedule, virtual_stages=args.virtual_stages, amp=args.amp,
+                  zero=args.zero, recompute=args.recompute, **more)
+
 
 def _add_layout_args(parser: argparse.ArgumentParser) -> None:
     """The Layout flags `train` and `estimate` share (each adds its own --dp)."""
@@ -347,6 +378,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also train single-process PyTorch and compare loss and weights")
     train.add_argument("--save", metavar="DIR", help="save a checkpoint at the end")
     train.set_defaults(func=cmd_train)
+
+    chk = sub.add_parser("check", help="build every rank's program of MODEL for a layout and "
+                                       "check that each group's ranks run the same collectives")
+    chk.add_argument("model", help="built-in example or pkg.module:factory (built on meta)")
+    chk.add_argument("--dp", type=int, default=1, help="data-parallel degree")
+    _add_layout_args(chk)
+    chk.add_argument("--sequence-parallel", action="store_true",
+                     help="split the sequence between tensor-parallel regions")
+    chk.set_defaults(func=cmd_check)
 
     est = sub.add_parser("estimate", help="predicted step time and memory of MODEL for a layout")
     est.add_argument("model", help="built-in example or pkg.module:factory (built on meta)")

@@ -263,3 +263,29 @@ def tp2_attention_dropout_split_by_heads_keeps_replicas_alike():
         other = [torch.empty_like(p) for _ in range(2)]
         dist.all_gather(other, p.detach().contiguous())
         assert torch.equal(other[0], other[1]), name
+
+
+@case(world=2)
+def tp2_collectives_are_checked_across_ranks_before_the_first_step():
+    """compile exchanges each rank's collectives and compares them (ir/collectives.py):
+    the compiled step passed; a program with two collectives swapped on rank 1 alone is
+    refused on both ranks, naming rank 1's node."""
+    import dataclasses
+
+    import pytest
+
+    from autopar.api import _check_collectives_across_ranks
+    from autopar.compiler.ir.collectives import CollectiveMismatch
+
+    ex = gpt2()
+    step = autopar.compile(copy.deepcopy(ex.model), autopar.ClusterSpec.local(2), ex.batch,
+                           ex.loss_fn, layout=autopar.Layout(tp=2))
+    program = dataclasses.replace(step.program, gm=copy.deepcopy(step.program.gm))
+    collectives = [n for n in program.gm.graph.nodes
+                   if any(isinstance(a, str) and a.startswith("autopar.mesh.") for a in n.args)]
+    if dist.get_rank() == 1:
+        collectives[0].prepend(collectives[1])
+    with pytest.raises(CollectiveMismatch, match=rf"ranks 0 and 1 of one 'tp' group disagree "
+                                                 rf"at their collective 1 .* rank 1 runs .* at "
+                                                 rf"node {collectives[1].name}"):
+        _check_collectives_across_ranks(program)
