@@ -191,6 +191,10 @@ class DeviceSpec(_Spec):
     # with the scores materialised in the model's dtype, for sdpa and written-out
     # attention alike: Megatron-LM of 2021). GPUs only: a CPU runs its own kernels
     attention: Literal["fused", "unfused"] = "fused"
+    # the fraction of peak FLOP/s the fused attention kernel reaches (FlashAttention-2's
+    # forward reaches about half of an A100's dense peak, its backward less); None: the
+    # GEMM efficiency (Efficiency.compute). Read for the fused kernels only
+    attention_efficiency: Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)] | None = None
 
 
 class LinkSpec(_Spec):

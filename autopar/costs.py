@@ -12,6 +12,7 @@ price with the same numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -53,6 +54,18 @@ def op_time(flops: float, nbytes: float, peak_flops: float, memory_bandwidth: fl
 MMAP_THRESHOLD = 32 * 2**20
 
 
+# the fused attention kernels a trace holds (ir/trace.py GpuKernels: the CPU's flash
+# kernel stands for a GPU's), by op name: DeviceSpec.attention_efficiency prices them
+ATTENTION_KERNELS = frozenset({
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+})
+
+
 def kernel_time(target: str, flops: float, nbytes: float, allocates: int, dtype: str | None,
                 cluster: ClusterSpec, eff: Efficiency = DEFAULT_EFFICIENCY,
                 first_touch: bool = True) -> float:
@@ -60,6 +73,8 @@ def kernel_time(target: str, flops: float, nbytes: float, allocates: int, dtype:
     the device's fitted factor for the op (`autopar calibrate --model`)."""
     device = cluster.device
     seconds = device.launch_overhead_s
+    if target in ATTENTION_KERNELS and device.attention_efficiency is not None:
+        eff = dataclasses.replace(eff, compute=device.attention_efficiency)
     if flops or nbytes:
         peak = cluster.peak_flops_for(dtype or "fp32") if flops else 1.0
         seconds += op_time(flops, nbytes, peak, device.memory_bandwidth, eff)

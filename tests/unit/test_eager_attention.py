@@ -222,3 +222,28 @@ def test_a_bad_attention_kind_names_the_field():
     device = autopar.ClusterSpec.preset("dgx-h100").device.model_dump()
     with pytest.raises(ClusterSpecError, match="attention"):
         DeviceSpec(**{**device, "attention": "flash"})
+
+
+def test_the_attention_kernels_efficiency_is_the_devices_when_given():
+    """`device.attention_efficiency` prices the fused attention kernels (forward and
+    backward) at that fraction of peak; other ops keep Efficiency.compute; a GPT-2
+    estimate's step grows by what its attention kernels take longer."""
+    from autopar.costs import DEFAULT_EFFICIENCY, kernel_time
+
+    cluster = autopar.ClusterSpec.preset("dgx-a100-80gb")
+    slow = _with_attention(cluster, "fused")
+    slow = slow.model_copy(update={"device": slow.device.model_copy(
+        update={"attention_efficiency": DEFAULT_EFFICIENCY.compute / 2})})
+    for target in ("_scaled_dot_product_flash_attention_for_cpu",
+                   "_scaled_dot_product_flash_attention_for_cpu_backward"):
+        assert kernel_time(target, 1e15, 1.0, 0, "bf16", slow) == pytest.approx(
+            2 * kernel_time(target, 1e15, 1.0, 0, "bf16", cluster))
+    assert kernel_time("mm", 1e15, 1.0, 0, "bf16", slow) == \
+        kernel_time("mm", 1e15, 1.0, 0, "bf16", cluster)
+    ex = gpt2(layers=2, hidden=256, heads=4, vocab=64, seq=1024)
+    layout = autopar.Layout(dp=8, amp="bf16")
+    fast, slower = (autopar.estimate(ex.model, c, layout, ex.batch, ex.loss_fn)
+                    for c in (cluster, slow))
+    assert slower.step_time_s > fast.step_time_s
+    with pytest.raises(ClusterSpecError, match="attention_efficiency"):
+        DeviceSpec(**{**cluster.device.model_dump(), "attention_efficiency": 1.5})
