@@ -15,7 +15,7 @@ from autopar.compiler.passes.manager import PassManager, register_pass
 from autopar.compiler.planner.estimate import estimate
 from autopar.compiler.planner.plan import plan
 from autopar.compiler.planner.result import Plan, Prediction
-from autopar.compiler.planner.search import PlanError
+from autopar.compiler.planner.search import PlanArgumentError, PlanError
 from autopar.costs import Efficiency
 from autopar.layout import Layout, LayoutError
 from autopar.runtime.checkpoint import CheckpointError
@@ -25,7 +25,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError", "ClusterSpec", "CollectiveMismatch", "Efficiency", "GraphPass", "Layout", "LayoutError",
-    "PassContext", "PassManager", "PassOptions", "PassResult", "Plan", "PlanError",
+    "PassContext", "PassManager", "PassOptions", "PassResult", "Plan", "PlanArgumentError",
+    "PlanError",
     "Prediction", "TraceError", "TrainGraph", "WorldSizeError", "check", "compile", "default_passes",
     "estimate", "plan", "register_pass", "run_passes", "trace",
 ]

@@ -20,7 +20,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     import torch
 
     from autopar.compiler.planner.plan import plan as plan_layout
-    from autopar.compiler.planner.search import PlanError
+    from autopar.compiler.ir.batch import BatchError
+    from autopar.compiler.ir.trace import TraceError
+    from autopar.compiler.planner.search import PlanArgumentError, PlanError
     from autopar.cluster import ClusterSpecError
     from autopar.compiler.planner.report import save_trace
     from autopar.examples import load_model_spec
@@ -40,7 +42,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                                 optimizer=args.optimizer, progress=show,
                                 trace_blocks=args.trace_blocks, workers=args.workers,
                                 **constraints)
-    except (LayoutError, ClusterSpecError, PlanError, ValueError) as exc:
+    except (LayoutError, ClusterSpecError, PlanError, PlanArgumentError, BatchError,
+            TraceError) as exc:  # what the user controls; anything else is a bug: a traceback
         raise SystemExit(f"autopar plan: {exc}") from exc
     for path in args.report or ():
         plan.save_report(path)

@@ -143,3 +143,24 @@ def test_a_bad_cli_flag_names_the_flag(argv, message, capsys):
         cli.main(argv)
     assert info.value.code != 0
     assert message in capsys.readouterr().err + str(info.value.code)
+
+
+def test_plan_arguments_are_plan_argument_errors_and_a_bug_is_not_hidden(monkeypatch, capsys):
+    """The CLI turns what the user controls into a message; an error from inside the
+    planner (a bug) keeps its traceback instead of reading as bad input."""
+    ex = gpt2(layers=4)
+    cluster = autopar.ClusterSpec.preset("dgx-h100")
+    with pytest.raises(autopar.PlanArgumentError, match="workers needs per-block tracing"):
+        autopar.plan(ex.model, cluster, ex.batch, ex.loss_fn, trace_blocks="exact", workers=1)
+    with pytest.raises(autopar.PlanArgumentError, match="optimizer must be one of"):
+        autopar.estimate(ex.model, cluster, autopar.Layout(dp=8), ex.batch, ex.loss_fn,
+                         optimizer="lamb")
+    with pytest.raises(SystemExit, match="autopar plan: workers needs per-block tracing"):
+        cli.main(["plan", "gpt2-tiny", "--cluster", "dgx-h100", "--trace-blocks", "exact",
+                  "--workers", "1"])
+
+    def broken(*args, **kwargs):
+        raise ValueError("an internal bug")
+    monkeypatch.setattr("autopar.compiler.planner.plan.plan", broken)
+    with pytest.raises(ValueError, match="an internal bug"):
+        cli.main(["plan", "gpt2-tiny", "--cluster", "dgx-h100"])

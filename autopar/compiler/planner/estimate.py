@@ -38,6 +38,7 @@ from autopar.compiler.planner.replicated import (
 from autopar.compiler.planner.result import Prediction
 from autopar.compiler.planner.rewrites import ExportedEntry, Group, RewriteKey, Rewrites
 from autopar.compiler.planner.schedule_times import ScheduleTimes
+from autopar.compiler.planner.search import PlanArgumentError
 from autopar.compiler.planner.stages import StageSummary
 from autopar.compiler.planner.template_floors import NO_FLOORS, PipelineFloors, TemplateFloors
 from autopar.compiler.planner.traces import Traces, resolve_trace_blocks, stages_of
@@ -80,11 +81,12 @@ class Estimator:
                  passes: Sequence[GraphPass | str] | None = None,
                  trace_blocks: int | str | None = "auto") -> None:
         if optimizer not in OPTIMIZER_STATES:
-            raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, "
+            raise PlanArgumentError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, "
                              f"got {optimizer!r}")
         self.example_inputs = tuple(example_inputs)
         if not self.example_inputs:
-            raise ValueError("estimate needs example_inputs: one global batch (meta tensors "
+            raise PlanArgumentError("estimate needs example_inputs: one global batch (meta "
+                                    "tensors "
                              "will do)")
         self.model, self.cluster, self.loss_fn = model, cluster, loss_fn
         self.optimizer, self.efficiency, self.passes = optimizer, efficiency, passes

@@ -35,6 +35,7 @@ from autopar.compiler.planner.search import (
     MEMORY_FLOOR_ONLY,
     TIMED_ONLY,
     Costing,
+    PlanArgumentError,
     PlanError,
     candidate_layouts,
     check_constraints,
@@ -73,7 +74,7 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs: Batch,
     per CPU up to MAX_WORKERS; 0: none. The batch is passed as to `autopar.compile`
     (`example_inputs` to the model, `example_targets` only to the loss)."""
     if workers is not None and (not isinstance(workers, int) or workers < 0):
-        raise ValueError(f"workers must be a count of processes (0: none) or None, got "
+        raise PlanArgumentError(f"workers must be a count of processes (0: none) or None, got "
                          f"{workers!r}")
     if not isinstance(cluster, ClusterSpec):
         raise TypeError(f"cluster must be an autopar.ClusterSpec, got {type(cluster).__name__}")
@@ -403,7 +404,8 @@ def _worker_count(workers: int | None, trace_blocks: int | None) -> int:
     (the parent costs while they rewrite: on two CPUs one worker keeps both busy, a
     second takes time from the parent)."""
     if workers is not None and trace_blocks is None and workers > 0:
-        raise ValueError("workers needs per-block tracing (trace_blocks 'auto' on a model "
+        raise PlanArgumentError("workers needs per-block tracing (trace_blocks 'auto' on a "
+                                "model "
                          "with more than two repeated blocks, or k): a worker sends scaled "
                          "summaries back, "
                          "not an exact trace's graphs")

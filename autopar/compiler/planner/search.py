@@ -57,6 +57,11 @@ FLOOR_ONLY = "no schedule simulated"  # in the reason of one skipped on its sche
 MEMORY_FLOOR_ONLY = "its other ranks not replayed"  # ... on its end ranks' memory
 
 
+class PlanArgumentError(ValueError):
+    """An argument of plan / estimate the planner cannot take (trace_blocks, workers,
+    optimizer, an empty batch): the message names it and what it accepts."""
+
+
 class PlanError(ValueError):
     """No layout can run the model on the cluster: the message says what would.
     `smallest`: the layouts costed with the smallest predicted peaks, smallest first

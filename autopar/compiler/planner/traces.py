@@ -23,6 +23,7 @@ from autopar.compiler.ir.trace import batch_dims_of, local_example, trace_train_
 from autopar.compiler.passes.defaults import is_pipelined
 from autopar.compiler.planner.replicated import TEMPLATE_BLOCKS
 from autopar.compiler.planner.scaled import multiplicities, reduced, scale_summary
+from autopar.compiler.planner.search import PlanArgumentError
 from autopar.layout import Layout
 
 # (shapes of one rank's micro-batch, blocks kept or None for all): what a trace is shared by
@@ -73,12 +74,12 @@ def resolve_trace_blocks(model: torch.nn.Module, trace_blocks: int | str | None)
             return None
         return AUTO_BLOCKS
     if isinstance(trace_blocks, bool) or not isinstance(trace_blocks, int) or trace_blocks < 1:
-        raise ValueError(f"trace_blocks must be 'auto', 'exact' (or None) or a positive "
+        raise PlanArgumentError(f"trace_blocks must be 'auto', 'exact' (or None) or a positive "
                          f"number of blocks, got {trace_blocks!r}")
     found = repeated_block_container(model)
     differs = unlike_block(model, found[0]) if found is not None else None
     if differs:
-        raise ValueError(f"trace_blocks={trace_blocks}: the blocks of "
+        raise PlanArgumentError(f"trace_blocks={trace_blocks}: the blocks of "
                          f"{found[0] or type(model).__name__} are not alike "
                          f"({differs}), so a few cannot stand for the rest; use "
                          f"trace_blocks='exact'")
