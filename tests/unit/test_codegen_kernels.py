@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.compiler.codegen.kernels import backend
 from autopar.compiler.codegen.ops import Unsupported
@@ -327,16 +328,35 @@ def test_custom_op_passes_opcheck():
 
 def test_tensors_beyond_int32_offsets_get_int64_indices():
     """A tensor spanning 2^31 elements or more (tensor parallelism slices a head range out
-    of a replicated score tensor that big) widens the kernel's indices to int64; a dropout
-    over that many elements is declined (Philox offsets are 32-bit)."""
+    of a replicated score tensor that big) widens the kernel's indices to int64, a
+    dropout's draw over that many elements too (its Philox offsets are int64)."""
     region = region_of(lambda x: [x * 2.0], torch.randn(2, 8))
     huge = TensorArg((2, 8), (2 ** 31, 1), torch.float32)
     assert "tl.program_id(0).to(tl.int64)" in generate(region.gm, [huge]).text
     assert "to(tl.int64)" not in generate(region.gm, [TensorArg.of(torch.randn(2, 8))]).text
     region = region_of(lambda x: list(_dropout(x)), torch.randn(2, 8))
     generate(region.gm, [huge])  # the mask itself is small
-    with pytest.raises(Unsupported, match="32-bit"):
-        generate(region.gm, [TensorArg((2 ** 16, 2 ** 15), (2 ** 15, 1), torch.float32)])
+    big = torch.empty(2 ** 16, 2 ** 15, device="meta")  # 2^31 elements, none allocated
+    mask = generate(make_fx(lambda x: list(_dropout(x)))(big), [TensorArg.of(big)])
+    assert "tl.program_id(0).to(tl.int64)" in mask.text and "tl.rand(" in mask.text
+
+
+def test_a_dropout_with_int64_offsets_draws_the_int32_kernels_mask(monkeypatch):
+    """Below 2^32 an int64 offset is Philox's low counter word alone, as an int32 one is:
+    the widened kernel draws the very mask the int32 kernel draws under the same seed."""
+    from autopar.compiler.codegen import kernels, triton_gen
+
+    x = _rand((37, 53), torch.float32, 0)
+    masks = []
+    for limit in (triton_gen.INT32_LIMIT, 1):
+        monkeypatch.setattr(triton_gen, "INT32_LIMIT", limit)
+        monkeypatch.setattr(kernels, "_REGIONS", {})
+        region = region_of(lambda x: list(_dropout(x)), x)
+        assert ("to(tl.int64)" in region.source([TensorArg.of(x)]).text) == (limit == 1)
+        with backend("triton"):
+            torch.manual_seed(0)
+            masks.append(region.run([x])[0])
+    assert torch.equal(masks[0], masks[1]) and (masks[0] == 0).any()
 
 
 @pytest.fixture

@@ -520,12 +520,12 @@ def _cast(x: str, src: torch.dtype, dst: torch.dtype) -> str:
 
 
 def _check_limits(em: _Emitter, args: list[TensorArg]) -> None:
-    """Widen the kernel's indices to int64 when a tensor spans 2^31 elements or more."""
+    """Widen the kernel's indices to int64 when a tensor spans 2^31 elements or more. A
+    dropout's draw then takes int64 offsets too: tl.rand splits them into Philox's two
+    low counter words, so an offset below 2^32 draws what it draws as int32 and larger
+    ones draw numbers of their own."""
     extents = [_numel(em.full)] + [_extent(a) for a in args]
     em.wide = max(extents) >= INT32_LIMIT
-    if em.wide and any(n.target == RANDOM for n in em.ops) and _numel(em.full) >= INT32_LIMIT:
-        raise Unsupported(f"a dropout mask over {_numel(em.full)} elements (Philox offsets "
-                          "are 32-bit)")
 
 
 def _extent(arg: TensorArg) -> int:
