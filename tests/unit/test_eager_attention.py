@@ -247,3 +247,19 @@ def test_the_attention_kernels_efficiency_is_the_devices_when_given():
     assert slower.step_time_s > fast.step_time_s
     with pytest.raises(ClusterSpecError, match="attention_efficiency"):
         DeviceSpec(**{**cluster.device.model_dump(), "attention_efficiency": 1.5})
+
+
+def test_the_tp_solver_prices_the_scores_of_unfused_attention():
+    """GPT-2 (fused q/k/v by columns) on tp=8: with fused attention the solver runs sdpa
+    whole on every rank (gathering q, k, v costs more than the cheap kernel saves);
+    on a cluster without fused attention it prices the b h s^2 scores too, and splits
+    the attention by heads."""
+    ex = gpt2(layers=1, hidden=256, heads=8, vocab=64, seq=1024, batch=2)
+    cluster = autopar.ClusterSpec.preset("dgx-a100-80gb")
+    whole = {}
+    for how in ("fused", "unfused"):
+        tg = trace_train_step(ex.model, ex.batch, ex.loss_fn, kernels="gpu", attention=how)
+        _, results = autopar.run_passes(tg, autopar.Layout(tp=8), _with_attention(cluster, how),
+                                        passes=["tensor_parallel"])
+        whole[how] = [what for what, _ in results[0].declined if what.startswith("attention")]
+    assert len(whole["fused"]) == 1 and not whole["unfused"]

@@ -63,12 +63,22 @@ class TPCosts:
 
     def compute(self, node: fx.Node, strategy: Strategy) -> float:
         flops = node_flops(node) or _extra_flops(node)
-        nbytes = node_bytes(node)
+        nbytes = node_bytes(node) + self._unfused_scores(node)
         if not flops and not nbytes:
             return 0.0
         dev = self.cluster.device
         peak = self.cluster.peak_flops_for("fp32")
         return 3 * strategy.work * op_time(flops, nbytes, peak, dev.memory_bandwidth)
+
+    def _unfused_scores(self, node: fx.Node) -> int:
+        """Bytes a cluster without fused attention (DeviceSpec.attention "unfused") moves
+        for sdpa's materialised scores: written, read by the softmax, its probabilities
+        written and read by the second matmul (the trace decomposes it so, ir/trace.py)."""
+        if node.target not in _SDPA or getattr(self.cluster.device, "attention",
+                                               "fused") != "unfused":
+            return 0
+        q, k = node.args[0].meta["val"], node.args[1].meta["val"]
+        return 4 * q.shape[:-1].numel() * k.shape[-2] * q.element_size()
 
     def collective(self, kind: str, nbytes: float) -> float:
         return collective_time(kind, nbytes, self.tp, self.cluster)
@@ -101,6 +111,9 @@ class TPCosts:
     def optimizer_update(self, val: torch.Tensor, placement: Placement) -> float:
         share = 1 / self.tp if isinstance(placement, int) else 1.0
         return share * OPTIMIZER_TOUCHES * tensor_bytes(val) / self.cluster.device.memory_bandwidth
+
+
+_SDPA = (torch.ops.aten.scaled_dot_product_attention.default,)
 
 
 def _extra_flops(node: fx.Node) -> int:
