@@ -16,11 +16,7 @@ import torch.distributed as dist
 from autopar.cluster import ClusterSpec
 from autopar.compiler.analysis.memory import profile_optimizer
 from autopar.compiler.ir.batch import Batch, LossFn, Objective
-from autopar.compiler.ir.collectives import (
-    check_collectives,
-    describe_plain,
-    program_collectives,
-)
+from autopar.compiler.ir.collectives import check_collectives, program_collectives
 from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.ir.trace import local_example, trace_train_step
 from autopar.compiler.lowering.lower import to_program
@@ -157,7 +153,7 @@ def _check_collectives_across_ranks(program) -> None:
     rank alike, names the first difference."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return
-    mine = describe_plain(program_collectives(program))
+    mine = program_collectives(program)
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     check_collectives(dict(enumerate(everyone)), program.mesh)

@@ -24,7 +24,7 @@ program in one process, without launching any (cli.py).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -126,7 +126,7 @@ def check_collectives(by_rank: Mapping[int, Mapping[str, Sequence[Collective]]],
     """Raise CollectiveMismatch at the first collective two ranks of one group would run
     differently (order, kind, shape, dtype, arguments, or one rank running more); the
     number of collectives compared otherwise. `by_rank`: program_collectives of every
-    rank (tuples, as all_gather_object returns them, will do)."""
+    rank (all_gather_object sends them as they are: plain named tuples)."""
     compared = 0
     for dim, size in mesh:
         if size == 1 or dim == "pp":
@@ -146,8 +146,8 @@ def _compare(a_rank: int, a_parts: Mapping[str, Sequence], b_rank: int,
             f"{sorted(a_parts)} against {sorted(b_parts)}")
     compared = 0
     for part in a_parts:
-        mine = [Collective(*c) for c in a_parts[part] if Collective(*c).group == dim]
-        theirs = [Collective(*c) for c in b_parts[part] if Collective(*c).group == dim]
+        mine = [c for c in a_parts[part] if c.group == dim]
+        theirs = [c for c in b_parts[part] if c.group == dim]
         for i, (x, y) in enumerate(itertools.zip_longest(mine, theirs)):
             if x is not None and y is not None and x.key() == y.key():
                 continue
@@ -165,10 +165,5 @@ def _said(c: Collective | None) -> str:
     return f"{c.describe()} at node {c.node} ({c.where})"
 
 
-def describe_plain(by_part: Mapping[str, Iterable[Collective]]) -> dict[str, list[tuple]]:
-    """`program_collectives` as plain tuples (what all_gather_object sends)."""
-    return {part: [tuple(c) for c in calls] for part, calls in by_part.items()}
-
-
 __all__ = ["Collective", "CollectiveMismatch", "check_collectives", "collectives_of",
-           "describe_plain", "group_members", "program_collectives"]
+           "group_members", "program_collectives"]

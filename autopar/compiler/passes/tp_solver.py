@@ -74,8 +74,7 @@ class TPCosts:
         """Bytes a cluster without fused attention (DeviceSpec.attention "unfused") moves
         for sdpa's materialised scores: written, read by the softmax, its probabilities
         written and read by the second matmul (the trace decomposes it so, ir/trace.py)."""
-        if node.target not in _SDPA or getattr(self.cluster.device, "attention",
-                                               "fused") != "unfused":
+        if node.target is not _SDPA or self.cluster.device.attention != "unfused":
             return 0
         q, k = node.args[0].meta["val"], node.args[1].meta["val"]
         return 4 * q.shape[:-1].numel() * k.shape[-2] * q.element_size()
@@ -113,7 +112,7 @@ class TPCosts:
         return share * OPTIMIZER_TOUCHES * tensor_bytes(val) / self.cluster.device.memory_bandwidth
 
 
-_SDPA = (torch.ops.aten.scaled_dot_product_attention.default,)
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 
 def _extra_flops(node: fx.Node) -> int:
