@@ -5,6 +5,7 @@ maps the package behind them.
 """
 
 from autopar.api import check, compile, trace
+from autopar.bisection import BisectError, BisectReport, bisect
 from autopar.cluster import ClusterSpec
 from autopar.compiler.ir.collectives import CollectiveMismatch
 from autopar.compiler.ir.graph import TrainGraph
@@ -24,9 +25,9 @@ from autopar.runtime.mesh import WorldSizeError
 __version__ = "0.1.0"
 
 __all__ = [
-    "CheckpointError", "ClusterSpec", "CollectiveMismatch", "Efficiency", "GraphPass", "Layout", "LayoutError",
+    "BisectError", "BisectReport", "CheckpointError", "ClusterSpec", "CollectiveMismatch", "Efficiency", "GraphPass", "Layout", "LayoutError",
     "PassContext", "PassManager", "PassOptions", "PassResult", "Plan", "PlanArgumentError",
     "PlanError",
-    "Prediction", "TraceError", "TrainGraph", "WorldSizeError", "check", "compile", "default_passes",
+    "Prediction", "TraceError", "TrainGraph", "WorldSizeError", "bisect", "check", "compile", "default_passes",
     "estimate", "plan", "register_pass", "run_passes", "trace",
 ]

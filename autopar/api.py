@@ -80,6 +80,20 @@ def compile(model: torch.nn.Module,  # noqa: A001 - the contract's name
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be an autopar.Layout or Plan, got {type(layout).__name__}")
     layout.check_world_size(world)
+    step = build_step(model, cluster, example_inputs, objective, optimizer, layout, passes,
+                      amp_lists)
+    step.plan = plan  # the Plan it came from (layout=None or a Plan), else None
+    return step
+
+
+def build_step(model: torch.nn.Module, cluster: ClusterSpec | None, example_inputs: tuple,
+               objective: Objective, optimizer: OptimizerFactory, layout: Layout,
+               passes: Sequence[GraphPass | str] | None = None,
+               amp_lists: dict[str, Sequence[str]] | None = None,
+               record_rewrites: bool = False) -> DistributedStep | PipelineStep:
+    """The step of `compile` for a given layout and flat example batch: trace, rewrite
+    (`record_rewrites`: mark what each pass changed, for autopar.bisect), lower, bind to
+    this rank, and check every rank's collectives against its peers'."""
     parse_amp_lists(amp_lists)  # a misspelt op fails before the (slow) trace
     if not example_inputs:
         raise ValueError("compile needs example_inputs: one global batch, as passed to the step")
@@ -94,7 +108,8 @@ def compile(model: torch.nn.Module,  # noqa: A001 - the contract's name
         optimizer_memory=profile_optimizer(optimizer) if layout.recompute == "auto" else "adamw",
         amp_lists=amp_lists or None)
     tg, results = run_passes(tg, layout, cluster, passes, options=options,
-                             dump_dir=os.environ.get("AUTOPAR_DUMP"))
+                             dump_dir=os.environ.get("AUTOPAR_DUMP"),
+                             record_rewrites=record_rewrites)
     if layout.amp != "off" and "amp" not in tg.provides:
         raise LayoutError(f"Layout.amp={layout.amp!r} but the passes given to compile have no "
                           "'amp' pass: add \"amp\" first in passes=, or use amp='off'")
@@ -107,7 +122,6 @@ def compile(model: torch.nn.Module,  # noqa: A001 - the contract's name
     _check_collectives_across_ranks(step.program)
     step.pass_results = results
     step.train_graph = tg  # the rewritten graph the step runs (to inspect, or cost)
-    step.plan = plan  # the Plan it came from (layout=None or a Plan), else None
     return step
 
 

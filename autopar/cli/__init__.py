@@ -7,6 +7,9 @@
     autopar calibrate --output local.yaml    measure this machine (matmul, memory, gloo; NCCL on GPUs)
     autopar validate MODEL --cluster local.yaml   predicted vs measured step times
     autopar kernels MODEL --out DIR  the fused Triton kernels of MODEL's training step
+    autopar check MODEL --tp 2      every rank's collectives agree (no process launched)
+    autopar bisect MODEL --tp 2     the first node where the parallel step departs from the
+                                    single-process step (under torchrun)
 
 MODEL is a built-in example (`autopar trace --list`) or `pkg.module:factory`.
 """
@@ -293,6 +296,27 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- autopar bisect -----------------------------------------------------------------------
+
+def cmd_bisect(args: argparse.Namespace) -> int:
+    from autopar.layout import LayoutError
+
+    try:
+        layout = _layout_from_args(args, sequence_parallel=args.sequence_parallel)
+    except LayoutError as exc:
+        raise SystemExit(f"autopar bisect: {exc}") from exc
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={layout.world_size}", "-m", "autopar.bisection", args.model,
+           "--layout", json.dumps(layout.non_default_fields()), "--rounding", str(args.rounding)]
+    if args.json:
+        cmd.append("--json")
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    code = subprocess.call(cmd, env=env)
+    if code not in (0, 3):
+        console.print(f"[red]autopar bisect failed[/red] (torchrun exit code {code})")
+    return code
+
+
 # -- autopar kernels ----------------------------------------------------------------------
 
 def cmd_kernels(args: argparse.Namespace) -> int:
@@ -346,6 +370,15 @@ def _add_layout_args(parser: argparse.ArgumentParser) -> None:
                              "cluster's device memory)")
 
 
+def _add_program_args(parser: argparse.ArgumentParser, model_help: str) -> None:
+    """MODEL and the whole layout of one program per rank (`check`, `bisect`)."""
+    parser.add_argument("model", help=model_help)
+    parser.add_argument("--dp", type=int, default=1, help="data-parallel degree")
+    _add_layout_args(parser)
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="split the sequence between tensor-parallel regions")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autopar", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -381,12 +414,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     chk = sub.add_parser("check", help="build every rank's program of MODEL for a layout and "
                                        "check that each group's ranks run the same collectives")
-    chk.add_argument("model", help="built-in example or pkg.module:factory (built on meta)")
-    chk.add_argument("--dp", type=int, default=1, help="data-parallel degree")
-    _add_layout_args(chk)
-    chk.add_argument("--sequence-parallel", action="store_true",
-                     help="split the sequence between tensor-parallel regions")
+    _add_program_args(chk, "built-in example or pkg.module:factory (built on meta)")
     chk.set_defaults(func=cmd_check)
+
+    bis = sub.add_parser("bisect", help="run MODEL's step for a layout and the single-process "
+                                        "step node by node; name the first node that differs")
+    _add_program_args(bis, "built-in example or pkg.module:factory (dropout 0)")
+    bis.add_argument("--rounding", type=float, default=16.0,
+                     help="how many times the fp32 reference's own rounding error a value "
+                          "may be off (default 16)")
+    bis.add_argument("--json", action="store_true", help="print the report as JSON")
+    bis.set_defaults(func=cmd_bisect)
 
     est = sub.add_parser("estimate", help="predicted step time and memory of MODEL for a layout")
     est.add_argument("model", help="built-in example or pkg.module:factory (built on meta)")

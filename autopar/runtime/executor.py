@@ -89,10 +89,8 @@ class DistributedStep:
 
     def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
         """One step on a global batch, passed as the example batch was (see Objective)."""
-        local = self.local_batch(self.objective.flatten(args, kwargs))
-        scale = [self.loss_scaler.scale_input()] if self.loss_scaler else []
         with torch.no_grad():
-            outs = self.gm(*self.graph_params, *self.buffers, *local, *scale)
+            outs = self.gm(*self.graph_inputs(*args, **kwargs))
             loss, rest = outs[0], outs[1:]
             grads, new_buffers = rest[:len(self.params)], rest[len(self.params):]
             grads = [self._grad_of_updated(u, g) for u, g in zip(self.updated, grads)]
@@ -110,6 +108,14 @@ class DistributedStep:
                 by_name[name].copy_(value)
         self.steps += 1
         return loss.detach()
+
+    def graph_inputs(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> list[torch.Tensor]:
+        """What this rank's graph takes for one step on the global batch `args`/`kwargs`:
+        its parameters (or ZeRO-3 blocks), buffers, batch slice, the loss normalizers'
+        divisors, and the loss scale of an fp16 step."""
+        local = self.local_batch(self.objective.flatten(args, kwargs))
+        scale = [self.loss_scaler.scale_input()] if self.loss_scaler else []
+        return [*self.graph_params, *self.buffers, *local, *scale]
 
     def held_tensors(self) -> list[torch.Tensor]:
         """What this rank keeps across steps (besides optimizer state): its parameters,

@@ -78,14 +78,15 @@ def reads_of(passes: Sequence[GraphPass], layout: Layout) -> tuple:
 def run_passes(tg: TrainGraph, layout: Layout, cluster: ClusterSpec | None = None,
                passes: Sequence[GraphPass | str] | None = None,
                dump_dir: str | None = None,
-               options: PassOptions | Mapping[str, Any] | None = None
-               ) -> tuple[TrainGraph, list[PassResult]]:
+               options: PassOptions | Mapping[str, Any] | None = None,
+               record_rewrites: bool = False) -> tuple[TrainGraph, list[PassResult]]:
     """Rewrite `tg` with the default passes for `layout` (or `passes`: pass objects or
     registered names); `options`: PassContext.options, a PassOptions or a mapping of its
     field names (e.g. {"tp_rank": 1}; another name raises TypeError listing them);
-    `dump_dir`: write the IR after each pass there."""
+    `dump_dir`: write the IR after each pass there; `record_rewrites`: mark the nodes each
+    pass changed (meta REWRITTEN_BY)."""
     chosen = default_passes(layout) if passes is None else [
         get_pass(p) if isinstance(p, str) else p for p in passes]
-    manager = PassManager(chosen, dump_dir=dump_dir)
+    manager = PassManager(chosen, dump_dir=dump_dir, record_rewrites=record_rewrites)
     return manager.run(tg, PassContext(layout=layout, cluster=cluster,
                                        options=PassOptions.of(options)))

@@ -245,6 +245,7 @@ def _replace(tg: TrainGraph, region: _Region, key: str, name: str) -> list[fx.No
                   M.CREATED_BY: "fusion", M.FLOPS: sum(n.meta.get(M.FLOPS, 0) for n in region.nodes),
                   M.BYTES: region.bytes_after, FUSED_KEY: key,
                   FUSED_OPS: [n.name for n in region.nodes],
+                  M.FUSED_PROVENANCE: tuple(M.Provenance(n) for n in region.nodes),
                   # what the eager fallback runs (a CPU step): costed op by op
                   M.FUSED_SCRATCH: region.fallback_peak,
                   M.FUSED_MEMBERS: tuple(
@@ -256,7 +257,8 @@ def _replace(tg: TrainGraph, region: _Region, key: str, name: str) -> list[fx.No
     for index, old in enumerate(region.outputs):
         with graph.inserting_after(fused):
             item = graph.call_function(operator.getitem, (fused, index))
-        item.meta = {**old.meta, M.CREATED_BY: "fusion", M.BYTES: 0, M.FLOPS: 0}
+        item.meta = {**old.meta, M.CREATED_BY: "fusion", M.BYTES: 0, M.FLOPS: 0,
+                     M.COMPUTES: old.meta.get(M.COMPUTES, (old.name, M.op_key(old)))}
         old.replace_all_uses_with(item)
         items.append(item)
     for old in reversed(region.nodes):

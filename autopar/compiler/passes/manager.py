@@ -20,6 +20,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from torch.fx import Node
+
+from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.ir.printing import graph_text
 from autopar.compiler.ir.trace import complete_pending_retrace
@@ -57,8 +60,11 @@ def registered_passes() -> list[str]:
 
 class PassManager:
     def __init__(self, passes: Sequence[GraphPass], *, verify_each: bool = True,
-                 dump_dir: str | Path | None = None):
+                 dump_dir: str | Path | None = None, record_rewrites: bool = False):
         self.passes = list(passes)
+        # mark each node whose op or inputs a pass changed with M.REWRITTEN_BY (what
+        # autopar.bisect names); off by default: the planner runs passes many times
+        self.record_rewrites = record_rewrites
         self.verify_each = verify_each
         self.dump_dir = Path(dump_dir) if dump_dir else None
 
@@ -85,6 +91,7 @@ class PassManager:
             start = time.perf_counter()
             if not p.retraces_from_source:  # a re-trace left for a pass that does them
                 tg = self._complete_pending_retrace(tg, left_by)
+            before = _signatures(tg.graph) if self.record_rewrites else None
             follows = self.passes[index] if index < len(self.passes) else None
             may_defer = follows is not None and follows.retraces_from_source
             try:
@@ -94,6 +101,10 @@ class PassManager:
                 # StageError a test expects): it goes on as raised, with where it came from
                 exc.add_note(f"in pass {p.name!r} ({self._where(index, tg, left_by)})")
                 raise
+            if before is not None and not _retraced(tg, new):
+                _mark_rewrites(new.graph, before, p.name)
+            elif before is not None:
+                new.attrs["retraced_by"] = [*tg.attrs.get("retraced_by", ()), p.name]
             result.seconds = time.perf_counter() - start
             new = dataclasses.replace(new, provides=(tg.provides - p.invalidates) | p.provides,
                                       history=tg.history + (p.name,))
@@ -140,3 +151,35 @@ class PassManager:
                    if tg.retrace_pending else "")
         path.write_text(f"# after pass {name!r}; history: {list(tg.history)}\n{pending}"
                         + graph_text(tg))
+
+
+def _retraced(old: TrainGraph, new: TrainGraph) -> bool:
+    """Whether the pass traced the step again (its nodes are new, whatever their names)."""
+    return new.source is not None and old.source is not None and \
+        (new.source.hooks != old.source.hooks or new.retrace_pending)
+
+
+def _signatures(graph) -> dict[str, tuple]:
+    """Each node's op with its constant arguments, and the names of its inputs."""
+    def constant(a):
+        return "node" if isinstance(a, Node) else repr(a)
+
+    # an input is known by the node it computes: fusion's getitems stand for the nodes
+    # they replaced, so reading one instead is no rewiring
+    return {n.name: ((M.op_key(n), tuple(map(constant, n.args)),
+                      tuple((k, constant(v)) for k, v in n.kwargs.items())),
+                     tuple(a.meta.get(M.COMPUTES, (a.name,))[0] for a in n.all_input_nodes))
+            for n in graph.nodes}
+
+
+def _mark_rewrites(graph, before: dict[str, tuple], pass_name: str) -> None:
+    """On the nodes of `graph` that `before` has a node of the same name for: M.REWRITTEN_BY
+    gains the pass if it changed the op or a constant argument, M.REWIRED_BY names it if
+    it changed the inputs (a node the pass created carries M.CREATED_BY instead)."""
+    for node, (name, (op, inputs)) in zip(graph.nodes, _signatures(graph).items()):
+        if name not in before:
+            continue
+        if before[name][0] != op:
+            node.meta[M.REWRITTEN_BY] = (*node.meta.get(M.REWRITTEN_BY, ()), pass_name)
+        if before[name][1] != inputs:
+            node.meta[M.REWIRED_BY] = pass_name

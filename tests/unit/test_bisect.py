@@ -1,0 +1,72 @@
+"""autopar.bisect in one process (the multi-process cases are in tests/dist/cases_bisect.py):
+a correct program agrees with the single-process step node by node, an injected bug is
+named with its node and pass, and what bisect cannot compare is refused clearly."""
+
+import pytest
+
+import autopar
+from autopar.bisection import BisectError, bisect
+from autopar.examples import gpt2, hf_tiny
+from tests.bisect_bugs import StaleRecomputeInput, with_bug
+
+
+@pytest.mark.parametrize("layout", [autopar.Layout(), autopar.Layout(recompute="full"),
+                                    autopar.Layout(recompute="selective", fusion=False)])
+def test_a_correct_program_has_no_divergence(layout):
+    ex = gpt2(layers=2)
+    report = bisect(ex.model, ex.batch, ex.loss_fn, layout)
+    assert report.ok, str(report)
+    assert report.compared > 200  # forward, loss and backward, not a handful of nodes
+
+
+def test_a_recomputed_node_reading_a_stale_input_is_named_with_its_pass():
+    ex = gpt2(layers=2)
+    layout = autopar.Layout(recompute="full")
+    report = bisect(ex.model, ex.batch, ex.loss_fn, layout,
+                    passes=with_bug(layout, StaleRecomputeInput()))
+    first = report.first
+    assert first is not None
+    assert first.node == StaleRecomputeInput.made
+    assert first.pass_name == "stale_recompute_input"
+    assert first.module == "transformer.h.1.attn" and "modeling_gpt2.py" in first.source
+    assert first.error > 1e-2 > first.allowed
+    assert f"first divergence at node {first.node}" in str(report)
+
+
+def test_a_model_that_draws_random_numbers_is_refused():
+    ex = hf_tiny("gpt2")
+    ex.model.config.attn_pdrop = 0.0
+    ex.model.transformer.drop.p = 0.1
+    with pytest.raises(BisectError, match=r"transformer.drop draws random numbers .*dropout 0"):
+        bisect(ex.model, ex.batch, ex.loss_fn, autopar.Layout())
+
+
+def test_a_pipeline_and_a_missing_layout_are_refused():
+    ex = gpt2(layers=2)
+    with pytest.raises(BisectError, match="pipeline"):
+        bisect(ex.model, ex.batch, ex.loss_fn, autopar.Layout(microbatches=2))
+    with pytest.raises(BisectError, match="needs a layout"):
+        bisect(ex.model, ex.batch, ex.loss_fn, None)
+
+
+def test_one_process_recomputing_and_fused_is_within_the_references_own_rounding():
+    """In one process the program runs the reference's ops on the same batch: recomputed
+    copies repeat them, and a fused region on a CPU runs the same aten ops, so no value
+    is further from the exact (float64) one than the fp32 reference's own value is."""
+    ex = gpt2(layers=1)
+    report = bisect(ex.model, ex.batch, ex.loss_fn, autopar.Layout(recompute="full"),
+                    rounding=1.0)
+    assert report.ok and report.compared > 100, str(report)
+    assert report.closest_call < 1.0
+
+
+def test_the_command_line_launches_the_ranks_and_reports():
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "autopar", "bisect", "mlp", "--dp", "2",
+                          "--json"], check=False, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["ok"] and report["compared"] > 10 and report["layout"] == {"dp": 2}
