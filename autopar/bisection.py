@@ -13,7 +13,9 @@ How it decides (docs/equivalence.md has the user's view):
    exact value; the fp32 run's distance from it is the rounding expected at that node.
 2. Every rank builds the layout's step, with each pass marking what it rewrote
    (M.REWRITTEN_BY), and runs its graph once on its slice of the same batch, recording
-   every value; rank 0 gathers them.
+   every value; rank 0 gathers them. A pipeline runs its schedule once, each stage
+   program's values recorded per micro-batch; the micro-batches are then one more
+   dimension to combine over (`_Programs`).
 3. Each rank node is matched to the reference node it computes: by name where the step
    kept the trace's names (a fused region's outputs carry the name they replaced,
    M.COMPUTES; a recomputed copy the forward node it recomputes, M.RECOMPUTED); where a
@@ -37,10 +39,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import itertools
 import json
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,6 +59,7 @@ from autopar.compiler.ir.trace import trace_train_step
 from autopar.compiler.passes.defaults import run_passes
 from autopar.layout import Layout
 from autopar.runtime.executor import DistributedStep
+from autopar.runtime.pipeline import PipelineStep
 
 aten = torch.ops.aten
 
@@ -77,6 +81,10 @@ _MOVES = {"view", "_unsafe_view", "reshape", "expand", "permute", "t", "transpos
           "all_reduce", "wait_tensor", "all_gather_into_tensor", "reduce_scatter_tensor",
           "broadcast", "constant_pad_nd", "new_zeros", "zeros", "empty", "full",
           "scalar_tensor", "index_select", "slice_scatter", "select_scatter"}
+
+
+# who made a value a pipeline stage takes from another stage
+RECEIVED = "pipeline runtime (received from the stage that computes it)"
 
 
 class BisectError(ValueError):
@@ -101,9 +109,13 @@ class Divergence:
     cause_pass: str
     cause_op: str
     suspects: tuple[tuple[str, str, str], ...] = ()  # (node, op, pass) between agreement and it
+    program: str = "step"  # which program: "step", or a pipeline's "stage 1 forward", ...
+    microbatches: tuple[int, ...] = ()  # a pipeline's micro-batches whose values differ
 
     def __str__(self) -> str:
         where = f"{self.module or '(no module)'}" + (f" at {self.source}" if self.source else "")
+        if self.program != "step":
+            where += f", {self.program}, micro-batches {list(self.microbatches)}"
         text = (f"first divergence at node {self.node} ({self.op}, the reference's "
                 f"{self.reference}) in {where}: error {self.error:.3g} of its magnitude, "
                 f"rounding allows {self.allowed:.3g}; placement {self.placement}; ranks "
@@ -120,11 +132,10 @@ class Divergence:
 @dataclass
 class BisectReport:
     layout: Layout
-    compared: int  # nodes compared (matched to the reference) before the first divergence
-    nodes: int  # nodes of the rank program
+    compared: int  # nodes compared (matched to the reference) up to the first divergence
+    nodes: int  # nodes of the rank's programs walked up to there (all of them if none)
     first: Divergence | None
     closest_call: float = 0.0  # the largest error / allowed among the agreeing nodes
-    unmatched: list[str] = field(default_factory=list)  # rank nodes without a reference
 
     @property
     def ok(self) -> bool:
@@ -149,9 +160,6 @@ def bisect(model: torch.nn.Module, example_inputs: Batch, loss_fn: LossFn | None
     draw other numbers in the parallel program."""
     if not isinstance(layout, Layout):
         raise BisectError(f"bisect needs a layout (an autopar.Layout), got {layout!r}")
-    if layout.pp > 1 or layout.microbatches > 1:
-        raise BisectError(f"bisect compares one program per rank; {layout} runs a pipeline "
-                          "(pp > 1 or microbatches > 1), which it does not cover yet")
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     layout.check_world_size(world)
     objective, flat = Objective.from_example(example_inputs, example_targets, loss_fn)
@@ -169,9 +177,7 @@ def bisect(model: torch.nn.Module, example_inputs: Batch, loss_fn: LossFn | None
     step = build_step(copy.deepcopy(model), None, flat, objective,
                       lambda ps: torch.optim.SGD(ps, lr=0.0), layout, passes,
                       record_rewrites=True)
-    assert isinstance(step, DistributedStep)
-    args = step.graph_inputs(*flat)
-    values = _Recorder(step.gm).record(args)
+    values = _record(step, flat)
     everyone = [values]
     if world > 1:
         everyone = [None] * world if rank == 0 else None
@@ -188,6 +194,28 @@ def bisect(model: torch.nn.Module, example_inputs: Batch, loss_fn: LossFn | None
 
 
 # -- running graphs ------------------------------------------------------------------------
+
+def _record(step, flat: tuple) -> dict[tuple, dict[str, torch.Tensor]]:
+    """Every value of this rank's programs on one step, by (stage, program kind,
+    micro-batch): (None, None, 0) for the one program of a DistributedStep; a pipeline's
+    stage programs as the schedule runs them (the optimizer step after it takes lr 0)."""
+    if isinstance(step, DistributedStep):
+        return {(None, None, 0): _Recorder(step.gm).record(step.graph_inputs(*flat))}
+    records: dict[tuple, dict] = {}
+
+    def run(gm, args, action):
+        recorder = _Recorder(gm)
+        out = recorder.run(*args)
+        records[(action.stage, action.kind, action.microbatch)] = recorder.values
+        return out
+
+    step.run_graph = run
+    try:
+        step(*flat)
+    finally:
+        step.run_graph = None
+    return records
+
 
 class _Recorder(fx.Interpreter):
     """Runs a graph and keeps a copy of every tensor value, by node name."""
@@ -254,6 +282,8 @@ def _refuse_random(gm: fx.GraphModule) -> None:
 
 
 def _op(node: fx.Node) -> str:
+    if node.op == "placeholder":
+        return "placeholder"
     target = node.target
     if hasattr(target, "_opname"):
         return target._opname
@@ -454,12 +484,24 @@ def _ranks_off(values: dict[int, torch.Tensor], mesh, combo, truth: torch.Tensor
 
 
 def _error(value: torch.Tensor, exact: torch.Tensor) -> float:
+    """max |value - exact| / max |exact| over the finite elements of `exact`; where it is
+    infinite or NaN (a mask's -inf), `value` must be the same; exact integers and bools
+    must be equal (1.0 otherwise)."""
     if value.shape != exact.shape:
         return float("inf")
     if not exact.is_floating_point():
         return 0.0 if torch.equal(value.to(exact.dtype), exact) else 1.0
-    scale = exact.abs().max().item() if exact.numel() else 0.0
-    diff = (value.double() - exact).abs().max().item() if exact.numel() else 0.0
+    value = value.double()
+    finite = torch.isfinite(exact)
+    if not finite.all():
+        same = (value == exact) | (value.isnan() & exact.isnan())
+        if not bool(same[~finite].all()):
+            return float("inf")
+        value, exact = value[finite], exact[finite]
+    if not exact.numel():
+        return 0.0
+    scale = exact.abs().max().item()
+    diff = (value - exact).abs().max().item()
     if scale == 0.0:
         return 0.0 if diff == 0.0 else float("inf")
     return diff / scale
@@ -467,69 +509,141 @@ def _error(value: torch.Tensor, exact: torch.Tensor) -> float:
 
 # -- the comparison ------------------------------------------------------------------------
 
-def _compare(step: DistributedStep, reference, everyone: list[dict], exact: dict,
-             fp32: dict, layout: Layout, rounding: float) -> BisectReport:
+@dataclass
+class _Programs:
+    """What rank 0 walks: each program of the step in the order it runs, and where the
+    values of one of its nodes come from. `mesh` is what they are combined over,
+    innermost split first: the ranks' mesh for one program per rank; for a pipeline, the
+    micro-batches (inside a data-parallel rank's rows), dp and tp, on the ranks that hold
+    the node's stage."""
+
+    mesh: list
+    programs: list  # (label, (stage, kind) or (None, None), GraphModule)
+    ranks: list  # the ranks' mesh
+    microbatches: int = 0  # 0: one program per rank
+
+    def members(self, stage: int | None) -> dict[int, tuple[int, int]]:
+        """Index in `mesh` -> (rank, micro-batch) of the values of a node of `stage`."""
+        world = 1
+        for _, size in self.ranks:
+            world *= size
+        if not self.microbatches:
+            return {r: (r, 0) for r in range(world)}
+        sizes = dict(self.ranks)
+        out = {}
+        for rank in range(world):
+            coords = dict(zip(sizes, _coords(rank, self.ranks)))
+            if coords["pp"] != stage % sizes["pp"]:
+                continue
+            for mb in range(self.microbatches):
+                index = (mb * sizes["dp"] + coords["dp"]) * sizes.get("tp", 1) + coords.get("tp", 0)
+                out[index] = (rank, mb)
+        return out
+
+    def values(self, everyone: list[dict], key: tuple, name: str) -> dict | None:
+        """The recorded values of node `name` of program `key`, by index in `mesh`."""
+        out = {}
+        for index, (rank, mb) in self.members(key[0]).items():
+            record = everyone[rank].get((key[0], key[1], mb))
+            if record is None or name not in record:
+                return None
+            out[index] = record[name]
+        return out
+
+
+def _programs_of(step) -> _Programs:
+    if isinstance(step, DistributedStep):
+        return _Programs(list(step.program.mesh), [("step", (None, None), step.train_graph.gm)],
+                         list(step.program.mesh))
+    program = step.program
+    sizes = dict(program.mesh)
+    mesh = [("microbatch", program.schedule.microbatches), ("dp", sizes["dp"]),
+            ("tp", sizes.get("tp", 1))]
+    progs = [(f"stage {s.stage} forward", (s.stage, "F"), s.forward) for s in program.stages]
+    for s in reversed(program.stages):
+        if s.input_grad is not None:
+            progs += [(f"stage {s.stage} input-gradient", (s.stage, "I"), s.input_grad[0]),
+                      (f"stage {s.stage} weight-gradient", (s.stage, "W"), s.weight_grad[0])]
+        else:
+            progs.append((f"stage {s.stage} backward", (s.stage, "B"), s.backward))
+    return _Programs(mesh, progs, list(program.mesh), program.schedule.microbatches)
+
+
+def _compare(step, reference, everyone: list[dict], exact: dict, fp32: dict, layout: Layout,
+             rounding: float) -> BisectReport:
     rank_tg = step.train_graph
-    gm = rank_tg.gm
-    mesh = list(step.program.mesh)
     retraced_by = tuple(rank_tg.attrs.get("retraced_by", ()))
-    retraced = bool(retraced_by)
-    matched = _match(gm, reference.gm, retraced)
-    ref_out = _outputs(reference.gm)
-    returned = set()  # what the runtime takes as it is: never partial
-    for mine, theirs in zip(_outputs(gm), ref_out):
+    matched = _match(rank_tg.gm, reference.gm, bool(retraced_by))
+    pipelined = isinstance(step, PipelineStep)
+    returned = set()  # what the runtime takes as it is: never partial (a pipeline sums
+    for mine, theirs in zip(_outputs(rank_tg.gm), _outputs(reference.gm)):  # its parts)
         if isinstance(mine, fx.Node) and isinstance(theirs, fx.Node):
             matched.setdefault(mine.name, theirs.name)
-            returned.add(mine.name)
+            if not pipelined:
+                returned.add(mine.name)
+    walk = _programs_of(step)
+    mesh = walk.mesh
     placement: dict[str, tuple] = {}
     whole = tuple([R] * len(mesh))
-    constants: set[fx.Node] = set()
-    compared, closest = 0, 0.0
+    constants: set[str] = set()
+    compared, closest, total = 0, 0.0, 0
     agreed: set[str] = set()
-    nodes = [n for n in gm.graph.nodes if n.op in ("placeholder", "call_function")]
-    for node in nodes:
-        inputs = [placement.get(a.name, whole) for a in node.all_input_nodes]
-        spread = [any(p[m] != R for p in inputs) for m in range(len(mesh))]
-        ref_name = matched.get(node.name)
-        have = [v.get(node.name) for v in everyone]
-        partial_ok = [s and node.name not in returned for s in spread]
-        candidates = [] if ref_name is None or ref_name not in exact or \
-            any(h is None for h in have) or _made_from_shapes(node, constants) else \
-            _candidates(tuple(have[0].shape), tuple(exact[ref_name].shape), mesh, partial_ok)
-        if not candidates:  # no reference, or one no placement gives the shape of
-            if _made_from_shapes(node, constants):
-                constants.add(node)
-            placement[node.name] = _unmatched_placement(node, mesh, spread)
-            matched.pop(node.name, None)
-            continue
-        values = dict(enumerate(have))
-        truth = exact[ref_name]
-        rounding_err = _error(fp32[ref_name], truth) if ref_name in fp32 else 0.0
-        allowed = rounding * rounding_err + FLOOR
-        best = None
-        for combo in candidates:
-            groups = _combine(values, mesh, combo, truth.shape)
-            errors = [(_error(v, truth), ranks) for ranks, v in groups]
-            worst = max(e for e, _ in errors)
-            if best is None or worst < best[0]:
-                best = (worst, combo, errors)
-            if worst <= allowed:
-                break
-        compared += 1
-        if best is not None and best[0] <= allowed:
-            placement[node.name] = best[1]
-            closest = max(closest, best[0] / allowed)
-            agreed.add(node.name)
-            continue
-        error, combo, errors = best
-        ranks = _ranks_off(values, mesh, combo, truth, allowed) or \
-            tuple(sorted(r for e, rs in errors if e > allowed for r in rs))
-        return BisectReport(layout, compared, len(nodes),
-                            _divergence(node, ref_name, combo, mesh, error, allowed, ranks,
-                                        matched, agreed, retraced_by),
-                            closest)
-    return BisectReport(layout, compared, len(nodes), None, closest,
-                        [n.name for n in nodes if n.name not in matched])
+    for label, key, gm in walk.programs:
+        for node in gm.graph.nodes:
+            if node.op not in ("placeholder", "call_function"):
+                continue
+            total += 1
+            inputs = [placement.get(a.name, whole) for a in node.all_input_nodes]
+            if node.op == "placeholder" and node.name in placement:
+                inputs = [placement[node.name]]  # a value an earlier program computed
+            spread = [any(p[m] != R for p in inputs) for m in range(len(mesh))]
+            ref_name = matched.get(node.name)
+            values = walk.values(everyone, key, node.name)
+            shaped = node.op == "call_function" and \
+                all(a.name in constants for a in node.all_input_nodes)
+            partial_ok = [s and node.name not in returned for s in spread]
+            candidates = [] if ref_name is None or ref_name not in exact or values is None \
+                or shaped else _candidates(tuple(next(iter(values.values())).shape),
+                                           tuple(exact[ref_name].shape), mesh, partial_ok)
+            if not candidates:  # no reference, or one no placement gives the shape of
+                if shaped:
+                    constants.add(node.name)
+                if node.op == "call_function" or node.name not in placement:
+                    placement[node.name] = _unmatched_placement(node, mesh, spread)
+                continue
+            truth = exact[ref_name]
+            rounding_err = _error(fp32[ref_name], truth) if ref_name in fp32 else 0.0
+            allowed = rounding * rounding_err + FLOOR
+            best = None
+            for combo in candidates:
+                groups = _combine(values, mesh, combo, truth.shape)
+                errors = [(_error(v, truth), ranks) for ranks, v in groups]
+                worst = max(e for e, _ in errors)
+                if best is None or worst < best[0]:
+                    best = (worst, combo, errors)
+                if worst <= allowed:
+                    break
+            compared += 1
+            if best[0] <= allowed:
+                placement[node.name] = best[1]
+                closest = max(closest, best[0] / allowed)
+                agreed.add(node.name)
+                continue
+            error, combo, errors = best
+            off = _ranks_off(values, mesh, combo, truth, allowed) or \
+                tuple(sorted(r for e, rs in errors if e > allowed for r in rs))
+            members = walk.members(key[0])
+            ranks = tuple(sorted({members[i][0] for i in off}))
+            mbs = tuple(sorted({members[i][1] for i in off})) if pipelined else ()
+            first = _divergence(node, ref_name, combo, mesh, error, allowed, ranks,
+                                matched, agreed, retraced_by)
+            received = node.op == "placeholder" and pipelined and \
+                node.name not in step.program.keys
+            first = dataclasses.replace(
+                first, program=label, microbatches=mbs,
+                **({"pass_name": RECEIVED, "cause_pass": RECEIVED} if received else {}))
+            return BisectReport(layout, compared, total, first, closest)
+    return BisectReport(layout, compared, total, None, closest)
 
 
 def _made_from_shapes(node: fx.Node, constants: set) -> bool:

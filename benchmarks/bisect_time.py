@@ -25,7 +25,7 @@ from autopar.bisection import bisect
 from autopar.examples import gpt2, llama
 
 LAYOUTS = {"dp2": autopar.Layout(dp=2), "tp2": autopar.Layout(tp=2),
-           "dp2 zero3": autopar.Layout(dp=2, zero=3)}
+           "dp2 zero3": autopar.Layout(dp=2, zero=3), "pp2": autopar.Layout(pp=2, microbatches=2)}
 
 
 def _timed(fn) -> float:

@@ -88,6 +88,9 @@ class PipelineStep:
         wire = program.layout.get("grad_comm_dtype")
         self._wire_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(wire)
         self._releases = program.send_releases(self.pp_rank)
+        # runs each stage program instead of calling it: (gm, args, schedule action) ->
+        # outputs; autopar.bisect records every value of every micro-batch through it
+        self.run_graph: Callable | None = None
 
     def _bound(self, stage: StageProgram) -> StageProgram:
         """The stage's programs with their collectives (tensor parallelism's) bound to this
@@ -189,13 +192,13 @@ class PipelineStep:
     def _do(self, action, stage, env, grads, losses, sends) -> None:
         kind, mb = action.kind, action.microbatch
         if kind == "F":
-            self._run(stage.forward, stage.f_inputs, stage.f_outputs, env)
+            self._run(stage.forward, stage.f_inputs, stage.f_outputs, env, action)
             if self.program.loss_key in stage.f_outputs:
                 losses.append(env[self.program.loss_key])
         elif kind in ("B", "I", "W"):
             gm, inputs, outputs = {"B": (stage.backward, stage.b_inputs, stage.b_outputs),
                                    "I": stage.input_grad, "W": stage.weight_grad}[kind]
-            self._run(gm, inputs, outputs, env)
+            self._run(gm, inputs, outputs, env, action)
             for grad_key in outputs:
                 if grad_key in self.part_keys:
                     value = env.pop(grad_key)
@@ -226,10 +229,10 @@ class PipelineStep:
         stages = len(self.program.stages)
         return ((mb * stages + src) * stages + dst) * 4096 + index
 
-    @staticmethod
-    def _run(gm: fx.GraphModule, inputs: tuple[str, ...], outputs: tuple[str, ...],
-             env: dict[str, torch.Tensor]) -> None:
-        results = gm(*[env[k] for k in inputs])
+    def _run(self, gm: fx.GraphModule, inputs: tuple[str, ...], outputs: tuple[str, ...],
+             env: dict[str, torch.Tensor], action) -> None:
+        args = [env[k] for k in inputs]
+        results = gm(*args) if self.run_graph is None else self.run_graph(gm, args, action)
         env.update(zip(outputs, results))
 
     def held_tensors(self) -> list[torch.Tensor]:

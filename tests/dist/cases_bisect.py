@@ -7,6 +7,7 @@ from __future__ import annotations
 import autopar
 from autopar.bisection import bisect
 from autopar.examples import gpt2, llama
+from autopar.runtime.pipeline import PipelineStep
 from tests.bisect_bugs import (
     DropOneAllReduce,
     ScaleOneGradient,
@@ -25,17 +26,23 @@ _CORRECT_2 = [
     (llama, autopar.Layout(tp=2, sequence_parallel=True)),
     (llama, autopar.Layout(tp=2, amp="bf16")),
     (gpt2, autopar.Layout(dp=2, zero=3, amp="bf16")),
+    (gpt2, autopar.Layout(pp=2, microbatches=2)),
+    (llama, autopar.Layout(pp=2, microbatches=2, schedule="zero-bubble", recompute="full")),
+    (gpt2, autopar.Layout(pp=2, microbatches=4, schedule="interleaved", virtual_stages=2)),
+    (llama, autopar.Layout(dp=2, microbatches=2, zero=2)),
 ]
 _CORRECT_4 = [
     (gpt2, autopar.Layout(dp=2, tp=2, zero=2)),
     (llama, autopar.Layout(dp=2, tp=2, zero=3, sequence_parallel=True)),
     (gpt2, autopar.Layout(dp=4, zero=3, recompute="full")),
+    (llama, autopar.Layout(dp=2, pp=2, microbatches=2, zero=3)),
+    (gpt2, autopar.Layout(tp=2, pp=2, microbatches=2)),
 ]
 
 
 def _no_divergence(layouts):
     for factory, layout in layouts:
-        ex = factory(layers=2)
+        ex = factory(layers=4 if layout.virtual_stages > 1 else 2)
         report = bisect(ex.model, ex.batch, ex.loss_fn, layout)
         assert report.ok, f"{factory.__name__}: {report}"
         assert report.compared > 100, f"{factory.__name__}: {report}"
@@ -53,8 +60,9 @@ def bisect_finds_no_divergence_in_correct_layouts_on_4_ranks():
 
 def _first(layout, bug, factory=gpt2):
     ex = factory(layers=2)
-    report = bisect(ex.model, ex.batch, ex.loss_fn, layout, passes=with_bug(layout, bug))
-    assert report.first is not None, f"{bug.name}: no divergence found: {report}"
+    passes = with_bug(layout, bug) if bug is not None else None
+    report = bisect(ex.model, ex.batch, ex.loss_fn, layout, passes=passes)
+    assert report.first is not None, f"no divergence found: {report}"
     return report.first
 
 
@@ -90,3 +98,27 @@ def bisect_names_a_recomputed_node_that_reads_a_stale_input():
     assert (first.node, first.pass_name) == (StaleRecomputeInput.made, "stale_recompute_input"), \
         str(first)
     assert first.module == "transformer.h.1.attn", str(first)
+
+
+@case(world=2)
+def bisect_names_a_pipeline_stage_that_sends_the_wrong_micro_batch():
+    """Stage 0 sends micro-batch 0's activations again in place of micro-batch 1's (a
+    runtime bug, injected into PipelineStep for this case)."""
+    run = PipelineStep._do
+
+    def stale_send(self, action, stage, env, *rest):
+        if action.kind == "SF" and stage.stage == 0:
+            if action.microbatch == 0:
+                self.first_env = env
+            elif action.microbatch == 1:
+                env = self.first_env
+        return run(self, action, stage, env, *rest)
+
+    PipelineStep._do = stale_send
+    try:
+        first = _first(autopar.Layout(pp=2, microbatches=2), None)
+    finally:
+        PipelineStep._do = run
+    assert first.program == "stage 1 forward" and first.op == "placeholder", str(first)
+    assert first.microbatches == (1,) and first.ranks == (1,), str(first)
+    assert first.pass_name.startswith("pipeline runtime (received"), str(first)

@@ -41,12 +41,21 @@ def test_a_model_that_draws_random_numbers_is_refused():
         bisect(ex.model, ex.batch, ex.loss_fn, autopar.Layout())
 
 
-def test_a_pipeline_and_a_missing_layout_are_refused():
+def test_micro_batches_in_one_process_agree_per_micro_batch():
+    """Gradient accumulation runs each stage program once per micro-batch: the forward
+    values are the reference's rows of that micro-batch, the gradients partial sums."""
     ex = gpt2(layers=2)
-    with pytest.raises(BisectError, match="pipeline"):
-        bisect(ex.model, ex.batch, ex.loss_fn, autopar.Layout(microbatches=2))
+    report = bisect(ex.model, ex.batch, ex.loss_fn,
+                    autopar.Layout(microbatches=4, recompute="full"))
+    assert report.ok and report.compared > 200, str(report)
+
+
+def test_a_missing_layout_and_fp16_are_refused():
+    ex = gpt2(layers=2)
     with pytest.raises(BisectError, match="needs a layout"):
         bisect(ex.model, ex.batch, ex.loss_fn, None)
+    with pytest.raises(BisectError, match="amp='bf16'"):
+        bisect(ex.model, ex.batch, ex.loss_fn, autopar.Layout(amp="fp16"))
 
 
 def test_one_process_recomputing_and_fused_is_within_the_references_own_rounding():
