@@ -164,3 +164,29 @@ def test_plan_arguments_are_plan_argument_errors_and_a_bug_is_not_hidden(monkeyp
     monkeypatch.setattr("autopar.compiler.planner.plan.plan", broken)
     with pytest.raises(ValueError, match="an internal bug"):
         cli.main(["plan", "gpt2-tiny", "--cluster", "dgx-h100"])
+
+
+def test_a_tensor_parallel_placement_that_no_strategy_admits_names_the_op(monkeypatch):
+    """The solver's constraints cannot all hold (here: the loss op offered only as a
+    partial sum, while the step returns the loss whole): the error names the op, its
+    source line, and tp=1 as what works."""
+    import dataclasses
+
+    from autopar.compiler.passes import tp_solver
+    from autopar.compiler.passes.tp_rules import P
+
+    real = tp_solver.strategies
+
+    def partial_loss(node, tp, *args, **kwargs):
+        found = real(node, tp, *args, **kwargs)
+        returned = node.graph.output_node().args[0]
+        if node in returned and tp > 1:
+            return [dataclasses.replace(s, output=P) for s in found]
+        return found
+
+    monkeypatch.setattr(tp_solver, "strategies", partial_loss)
+    ex = gpt2(layers=1)
+    with pytest.raises(tp_solver.TensorParallelPlanError,
+                       match=r"tensor parallelism \(tp=2\) found no valid placement for .* "
+                             r"\(node .*\) at .*: the step returns it whole.*Layout\(tp=1\)"):
+        autopar.check(ex.model, ex.batch, ex.loss_fn, autopar.Layout(tp=2))

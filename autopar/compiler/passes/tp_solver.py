@@ -33,7 +33,13 @@ import highspy
 import torch
 import torch.fx as fx
 
-from autopar.compiler.ir.annotate import node_bytes, node_flops, tensor_bytes
+from autopar.compiler.ir.annotate import (
+    module_of,
+    node_bytes,
+    node_flops,
+    source_of,
+    tensor_bytes,
+)
 from autopar.compiler.passes.tp_rules import (
     P,
     Placement,
@@ -41,6 +47,7 @@ from autopar.compiler.passes.tp_rules import (
     Strategy,
     is_tensor_node,
     output_vals,
+    show,
     strategies,
     tensor_inputs,
 )
@@ -217,16 +224,31 @@ def solve(graph: fx.Graph, tp: int, costs: TPCosts, param_options: dict[str, lis
             continue
         for slot, src in enumerate(tensor_inputs(node)):
             need = _placement_expr(x[node.name], lambda s, i=slot: s.inputs[i])
-            model.edge(out_expr[src.name], need, lambda p, q, v=src.meta["val"], g=src.name in grads:
-                       costs.redistribute(p, q, v, g))
+            try:
+                model.edge(out_expr[src.name], need,
+                           lambda p, q, v=src.meta["val"], g=src.name in grads:
+                           costs.redistribute(p, q, v, g))
+            except _NoPlan as exc:
+                raise TensorParallelPlanError(
+                    node, tp, f"its input {src.name} can only be "
+                    f"{' or '.join(sorted(show(p) for p in out_expr[src.name]))}, and no "
+                    f"strategy of {node.target} takes that as input {slot} ({exc})") from None
             if src.name in grads:
                 split_users = [var for var, s in x[node.name] if s.inputs[slot] == R and s.splits_work]
                 model.grad_allreduce(src.name, split_users,
                                      costs.collective("all_reduce", tensor_bytes(src.meta["val"])))
     for out in graph.output_node().args[0]:
         if is_tensor_node(out):
-            model.require(out_expr[out.name], R)
-    model.solve()
+            if R not in out_expr[out.name]:
+                raise TensorParallelPlanError(
+                    out, tp, f"the step returns it whole, and every strategy of its op gives "
+                             f"{' or '.join(sorted(show(p) for p in out_expr[out.name]))}")
+            try:
+                model.require(out_expr[out.name], R)
+            except _NoPlan as exc:
+                raise TensorParallelPlanError(out, tp, f"the step returns it whole, and it "
+                                                       f"can only be split ({exc})") from None
+    model.solve(tp)
     choice = {name: model.chosen(opts) for name, opts in x.items()}
     placement = {name: s.output for name, s in choice.items()}
     for node in graph.nodes:
@@ -351,19 +373,19 @@ class _Model:
     def _at_most(self, lhs, bound: int) -> None:
         if _is_const(lhs):
             if lhs > bound:
-                raise ValueError("the tensor-parallel placement has no valid plan (an op's "
-                                 "only strategy needs a partial sum nothing produces); "
-                                 "compile with Layout.tp=1 and report the model")
+                raise _NoPlan("the only placements on both sides cannot be converted")
             return
         self.h.addConstr(lhs <= bound)
 
-    def solve(self) -> None:
+    def solve(self, tp: int) -> None:
         if self.has_choices:
             self.h.minimize()
             status = self.h.getModelStatus()
             if status != highspy.HighsModelStatus.kOptimal:
-                raise RuntimeError(f"the tensor-parallel placement program ended {status}; "
-                                   "compile with Layout.tp=1 and report the model")
+                ended = self.h.modelStatusToString(status)
+                raise TensorParallelPlanError(
+                    None, tp, f"the placement program (HiGHS) ended {ended}: the ops' "
+                    "strategies admit no consistent set of placements")
 
     def chosen(self, vars_: list[tuple]) -> Strategy:
         if vars_[0][0] is None:
@@ -372,6 +394,29 @@ class _Model:
 
     def objective(self) -> float:
         return self.constant + (self.h.getObjectiveValue() if self.has_choices else 0.0)
+
+
+class _NoPlan(ValueError):
+    """A constraint between fixed placements that cannot hold (raised while building)."""
+
+
+class TensorParallelPlanError(ValueError):
+    """No placement of the step's tensors over the tp ranks satisfies every op: the
+    message names the op (module and source line) where the constraints meet, and what
+    the user can do."""
+
+    def __init__(self, node: fx.Node | None, tp: int, why: str):
+        where, rewrite = "the step", ""
+        if node is not None:
+            path, _ = module_of(node)
+            line = source_of(node) or "an unknown source line"
+            where = f"{node.target} (node {node.name}) at {line}" + \
+                (f" in module `{path}`" if path else "")
+            rewrite = ", or write that line with another op"
+        super().__init__(
+            f"tensor parallelism (tp={tp}) found no valid placement for {where}: {why}. Train "
+            f"this model with Layout(tp=1) (dp, pp and ZeRO need no placement){rewrite}; "
+            f"please report the model")
 
 
 def _sum(vars_: list):
