@@ -384,11 +384,15 @@ def _unflatten_optimizer(flat: dict[str, Any], record: dict) -> dict:
 
 
 def save_checkpoint(
-    path: str | os.PathLike, tensors: dict[str, torch.Tensor], optimizer_state: dict | None, manifest: dict
+    path: str | os.PathLike, tensors: dict[str, torch.Tensor], optimizer_state: dict | None, manifest: dict,
+    extra: dict | None = None,
 ) -> None:
-    """Atomically replace the checkpoint at ``path`` (see the module docstring). Collective."""
+    """Atomically replace the checkpoint at ``path`` (see the module docstring). Collective.
+    ``extra``: JSON-serialisable state saved in the manifest record with the tensors (the
+    data-block master's queues: a checkpoint holds the data position with the weights);
+    `read_extra` returns it."""
     path = Path(path)
-    record = {"format": _FORMAT, "manifest": manifest}
+    record = {"format": _FORMAT, "manifest": manifest, "extra": extra or {}}
     if optimizer_state is not None:
         record["optimizer"] = _describe_optimizer(optimizer_state)
     suffix = _on_rank0(lambda: _prepare_save(path, tensors, record))
@@ -455,6 +459,12 @@ def load_checkpoint(
         for name, t in tensors.items():
             t.copy_(fresh[name])
     return None if optimizer is None else _unflatten_optimizer(flat, record["optimizer"])
+
+
+def read_extra(path: str | os.PathLike) -> dict:
+    """The ``extra`` state saved with the checkpoint at ``path`` (its record is checked
+    against its own digest). Collective."""
+    return _on_rank0(lambda: _read_record(Path(path)).get("extra", {}))
 
 
 def _verify(path: Path, manifest: dict, optimizer_state_template: dict | None) -> dict:

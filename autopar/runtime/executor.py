@@ -264,16 +264,19 @@ class DistributedStep:
         """Names of what the optimizer updates (ZeRO: this rank's blocks)."""
         return {id(t): p.name for p, t in zip(self.program.params, self.updated)}
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, extra: dict | None = None) -> None:
         """Collective: write weights and optimizer state with torch.distributed.checkpoint
-        (a tensor-parallel step writes each block once; any layout can load it)."""
+        (a tensor-parallel step writes each block once; any layout can load it).
+        `extra`: JSON-serialisable state saved with them, atomically (for example the
+        data-block master's `state_dict()`); `load` returns it."""
         ckpt.save_checkpoint(path, self._named_tensors(), self._optimizer_state(True),
-                             self._manifest())
+                             self._manifest(), extra)
 
-    def load(self, path: str | Path) -> None:
+    def load(self, path: str | Path) -> dict:
         """Collective: restore what `save` wrote; refuses a mismatched or corrupted checkpoint
         without changing anything. The checkpoint may come from another layout of the same
-        model (tensor-parallel blocks are resharded)."""
+        model (tensor-parallel blocks are resharded). Returns the `extra` state saved
+        with it ({} if none)."""
         template = self._optimizer_state(True)
         state_like = {e.name: self._view_like_updated(e.name, u)
                       for e, u in zip(self.program.params, self.updated)}
@@ -290,6 +293,7 @@ class DistributedStep:
             for p, u, in_graph in zip(self.params, self.updated, self.in_graph_block):
                 if u is not p and not in_graph:
                     u.copy_(self._block_of(p.detach(), u.shape[0]))
+        return ckpt.read_extra(path)
 
     def parameters(self) -> Iterable[torch.nn.Parameter]:
         return iter(self.params)

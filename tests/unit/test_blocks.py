@@ -202,3 +202,28 @@ def test_the_master_in_a_store_restores_a_checkpoint_and_refuses_leases_of_befor
     assert not master.finish(after)  # a lease from before the restore
     with pytest.raises(ValueError, match="already holds a block master with blocks=4"):
         BlockMaster(store, blocks=5, timeout=60.0)
+
+
+def test_the_masters_state_is_saved_and_restored_with_the_model_checkpoint(tmp_path):
+    """`step.save(path, extra=master.state_dict())` writes the data position with the
+    weights, atomically; loading the checkpoint returns it, and the master rolls back
+    with the model: the blocks trained after the checkpoint are trained again."""
+    import autopar
+    from autopar.examples import mlp
+
+    ex = mlp()
+    step = autopar.compile(ex.model, None, ex.batch, ex.loss_fn, layout=autopar.Layout(),
+                           optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    master = BlockMaster(store, blocks=4, timeout=60.0)
+    step(*ex.batch)
+    assert master.finish(master.lease())
+    step.save(tmp_path / "ckpt", extra={"blocks": master.state_dict()})
+    saved_weights = {k: v.clone() for k, v in step.full_state_dict().items()}
+    step(*ex.batch)  # trained after the checkpoint, then the job dies
+    assert master.finish(master.lease())
+    extra = step.load(tmp_path / "ckpt")
+    master.load_state_dict(extra["blocks"])
+    assert master.state().done == [0] and master.state().todo == [1, 2, 3]
+    for name, value in step.full_state_dict().items():
+        assert torch.equal(value, saved_weights[name]), name
