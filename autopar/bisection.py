@@ -260,6 +260,7 @@ def _promote(x):
 
 
 def _reference_values(reference, model: torch.nn.Module, flat: tuple):
+    """The reference graph's values on the global batch: (float64, fp32), by node name."""
     named = dict(model.named_parameters(remove_duplicate=False))
     named.update(model.named_buffers(remove_duplicate=False))
     sig = reference.signature
@@ -644,13 +645,6 @@ def _compare(step, reference, everyone: list[dict], exact: dict, fp32: dict, lay
                 **({"pass_name": RECEIVED, "cause_pass": RECEIVED} if received else {}))
             return BisectReport(layout, compared, total, first, closest)
     return BisectReport(layout, compared, total, None, closest)
-
-
-def _made_from_shapes(node: fx.Node, constants: set) -> bool:
-    """A call whose inputs are all such calls, or none (arange, full, zeros): a constant of
-    the program's local shapes (a rank's `arange(batch)` counts its own rows), not a value
-    to compare."""
-    return node.op == "call_function" and all(a in constants for a in node.all_input_nodes)
 
 
 def _unmatched_placement(node: fx.Node, mesh, spread: list[bool]) -> tuple:
