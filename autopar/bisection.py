@@ -541,10 +541,12 @@ class _Programs:
                 out[index] = (rank, mb)
         return out
 
-    def values(self, everyone: list[dict], key: tuple, name: str) -> dict | None:
-        """The recorded values of node `name` of program `key`, by index in `mesh`."""
+    def values(self, everyone: list[dict], key: tuple, members: dict,
+               name: str) -> dict | None:
+        """The recorded values of node `name` of program `key` (whose `members`), by
+        index in `mesh`."""
         out = {}
-        for index, (rank, mb) in self.members(key[0]).items():
+        for index, (rank, mb) in members.items():
             record = everyone[rank].get((key[0], key[1], mb))
             if record is None or name not in record:
                 return None
@@ -576,8 +578,10 @@ def _compare(step, reference, everyone: list[dict], exact: dict, fp32: dict, lay
     retraced_by = tuple(rank_tg.attrs.get("retraced_by", ()))
     matched = _match(rank_tg.gm, reference.gm, bool(retraced_by))
     pipelined = isinstance(step, PipelineStep)
-    returned = set()  # what the runtime takes as it is: never partial (a pipeline sums
-    for mine, theirs in zip(_outputs(rank_tg.gm), _outputs(reference.gm)):  # its parts)
+    # what the runtime takes as it is: never partial (a pipeline's stage outputs are
+    # partial gradients, which the runtime sums)
+    returned = set()
+    for mine, theirs in zip(_outputs(rank_tg.gm), _outputs(reference.gm)):
         if isinstance(mine, fx.Node) and isinstance(theirs, fx.Node):
             matched.setdefault(mine.name, theirs.name)
             if not pipelined:
@@ -590,6 +594,7 @@ def _compare(step, reference, everyone: list[dict], exact: dict, fp32: dict, lay
     compared, closest, total = 0, 0.0, 0
     agreed: set[str] = set()
     for label, key, gm in walk.programs:
+        members = walk.members(key[0])
         for node in gm.graph.nodes:
             if node.op not in ("placeholder", "call_function"):
                 continue
@@ -599,7 +604,7 @@ def _compare(step, reference, everyone: list[dict], exact: dict, fp32: dict, lay
                 inputs = [placement[node.name]]  # a value an earlier program computed
             spread = [any(p[m] != R for p in inputs) for m in range(len(mesh))]
             ref_name = matched.get(node.name)
-            values = walk.values(everyone, key, node.name)
+            values = walk.values(everyone, key, members, node.name)
             shaped = node.op == "call_function" and \
                 all(a.name in constants for a in node.all_input_nodes)
             partial_ok = [s and node.name not in returned for s in spread]
@@ -633,7 +638,6 @@ def _compare(step, reference, everyone: list[dict], exact: dict, fp32: dict, lay
             error, combo, errors = best
             off = _ranks_off(values, mesh, combo, truth, allowed) or \
                 tuple(sorted(r for e, rs in errors if e > allowed for r in rs))
-            members = walk.members(key[0])
             ranks = tuple(sorted({members[i][0] for i in off}))
             mbs = tuple(sorted({members[i][1] for i in off})) if pipelined else ()
             first = _divergence(node, ref_name, combo, mesh, error, allowed, ranks,

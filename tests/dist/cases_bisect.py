@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import autopar
 from autopar.bisection import bisect
-from autopar.examples import gpt2, llama
+from autopar.examples import gpt2, hf_tiny, llama
 from autopar.runtime.pipeline import PipelineStep
 from tests.bisect_bugs import (
     DropOneAllReduce,
@@ -32,6 +32,9 @@ _CORRECT_2 = [
     (llama, autopar.Layout(dp=2, microbatches=2, zero=2)),
     (gpt2, autopar.Layout(tp=2, microbatches=4)),
     (lambda layers: gpt2(layers=layers, vocab=255), autopar.Layout(dp=2, zero=3)),  # odd rows
+    # transformers models from small configs, as users build them
+    (lambda layers: hf_tiny("qwen2"), autopar.Layout(tp=2)),
+    (lambda layers: hf_tiny("opt"), autopar.Layout(pp=2, microbatches=2)),
 ]
 _CORRECT_4 = [
     (gpt2, autopar.Layout(dp=2, tp=2, zero=2)),
