@@ -7,7 +7,12 @@ layout, world size and version ride along unchecked), a record of the optimizer
 state's structure, and a SHA-256 of every file DCP wrote.
 
 Every rank calls `save_checkpoint` / `load_checkpoint` collectively when a
-process group is initialised; without one they run as a single process.
+process group is initialised; without one they run as a single process. Ranks may
+hold different subsets of the manifest's tensors and of the optimizer's parameters
+(a pipeline stage holds its own layers): each rank's subset is checked against the
+manifest, their union must cover it, and the optimizer record is the union of every
+rank's. Per-rank values (each rank's RNG state) are saved under the rank's number and
+restored only into the same layout and world size.
 
     save: rank 0 picks a random suffix (broadcast) -> all ranks write into
           <path>.tmp-<suffix> -> barrier -> rank 0 hashes the files, writes the
@@ -66,7 +71,7 @@ from torch.distributed.checkpoint import (
 from torch.distributed.checkpoint.api import CheckpointException
 
 MANIFEST_FILE = "autopar_manifest.json"
-_FORMAT = 1
+_FORMAT = 2  # 2: parameter groups' names in the record, per-rank values
 _TMP = ".tmp-"
 _OLD = ".old-"
 _MAX_LISTED = 20
@@ -176,17 +181,30 @@ def _tensor_mismatches(saved: dict, current: dict, saved_where: str, current_whe
 
 
 def _describe_optimizer(state: dict) -> dict:
-    """The structure of a name-keyed optimizer state, enough to rebuild a load template."""
+    """The structure of a name-keyed optimizer state, enough to rebuild a load template:
+    every rank's, merged (collective). A parameter group lists the union of the ranks'
+    parameters in it."""
 
     def describe(value: Any) -> dict:
         if isinstance(value, torch.Tensor):
             return {"shape": list(value.shape), "dtype": _dtype_name(value.dtype)}
         return {"object": type(value).__name__}
 
-    return {
+    mine = {
         "state": {name: {k: describe(v) for k, v in entries.items()} for name, entries in state["state"].items()},
         "param_groups": [{"params": list(g["params"]), "keys": list(g)} for g in state["param_groups"]],
     }
+    ranks = _gather(mine)
+    counts = {len(r["param_groups"]) for r in ranks}
+    if len(counts) > 1:
+        raise CheckpointError(f"the ranks' optimizers have different numbers of parameter groups: {sorted(counts)}")
+    merged = {"state": {}, "param_groups": [{"params": [], "keys": g["keys"]} for g in ranks[0]["param_groups"]]}
+    for r in ranks:
+        for name, entries in r["state"].items():
+            merged["state"].setdefault(name, entries)
+        for group, theirs in zip(merged["param_groups"], r["param_groups"]):
+            group["params"] += [n for n in theirs["params"] if n not in group["params"]]
+    return merged
 
 
 def _manifest_digest(body: dict) -> str:
@@ -258,9 +276,9 @@ def _finish_interrupted_swap(path: Path) -> None:
         os.rename((complete or previous)[-1], path)
 
 
-def _prepare_save(path: Path, tensors: dict[str, torch.Tensor], record: dict) -> str:
+def _prepare_save(path: Path, record: dict) -> str:
     """Rank 0, before writing: returns the tmp suffix every rank will use."""
-    _check_saveable(tensors, record)
+    _check_record(record)
     _finish_interrupted_swap(path)
     if path.exists() and not (path / MANIFEST_FILE).is_file() and (path.is_file() or any(path.iterdir())):
         raise CheckpointError(f"refusing to replace {path}: it exists and is not an autopar checkpoint")
@@ -287,6 +305,33 @@ def _publish(tmp: Path, path: Path, suffix: str, record: dict) -> None:
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def _gather(obj: _T) -> list[_T]:
+    """Every rank's `obj`, in rank order (collective)."""
+    if not _distributed():
+        return [obj]
+    out: list = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _agree(problems: list[str], what: str) -> None:
+    """Raise CheckpointError on every rank if any rank found a problem (collective)."""
+    found = [(r, p) for r, lines in enumerate(_gather(problems)) for p in lines]
+    if found:
+        lines = [f"rank {r}: {p}" if _distributed() else p for r, p in found]
+        more = len(lines) - _MAX_LISTED
+        lines = lines[:_MAX_LISTED] + ([f"and {more} more"] if more > 0 else [])
+        raise CheckpointError(what + ":\n  " + "\n  ".join(lines))
+
+
+def _world() -> int:
+    return dist.get_world_size() if _distributed() else 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
 
 
 def _is_rank0() -> bool:
@@ -332,14 +377,18 @@ def _key(*parts: str | int) -> str:
     return ".".join(map(str, parts))
 
 
-def _flat_state_dict(tensors: dict[str, torch.Tensor], optimizer_state: dict | None) -> dict[str, Any]:
-    """One flat dict, so that DCP's keys are ours and loading never depends on its flattening rules."""
+def _flat_state_dict(tensors: dict[str, torch.Tensor], optimizer_state: dict | None,
+                     per_rank: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """One flat dict, so that DCP's keys are ours and loading never depends on its flattening
+    rules. A group's parameter names are in the record (ranks differ), not here."""
     flat: dict[str, Any] = {_key("model", name): t for name, t in tensors.items()}
     if optimizer_state is not None:
         for name, entries in optimizer_state["state"].items():
             flat.update({_key("optim.state", name, key): value for key, value in entries.items()})
         for i, group in enumerate(optimizer_state["param_groups"]):
-            flat.update({_key("optim.param_groups", i, key): value for key, value in group.items()})
+            flat.update({_key("optim.param_groups", i, key): value for key, value in group.items()
+                         if key != "params"})
+    flat.update({_key("rank", _rank(), name): t for name, t in (per_rank or {}).items()})
     return flat
 
 
@@ -349,8 +398,10 @@ def _load_planner() -> DefaultLoadPlanner:
     return DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
 
 
-def _optimizer_template(record: dict, tensors: dict[str, torch.Tensor]) -> dict:
-    """Empty name-keyed optimizer state shaped as the saved one (see the module docstring)."""
+def _optimizer_template(record: dict, tensors: dict[str, torch.Tensor], groups: list[list[str]]) -> dict:
+    """Empty name-keyed optimizer state shaped as the saved one (see the module docstring),
+    for the parameters of this rank's `groups` only."""
+    mine = {name for group in groups for name in group}
 
     def empty(spec: dict, param: torch.Tensor | None) -> Any:
         if "object" in spec:
@@ -363,21 +414,25 @@ def _optimizer_template(record: dict, tensors: dict[str, torch.Tensor]) -> dict:
     return {
         "state": {
             name: {key: empty(spec, tensors.get(name)) for key, spec in entries.items()}
-            for name, entries in record["state"].items()
+            for name, entries in record["state"].items() if name in mine
         },
         "param_groups": [{key: None for key in group["keys"]} for group in record["param_groups"]],
     }
 
 
-def _unflatten_optimizer(flat: dict[str, Any], record: dict) -> dict:
-    """The inverse of `_flat_state_dict` for the optimizer part, guided by the saved record."""
+def _unflatten_optimizer(flat: dict[str, Any], record: dict, groups: list[list[str]]) -> dict:
+    """The inverse of `_flat_state_dict` for the optimizer part of this rank's `groups`,
+    guided by the saved record."""
+    mine = {name for group in groups for name in group}
     state = {}
     for name, entries in record["state"].items():
-        state[name] = {key: flat[_key("optim.state", name, key)] for key in entries}
-    groups = []
-    for i, group in enumerate(record["param_groups"]):
-        groups.append({key: flat[_key("optim.param_groups", i, key)] for key in group["keys"]})
-    return {"state": state, "param_groups": groups}
+        if name in mine:
+            state[name] = {key: flat[_key("optim.state", name, key)] for key in entries}
+    loaded = []
+    for i, (group, names) in enumerate(zip(record["param_groups"], groups)):
+        loaded.append({key: list(names) if key == "params" else flat[_key("optim.param_groups", i, key)]
+                       for key in group["keys"]})
+    return {"state": state, "param_groups": loaded}
 
 
 # ---------------------------------------------------------------- save / load
@@ -385,22 +440,27 @@ def _unflatten_optimizer(flat: dict[str, Any], record: dict) -> dict:
 
 def save_checkpoint(
     path: str | os.PathLike, tensors: dict[str, torch.Tensor], optimizer_state: dict | None, manifest: dict,
-    extra: dict | None = None,
+    extra: dict | None = None, per_rank: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Atomically replace the checkpoint at ``path`` (see the module docstring). Collective.
-    ``extra``: JSON-serialisable state saved in the manifest record with the tensors (the
-    data-block master's queues: a checkpoint holds the data position with the weights);
-    `read_extra` returns it."""
+
+    ``tensors``: this rank's named tensors, a subset of ``manifest["tensors"]`` (the
+    ranks' union must cover it). ``extra``: JSON-serialisable state saved in the
+    manifest record with the tensors (the data-block master's queues: a checkpoint holds
+    the data position with the weights); `read_extra` returns it. ``per_rank``: tensors
+    of this rank alone (its RNG state), saved under its rank number."""
     path = Path(path)
-    record = {"format": _FORMAT, "manifest": manifest, "extra": extra or {}}
+    _agree(_subset_mismatches(tensors, manifest), "the manifest does not describe the tensors being saved")
+    record = {"format": _FORMAT, "manifest": manifest, "extra": extra or {},
+              "per_rank": {"world_size": _world(), "names": sorted(per_rank or {})}}
     if optimizer_state is not None:
         record["optimizer"] = _describe_optimizer(optimizer_state)
-    suffix = _on_rank0(lambda: _prepare_save(path, tensors, record))
+    suffix = _on_rank0(lambda: _prepare_save(path, record))
     tmp = path.with_name(path.name + _TMP + suffix)
     try:
         with _quiet_single_process():
             dcp.save(
-                _flat_state_dict(tensors, optimizer_state),
+                _flat_state_dict(tensors, optimizer_state, per_rank),
                 storage_writer=FileSystemWriter(tmp),
                 planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
             )
@@ -417,16 +477,25 @@ def save_checkpoint(
     _on_rank0(lambda: _publish(tmp, path, suffix, record))
 
 
-def _check_saveable(tensors: dict[str, torch.Tensor], record: dict) -> None:
-    """The manifest can be written and describes what is saved, or a later load would misjudge it."""
+def _subset_mismatches(tensors: dict[str, torch.Tensor], manifest: dict) -> list[str]:
+    """This rank's tensors against the manifest, and (collective) the ranks' union against it."""
+    described = manifest.get("tensors", {})
+    mine = describe_tensors(tensors)
+    lines = _tensor_mismatches({n: d for n, d in described.items() if n in mine}, mine,
+                               "in the manifest", "in the tensors")
+    held = set().union(*_gather(sorted(mine)))
+    unsaved = [name for name in described if name not in held]
+    if unsaved and _is_rank0():
+        lines.append("in the manifest but held by no rank: " + _listing(unsaved))
+    return lines
+
+
+def _check_record(record: dict) -> None:
+    """The manifest can be written, or a later load would misjudge it."""
     try:
         json.dumps(record)
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"the checkpoint manifest must be JSON-serialisable: {e}") from e
-    described = record["manifest"].get("tensors", {})
-    lines = _tensor_mismatches(described, describe_tensors(tensors), "in the manifest", "in the tensors")
-    if lines:
-        raise CheckpointError("the manifest does not describe the tensors being saved:\n  " + "\n  ".join(lines))
 
 
 def load_checkpoint(
@@ -435,21 +504,36 @@ def load_checkpoint(
     manifest: dict,
     optimizer_state_template: dict | None,
     state_like: dict[str, torch.Tensor] | None = None,
+    per_rank: dict[str, torch.Tensor] | None = None,
 ) -> dict | None:
     """Load ``path`` into ``tensors`` in place and return the name-keyed optimizer state. Collective.
 
-    Only the template's ``param_groups[i]["params"]`` names are used (they must
-    match the saved ones); its state may be empty. Without a template no
-    optimizer state is read and None is returned. On any error nothing is changed.
-    ``state_like``: per parameter name, the tensor its state tensors are shaped and
-    placed like (default ``tensors``; a ZeRO step's optimizer updates blocks).
+    ``tensors``: this rank's subset of the manifest's (as in `save_checkpoint`).
+    Only the template's ``param_groups[i]["params"]`` names are used (each must be in
+    the saved group i, and the ranks' union must equal it); its state may be empty.
+    Without a template no optimizer state is read and None is returned. On any error
+    nothing is changed. ``state_like``: per parameter name, the tensor its state tensors
+    are shaped and placed like (default ``tensors``; a ZeRO step's optimizer updates
+    blocks). ``per_rank``: this rank's own tensors, loaded in place only when the
+    checkpoint was saved in the same layout and world size (else left as they are).
     """
     path = Path(path)
-    record = _on_rank0(lambda: _verify(path, manifest, optimizer_state_template))
+    record = _on_rank0(lambda: _verify(path, manifest, optimizer_state_template is not None))
+    groups = None
+    if optimizer_state_template is not None:
+        groups = [list(g["params"]) for g in optimizer_state_template["param_groups"]]
+        saved = [g["params"] for g in record["optimizer"]["param_groups"]]
+        every = _gather(groups)
+        _agree(_union_mismatches(saved, every) if _is_rank0() else [],
+               f"checkpoint {path} does not match this optimizer")
+    same_ranks = (record["manifest"].get("layout") == manifest.get("layout")
+                  and record.get("per_rank", {}).get("world_size") == _world())
+    own = {n: t for n, t in (per_rank or {}).items() if same_ranks and n in record["per_rank"]["names"]}
     fresh = {name: torch.empty_like(t) for name, t in tensors.items()}
-    optimizer = None if optimizer_state_template is None else _optimizer_template(
-        record["optimizer"], tensors if state_like is None else state_like)
-    flat = _flat_state_dict(fresh, optimizer)
+    fresh_own = {name: torch.empty_like(t) for name, t in own.items()}
+    optimizer = None if groups is None else _optimizer_template(
+        record["optimizer"], tensors if state_like is None else state_like, groups)
+    flat = _flat_state_dict(fresh, optimizer, fresh_own)
     try:
         with _quiet_single_process():
             dcp.load(flat, storage_reader=FileSystemReader(path), planner=_load_planner())
@@ -458,7 +542,32 @@ def load_checkpoint(
     with torch.no_grad():
         for name, t in tensors.items():
             t.copy_(fresh[name])
-    return None if optimizer is None else _unflatten_optimizer(flat, record["optimizer"])
+        for name, t in own.items():
+            t.copy_(fresh_own[name])
+    return None if optimizer is None else _unflatten_optimizer(flat, record["optimizer"], groups)
+
+
+def _union_mismatches(saved: list[list[str]], ranks: list[list[list[str]]]) -> list[str]:
+    """Each rank's parameter groups against the saved ones: rank r's group i must lie in
+    saved group i, and the ranks' groups together must hold all of it."""
+    lines = []
+    for r, groups in enumerate(ranks):
+        if len(groups) != len(saved):
+            lines.append(f"{len(saved)} parameter groups in the checkpoint, {len(groups)} in the "
+                         f"optimizer" + (f" of rank {r}" if len(ranks) > 1 else ""))
+            continue
+        for i, (want, have) in enumerate(zip(groups, saved)):
+            missing = [n for n in want if n not in have]
+            if missing:
+                lines.append(f"parameter group {i}: missing from the checkpoint: " + _listing(missing))
+    if lines:
+        return lines
+    for i, have in enumerate(saved):
+        held = {n for groups in ranks for n in groups[i]}
+        unexpected = [n for n in have if n not in held]
+        if unexpected:
+            lines.append(f"parameter group {i}: not in this optimizer: " + _listing(unexpected))
+    return lines
 
 
 def read_extra(path: str | os.PathLike) -> dict:
@@ -467,10 +576,13 @@ def read_extra(path: str | os.PathLike) -> dict:
     return _on_rank0(lambda: _read_record(Path(path)).get("extra", {}))
 
 
-def _verify(path: Path, manifest: dict, optimizer_state_template: dict | None) -> dict:
+def _verify(path: Path, manifest: dict, with_optimizer: bool) -> dict:
     """Rank 0, before anything is read: the checkpoint is intact and fits the caller."""
     _finish_interrupted_swap(path)
     record = _read_record(path)
+    if record.get("format") != _FORMAT:
+        raise CheckpointError(f"checkpoint {path} has format {record.get('format')}; this autopar "
+                              f"reads format {_FORMAT}")
     for name, digest in record["files"].items():
         file = path / name
         if not file.is_file():
@@ -478,12 +590,8 @@ def _verify(path: Path, manifest: dict, optimizer_state_template: dict | None) -
         if _sha256(file) != digest:
             raise CheckpointError(f"checkpoint {path} is corrupted: {name} has changed since it was saved")
     lines = _tensor_mismatches(record["manifest"]["tensors"], manifest["tensors"], "in the checkpoint", "in this model")
-    if optimizer_state_template is not None:
-        if "optimizer" not in record:
-            lines.append("no optimizer state in the checkpoint")
-        else:
-            saved = [g["params"] for g in record["optimizer"]["param_groups"]]
-            lines += _group_mismatches(saved, [list(g["params"]) for g in optimizer_state_template["param_groups"]])
+    if with_optimizer and "optimizer" not in record:
+        lines.append("no optimizer state in the checkpoint")
     if lines:
         raise CheckpointError(f"checkpoint {path} does not match this model:\n  " + "\n  ".join(lines))
     return record

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autopar.compiler.ir.batch import BatchError, Objective, normalizer_means
 from autopar.compiler.ir.program import LOSS_SCALE_INPUT, Program, bind_groups
-from autopar.runtime import checkpoint as ckpt
 from autopar.runtime.loss_scaler import LossScaler
 from autopar.runtime.mesh import Mesh, build_mesh
 from autopar.runtime.shards import (
@@ -23,22 +20,14 @@ from autopar.runtime.shards import (
     whole,
     zero_block,
 )
+from autopar.runtime.training_state import HeldParam, TrainingState
 
 log = logging.getLogger("autopar.runtime")
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
-def _pad_rows(block: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A loaded ZeRO block (without padding) back to the padded rows of `like`."""
-    if block.dim() == 0 or block.shape[0] == like.shape[0]:
-        return block
-    out = block.new_zeros((like.shape[0], *block.shape[1:]))
-    out[:block.shape[0]] = block
-    return out
-
-
-class DistributedStep:
+class DistributedStep(TrainingState):
     """A compiled training step bound to this rank's mesh, weights and optimizer.
 
     The model's own parameters are the weights: the graph reads them and the
@@ -57,6 +46,7 @@ class DistributedStep:
             else program.gm
         named = dict(model.named_parameters(remove_duplicate=False))
         named.update(model.named_buffers(remove_duplicate=False))
+        self._whole = self._whole_of(model, program)  # for checkpoints, before blocks are cut
         self.params = [named[p.name] for p in program.params]
         self.buffers = [named[b.name] for b in program.buffers]
         self._model = model
@@ -185,59 +175,14 @@ class DistributedStep:
     def _gathered(self, u: torch.Tensor, rows: int) -> torch.Tensor:
         return gathered(u, rows, self.program.mesh_size("dp"), self.mesh.group("dp"))
 
-    def _global_view(self, t: torch.Tensor, entry, zero_rows: int | None) -> torch.Tensor:
-        """A parameter's tensor-parallel block and/or ZeRO dim-0 block over dp (or a state
-        tensor of one; `zero_rows`: the whole parameter's rows when `t` is a ZeRO block) as
-        a DTensor over the mesh sharing its storage (a padded block without its padding):
-        checkpoints write each block once and load into any layout (DCP reshards)."""
-        if t.dim() == 0:  # a step counter: the same on every rank
-            return t
-        if entry.shard_dim is None and zero_rows is None:
-            return t
-        if zero_rows is not None and entry.shard_dim == 0:
-            raise NotImplementedError(
-                f"checkpoint of {entry.name}: split on dim 0 by both tensor parallelism and "
-                "ZeRO; use zero=0, or a layout where tp splits another dim")
-        placements = {"dp": Shard(0) if zero_rows is not None else Replicate(),
-                      "tp": Shard(entry.shard_dim) if entry.shard_dim is not None else Replicate()}
-        shape = list(t.shape)
-        if entry.shard_dim is not None:
-            shape[entry.shard_dim] *= self.program.mesh_size("tp")
-        if zero_rows is not None:
-            start = self.mesh.rank_in("dp") * t.shape[0]
-            t = t.narrow(0, 0, max(0, min(t.shape[0], zero_rows - start)))
-            shape[0] = zero_rows
-        return DTensor.from_local(t, self.mesh.device_mesh,
-                                  [placements.get(name, Replicate()) for name, _ in self.program.mesh],
-                                  run_check=False, shape=torch.Size(shape),
-                                  stride=torch.empty(shape, device="meta").stride())
-
-    def _optimizer_state(self, as_global: bool) -> dict:
-        """The optimizer's state by parameter name; a split parameter's state tensors as
-        DTensor views (as_global) for checkpoints."""
-        state = ckpt.optimizer_state_by_name(self.optimizer, self._param_names())
-        if as_global:
-            state["state"] = {name: {k: self._view_like_updated(name, v)
-                                     if isinstance(v, torch.Tensor) else v
-                                     for k, v in values.items()}
-                              for name, values in state["state"].items()}
-        return state
-
-    def _view_like_updated(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """`t`, shaped like what the optimizer updates for parameter `name`, as a global view."""
-        i = next(k for k, e in enumerate(self.program.params) if e.name == name)
-        blocked = self.updated[i] is not self.params[i]
-        return self._global_view(t, self.program.params[i], self.rows[i] if blocked else None)
-
     # -- weights and checkpoints ------------------------------------------------------------
 
-    def _named_tensors(self) -> dict[str, torch.Tensor]:
-        named = {e.name: self._global_view(g, e, rows if b else None) for e, g, b, rows in
-                 zip(self.program.params, self.graph_params, self.in_graph_block, self.rows)}
-        named.update({b.name: t for b, t in zip(self.program.buffers, self.buffers)})
-        if self.loss_scaler is not None:  # checkpoints carry the scale (updated in place)
-            named.update(self.loss_scaler.state_tensors())
-        return named
+    def _held_params(self) -> list[HeldParam]:
+        return [HeldParam(e, p, u, b, rows) for e, p, u, b, rows in
+                zip(self.program.params, self.params, self.updated, self.in_graph_block, self.rows)]
+
+    def _held_buffers(self) -> dict[str, torch.Tensor]:
+        return {b.name: t for b, t in zip(self.program.buffers, self.buffers)}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model's weights under their original names (tied names included);
@@ -250,50 +195,6 @@ class DistributedStep:
             for name in (entry.name, *entry.aliases):
                 out[name] = full if name == entry.name else full.clone()
         return out
-
-    def _manifest(self) -> dict:
-        return {
-            "format": "autopar-checkpoint-1",
-            "layout": self.program.layout,
-            "world_size": self.program.world_size,
-            "tensors": {n: {"shape": list(t.shape), "dtype": str(t.dtype)}
-                        for n, t in self._named_tensors().items()},
-        }
-
-    def _param_names(self) -> dict[int, str]:
-        """Names of what the optimizer updates (ZeRO: this rank's blocks)."""
-        return {id(t): p.name for p, t in zip(self.program.params, self.updated)}
-
-    def save(self, path: str | Path, extra: dict | None = None) -> None:
-        """Collective: write weights and optimizer state with torch.distributed.checkpoint
-        (a tensor-parallel step writes each block once; any layout can load it).
-        `extra`: JSON-serialisable state saved with them, atomically (for example the
-        data-block master's `state_dict()`); `load` returns it."""
-        ckpt.save_checkpoint(path, self._named_tensors(), self._optimizer_state(True),
-                             self._manifest(), extra)
-
-    def load(self, path: str | Path) -> dict:
-        """Collective: restore what `save` wrote; refuses a mismatched or corrupted checkpoint
-        without changing anything. The checkpoint may come from another layout of the same
-        model (tensor-parallel blocks are resharded). Returns the `extra` state saved
-        with it ({} if none)."""
-        template = self._optimizer_state(True)
-        state_like = {e.name: self._view_like_updated(e.name, u)
-                      for e, u in zip(self.program.params, self.updated)}
-        state = ckpt.load_checkpoint(path, self._named_tensors(), self._manifest(), template,
-                                     state_like)
-        if state is not None:
-            updated = {e.name: u for e, u in zip(self.program.params, self.updated)}
-            for name, values in state["state"].items():  # the optimizer holds plain blocks
-                for k, v in values.items():
-                    if isinstance(v, DTensor):
-                        values[k] = _pad_rows(v.to_local(), updated[name])
-            ckpt.load_optimizer_state_by_name(self.optimizer, self._param_names(), state)
-        with torch.no_grad():  # ZeRO: the blocks the optimizer updates, from the loaded weights
-            for p, u, in_graph in zip(self.params, self.updated, self.in_graph_block):
-                if u is not p and not in_graph:
-                    u.copy_(self._block_of(p.detach(), u.shape[0]))
-        return ckpt.read_extra(path)
 
     def parameters(self) -> Iterable[torch.nn.Parameter]:
         return iter(self.params)

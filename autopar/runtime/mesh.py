@@ -5,7 +5,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,7 @@ class Mesh:
     device_mesh: DeviceMesh | None
     group_names: dict[str, str]
     coords: dict[str, int]  # this rank's index along each mesh dimension
+    _checkpoint_mesh: DeviceMesh | None = field(default=None, repr=False)
 
     def rank_in(self, dim: str) -> int:
         return self.coords.get(dim, 0)
@@ -60,6 +61,24 @@ class Mesh:
         names = self.device_mesh.mesh_dim_names
         index = tuple(coords.get(name, self.coords[name]) for name in names)
         return int(self.device_mesh.mesh[index])
+
+    def checkpoint_mesh(self) -> DeviceMesh | None:
+        """The same ranks with the dimensions reordered tp, pp, dp, for the DTensor views
+        checkpoints write (shards.global_view). A tensor's dim 0 split by tensor parallelism
+        and then by ZeRO is, read left to right, DTensor's nested Shard(0) on (tp, dp).
+        It makes no process groups: views over it are only read and written by DCP."""
+        if self.device_mesh is None:
+            return None
+        if self._checkpoint_mesh is None:
+            names = list(self.device_mesh.mesh_dim_names)
+            order = sorted(range(len(names)), key=lambda i: _CHECKPOINT_ORDER.get(names[i], 3))
+            self._checkpoint_mesh = DeviceMesh(
+                self.device_mesh.device_type, self.device_mesh.mesh.permute(order),
+                mesh_dim_names=tuple(names[i] for i in order), _init_backend=False)
+        return self._checkpoint_mesh
+
+
+_CHECKPOINT_ORDER = {"tp": 0, "pp": 1, "dp": 2}
 
 
 def build_mesh(dims: tuple[tuple[str, int], ...]) -> Mesh:

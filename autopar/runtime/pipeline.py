@@ -39,9 +39,10 @@ from autopar.runtime.shards import (
     whole,
     zero_block,
 )
+from autopar.runtime.training_state import HeldParam, TrainingState
 
 
-class PipelineStep:
+class PipelineStep(TrainingState):
     """The compiled step for pp > 1 or microbatches > 1 (same interface as DistributedStep)."""
 
     def __init__(self, program: PipelineProgram, model: torch.nn.Module,
@@ -59,6 +60,7 @@ class PipelineStep:
                           if p.stage % self.pp == self.pp_rank]
         named = dict(model.named_parameters(remove_duplicate=False))
         named.update(model.named_buffers(remove_duplicate=False))
+        self._whole = self._whole_of(model, program)  # for checkpoints, before blocks are cut
         entries = program.params + program.buffers
         self.tensor_of = {key: named[e.name] for key, e in zip(program.keys, entries)}
         self.param_key = {e.name: key for key, e in zip(program.keys, program.params)}
@@ -83,6 +85,7 @@ class PipelineStep:
         self.rows = [p.shape[0] if p.dim() else 0 for p in self.params]
         self._release_params()
         self.optimizer = optimizer(self.updated)
+        self.steps = 0
         self.pass_results: list = []
         self.loss_scaler = LossScaler() if program.loss_scaled else None
         wire = program.layout.get("grad_comm_dtype")
@@ -187,6 +190,7 @@ class PipelineStep:
             self._apply(synced)
             if self.loss_scaler is not None:
                 self.loss_scaler.update()
+        self.steps += 1
         return loss
 
     def _do(self, action, stage, env, grads, losses, sends) -> None:
@@ -366,11 +370,14 @@ class PipelineStep:
 
     # -- weights ---------------------------------------------------------------------------------
 
-    def save(self, path) -> None:
-        raise NotImplementedError("checkpoints of pipelined / micro-batched steps are not "
-                                  "supported yet: save with pp=1 and microbatches=1")
+    def _held_params(self) -> list[HeldParam]:
+        """The parameters this rank's stages read (see TrainingState)."""
+        return [HeldParam(e, p, u, self.zero >= 3 and u is not p, rows) for (e, _), p, u, rows
+                in zip(self.held, self.params, self.updated, self.rows)]
 
-    load = save
+    def _held_buffers(self) -> dict[str, torch.Tensor]:
+        return {b.name: self.tensor_of[k] for b, k in
+                zip(self.program.buffers, self.program.keys[len(self.program.params):])}
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the whole model under its original names, on every rank."""

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from autopar.compiler.ir.program import TensorEntry, block_rows
+from autopar.runtime.mesh import Mesh
 
 
 def own_block(t: torch.Tensor, entry: TensorEntry, tp_rank: int, tp: int) -> torch.Tensor:
@@ -67,3 +69,27 @@ def gather_into(p: torch.Tensor, u: torch.Tensor, dp: int, group) -> None:
         dist.all_gather_into_tensor(p.data, u.data, group=group)
     else:  # padded blocks: gather, then drop the padding rows
         p.data.copy_(gathered(u, p.shape[0], dp, group))
+
+
+# -- checkpoints: a block as a view of the whole tensor ----------------------------------
+
+def global_view(t: torch.Tensor, shape: torch.Size, shard_dim: int | None,
+                zero_rows: int | None, mesh: Mesh) -> torch.Tensor:
+    """`t` as a view of the whole tensor of `shape`, for torch.distributed.checkpoint: a
+    DTensor over `mesh.checkpoint_mesh()` sharing t's storage. `t` is this rank's
+    tensor-parallel block along `shard_dim` (None: not split), and/or, where `zero_rows`
+    is given, its ZeRO dim-0 block of a tensor of `zero_rows` rows (the padding rows are
+    left out of the view). Whole tensors and 0-d ones are returned as they are: DCP
+    writes one copy of a plain tensor."""
+    if mesh.device_mesh is None or t.dim() == 0 or (shard_dim is None and zero_rows is None):
+        return t
+    if zero_rows is not None:
+        start = mesh.rank_in("dp") * t.shape[0]
+        t = t.narrow(0, 0, max(0, min(t.shape[0], zero_rows - start)))
+    placements = {"tp": Shard(shard_dim) if shard_dim is not None else Replicate(),
+                  "dp": Shard(0) if zero_rows is not None else Replicate()}
+    device_mesh = mesh.checkpoint_mesh()
+    return DTensor.from_local(t, device_mesh,
+                              [placements.get(n, Replicate()) for n in device_mesh.mesh_dim_names],
+                              run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())

@@ -196,22 +196,26 @@ def _shared_dir() -> str:
     return path[0]
 
 
-def check_resume_and_reshard(factory, layout, other_layout, batches=4) -> None:
+def check_resume_and_reshard(factory, layout, other_layout, batches=4, optimizer=None,
+                             atol=1e-6) -> None:
     """Save after two steps; a step of `layout` started from other weights loads it and
     then matches the uninterrupted run bit for bit; a step of `other_layout` loads the
     same checkpoint (resharded) with the saved weights exactly and trains on within
-    rounding of the uninterrupted run."""
+    rounding (`atol`) of the uninterrupted run. Both resumed steps count on from the
+    saved step count."""
     example = factory()
     data = make_batches(example.batch, batches)
 
     def fresh(lay, seed=0):
         ex = factory(seed=seed)  # seed 7: other weights, which load must overwrite
         return autopar.compile(ex.model, None, example.batch, example.loss_fn,
-                               optimizer=adamw, layout=lay)
+                               optimizer=optimizer or adamw, layout=lay)
 
     a = fresh(layout)
     for b in data[:2]:
         a(*b)
+    if a.loss_scaler is not None:  # a scale no fresh step starts from: load must restore it
+        a.loss_scaler.scale.fill_(2.0 ** 12)
     path = _shared_dir()
     a.save(path)
     saved = a.full_state_dict()
@@ -221,6 +225,7 @@ def check_resume_and_reshard(factory, layout, other_layout, batches=4) -> None:
     for lay, exact in ((layout, True), (other_layout, False)):
         step = fresh(lay, seed=7)
         step.load(path)
+        assert step.steps == 2, step.steps
         if not exact:
             loaded = step.full_state_dict()
             for k in saved:
@@ -230,7 +235,7 @@ def check_resume_and_reshard(factory, layout, other_layout, batches=4) -> None:
         got = step.full_state_dict()
         for k in expected:
             same = torch.equal(expected[k], got[k]) if exact else \
-                torch.allclose(expected[k], got[k], rtol=0, atol=1e-6)
+                torch.allclose(expected[k], got[k], rtol=0, atol=atol)
             assert same, (k, lay)
 
 
