@@ -12,6 +12,7 @@ Without it autopar logs warnings only. Read once at the entry points
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -53,3 +54,13 @@ def configure(spec: str) -> None:
 
 def configure_from_env() -> None:
     configure(os.environ.get("AUTOPAR_LOGS", ""))
+
+
+# -- progress events of the workers `autopar train` starts ----------------------------------
+
+EVENT_PREFIX = "@autopar-event "
+
+
+def emit(event: str, **fields) -> None:
+    """Rank 0's progress as one JSON line on stdout, which the CLI shows."""
+    print(EVENT_PREFIX + json.dumps({"event": event, **fields}), flush=True)

@@ -14,11 +14,7 @@ import time
 
 import torch
 
-EVENT_PREFIX = "@autopar-event "
-
-
-def emit(event: str, **fields) -> None:
-    print(EVENT_PREFIX + json.dumps({"event": event, **fields}), flush=True)
+from autopar.logs import EVENT_PREFIX, emit  # noqa: F401  (EVENT_PREFIX: the CLI reads it here)
 
 
 def make_optimizer(name: str, lr: float):
@@ -31,8 +27,8 @@ def make_optimizer(name: str, lr: float):
 
 def main(argv: list[str] | None = None) -> None:
     from autopar.api import compile as compile_step
-    from autopar.layout import Layout
     from autopar.examples import load_model_spec
+    from autopar.layout import Layout
     from autopar.runtime.mesh import launched_rank
 
     parser = argparse.ArgumentParser(prog="autopar-train-worker")

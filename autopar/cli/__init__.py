@@ -31,7 +31,6 @@ from autopar.layout import RECOMPUTE
 from autopar.logs import configure_from_env
 
 
-
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -111,14 +110,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         nproc, layout_arg = args.nproc or 2, "plan"
     else:
         nproc, layout_arg = args.nproc or layout.world_size, json.dumps(layout.non_default_fields())
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={nproc}", "-m", "autopar.train_worker", args.model,
-           "--layout", layout_arg, "--steps", str(args.steps),
-           "--lr", str(args.lr), "--optimizer", args.optimizer]
-    if args.parity:
-        cmd.append("--parity")
-    if args.save:
-        cmd += ["--save", args.save]
+    if args.elastic:
+        cmd = _elastic_command(args, nproc, layout_arg)
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", "-m", "autopar.train_worker", args.model,
+               "--layout", layout_arg, "--steps", str(args.steps),
+               "--lr", str(args.lr), "--optimizer", args.optimizer]
+        if args.parity:
+            cmd.append("--parity")
+        if args.save:
+            cmd += ["--save", args.save]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     show = _Progress(args.steps, fancy=sys.stdout.isatty())
@@ -136,6 +138,32 @@ def cmd_train(args: argparse.Namespace) -> int:
         console.print(f"[red]training failed[/red] (torchrun exit code {code})")
         return code
     return 0 if parity_ok else 3
+
+
+def _elastic_command(args: argparse.Namespace, nproc: int, layout_arg: str) -> list[str]:
+    """torchrun with elastic membership, running autopar.elastic."""
+    wrong = [flag for flag, bad in (("--plan", args.plan), ("--parity", args.parity),
+                                    ("--save", args.save)) if bad]
+    if wrong:
+        raise SystemExit(f"autopar train --elastic: {', '.join(wrong)} cannot be used with "
+                         f"--elastic (the layout is re-planned from the one given at each "
+                         f"restart; checkpoints go to --checkpoint-dir)")
+    if not args.checkpoint_dir:
+        raise SystemExit("autopar train --elastic needs --checkpoint-dir DIR, a directory "
+                         "every node sees")
+    multi = args.nnodes != "1" or args.rdzv_endpoint
+    if multi and not args.rdzv_endpoint:
+        raise SystemExit(f"autopar train --elastic --nnodes {args.nnodes} needs "
+                         f"--rdzv-endpoint HOST:PORT (the c10d rendezvous every node joins)")
+    launch = (["--nnodes", args.nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint",
+               args.rdzv_endpoint, "--rdzv-id", args.rdzv_id] if multi else ["--standalone"])
+    return [sys.executable, "-m", "torch.distributed.run", *launch,
+            f"--nproc-per-node={nproc}", "--max-restarts", str(args.max_restarts),
+            "-m", "autopar.elastic", args.model, "--layout", layout_arg,
+            "--checkpoint-dir", args.checkpoint_dir, "--checkpoint-every",
+            str(args.checkpoint_every), "--blocks", str(args.blocks), "--epochs",
+            str(args.epochs), "--keep", args.keep, "--lr", str(args.lr),
+            "--optimizer", args.optimizer]
 
 
 def _train_layout(args: argparse.Namespace):
@@ -199,7 +227,29 @@ class _Progress:
             verdict = "[green]equal[/green]" if event["ok"] else "[red]DIFFERENT[/red]"
             console.print(f"parity with single-process PyTorch: {verdict} ({event['summary']})")
         elif kind == "saved":
-            console.print(f"checkpoint saved to {event['path']}")
+            self._say(f"checkpoint saved to {event['path']}")
+        elif kind == "resumed":
+            self._resumed(event)
+        elif kind == "finished":
+            self.close()
+            console.print(f"finished at step {event['step']} after {event['restart']} "
+                          f"restart(s)")
+
+    def _say(self, text: str) -> None:
+        (self.bar.console if self.bar is not None else console).print(text)
+
+    def _resumed(self, event: dict) -> None:
+        """An elastic start: the first, or a restart after a failure."""
+        self.steps = event["total_steps"]
+        if self.bar is not None:
+            self.bar.update(self.task, total=self.steps, completed=event["step"])
+        if event["restart"] == 0 and not event["checkpoint"]:
+            return
+        self._say(f"[yellow]restart {event['restart']}[/yellow]: {event['world']} processes, "
+                  f"{event['layout']}, global batch {event['global_batch']}; from "
+                  f"{event['checkpoint'] or 'the start (no checkpoint yet)'} at step "
+                  f"{event['step']}; redoing {event['steps_redone']} step(s); blocks "
+                  f"re-queued: {event['requeued_blocks'] or 'none'}")
 
     def _step(self, event: dict) -> None:
         self.tokens += event["tokens"]
@@ -321,10 +371,10 @@ def cmd_bisect(args: argparse.Namespace) -> int:
 
 def cmd_kernels(args: argparse.Namespace) -> int:
     from autopar.api import trace
-    from autopar.compiler.passes.defaults import run_passes
-    from autopar.layout import Layout
     from autopar.compiler.codegen.listing import write_kernels
+    from autopar.compiler.passes.defaults import run_passes
     from autopar.examples import load_model_spec
+    from autopar.layout import Layout
 
     example = load_model_spec(args.model)
     tg = trace(example.model, example.batch, example.loss_fn)
@@ -410,6 +460,24 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--parity", action="store_true",
                        help="also train single-process PyTorch and compare loss and weights")
     train.add_argument("--save", metavar="DIR", help="save a checkpoint at the end")
+    elastic = train.add_argument_group(
+        "elastic", "--elastic: survive failures and changes of world size (torchrun restarts "
+        "the workers; each start re-plans dp for the world it finds and loads the newest "
+        "checkpoint); the data set is --blocks blocks of one global batch, --epochs times "
+        "(--steps is not used)")
+    elastic.add_argument("--elastic", action="store_true")
+    elastic.add_argument("--checkpoint-dir", metavar="DIR")
+    elastic.add_argument("--checkpoint-every", type=int, default=10, metavar="N")
+    elastic.add_argument("--blocks", type=int, default=64, help="data set size in blocks")
+    elastic.add_argument("--epochs", type=int, default=1)
+    elastic.add_argument("--keep", choices=("global-batch", "per-rank-batch"),
+                         default="global-batch",
+                         help="what stays when dp changes (default: the global batch)")
+    elastic.add_argument("--nnodes", default="1", help="torchrun's MIN:MAX nodes")
+    elastic.add_argument("--max-restarts", type=int, default=3)
+    elastic.add_argument("--rdzv-endpoint", default=None,
+                         help="host:port of the c10d rendezvous (several nodes)")
+    elastic.add_argument("--rdzv-id", default="autopar")
     train.set_defaults(func=cmd_train)
 
     chk = sub.add_parser("check", help="build every rank's program of MODEL for a layout and "

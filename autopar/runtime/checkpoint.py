@@ -576,8 +576,11 @@ def read_extra(path: str | os.PathLike) -> dict:
     return _on_rank0(lambda: _read_record(Path(path)).get("extra", {}))
 
 
-def _verify(path: Path, manifest: dict, with_optimizer: bool) -> dict:
-    """Rank 0, before anything is read: the checkpoint is intact and fits the caller."""
+def verify_intact(path: str | os.PathLike) -> dict:
+    """The checkpoint at ``path`` is complete and unchanged since it was saved (its record
+    against its digest, every file against its SHA-256); returns the record. Not
+    collective: run on one rank, it raises CheckpointError naming what is wrong."""
+    path = Path(path)
     _finish_interrupted_swap(path)
     record = _read_record(path)
     if record.get("format") != _FORMAT:
@@ -589,6 +592,12 @@ def _verify(path: Path, manifest: dict, with_optimizer: bool) -> dict:
             raise CheckpointError(f"checkpoint {path} is corrupted: {name} is missing")
         if _sha256(file) != digest:
             raise CheckpointError(f"checkpoint {path} is corrupted: {name} has changed since it was saved")
+    return record
+
+
+def _verify(path: Path, manifest: dict, with_optimizer: bool) -> dict:
+    """Rank 0, before anything is read: the checkpoint is intact and fits the caller."""
+    record = verify_intact(path)
     lines = _tensor_mismatches(record["manifest"]["tensors"], manifest["tensors"], "in the checkpoint", "in this model")
     if with_optimizer and "optimizer" not in record:
         lines.append("no optimizer state in the checkpoint")

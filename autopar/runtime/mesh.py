@@ -6,6 +6,7 @@ import atexit
 import logging
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -101,7 +102,7 @@ def build_mesh(dims: tuple[tuple[str, int], ...]) -> Mesh:
         backend = "nccl" if device_type() == "cuda" else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, **_elastic_store())
         # NOTE: a process that exits with its gloo group alive aborts ("terminate called
         # without an active exception"); the group autopar made, autopar tears down.
         atexit.register(_destroy_process_group)
@@ -112,6 +113,22 @@ def build_mesh(dims: tuple[tuple[str, int], ...]) -> Mesh:
     groups = {name: mesh.get_group(name).group_name for name in names}
     coords = {name: mesh.get_local_rank(name) for name in names}
     return Mesh(mesh, groups, coords)
+
+
+def _elastic_store() -> dict:
+    """Under torchrun the workers share the store its agent hosts, and that store outlives
+    a restart of the workers: the keys gloo's rendezvous left in it name the listening
+    ports of processes that no longer run, and the restarted workers' connections to them
+    are refused (seen with torch 2.13, --standalone --max-restarts 1). A prefix per
+    restart (TORCHELASTIC_RESTART_COUNT, which every agent raises together) gives each
+    restart keys of its own. Nothing outside torchrun: init_process_group's env://."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timedelta(minutes=5))
+    return {"store": dist.PrefixStore(f"autopar/restart-{restart}", store),
+            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 def _destroy_process_group() -> None:

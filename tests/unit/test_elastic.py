@@ -1,0 +1,203 @@
+"""Elastic training under torchrun (autopar/elastic.py): re-planning for a world size, and
+real faults: a worker SIGKILLed mid-run, a whole agent (a "node") killed.
+
+The fault tests compare the committed history with the data set: each step's blocks are
+appended to a history file by rank 0; a restart redoes the steps after its checkpoint,
+so the committed step k is the last line for k. Its samples, over all steps, must be
+the data set times the epochs, exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from autopar.elastic import ElasticError, latest_checkpoint, replan
+from autopar.layout import Layout
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ["tests.elastic_model:slow_gpt2", "--batch", "6"]
+
+
+# -- re-planning (pure) ---------------------------------------------------------------------
+
+def test_replan_keeps_the_global_batch_by_accumulating_when_dp_shrinks():
+    layout, batch = replan(Layout(dp=4, microbatches=1), 2, 8)
+    assert (layout.dp, layout.microbatches, batch) == (2, 2, 8)  # micro-batch of 2 per rank
+    layout, batch = replan(Layout(dp=2, tp=2), 2, 8)
+    assert (layout.dp, layout.tp, batch) == (1, 2, 8)
+
+
+def test_replan_can_keep_the_per_rank_batch_instead():
+    layout, batch = replan(Layout(dp=4), 2, 8, keep="per-rank-batch")
+    assert (layout.dp, layout.microbatches, batch) == (2, 1, 4)
+
+
+def test_replan_names_the_world_sizes_that_would_work():
+    with pytest.raises(ElasticError, match=r"3 processes cannot hold tp=2 x pp=1: the world "
+                                           r"size must be a multiple of 2 \(2, 4, 6, 8"):
+        replan(Layout(dp=2, tp=2), 3, 8)
+    with pytest.raises(ElasticError, match=r"global batch of 8 does not split over dp=3"):
+        replan(Layout(dp=2), 3, 8)
+
+
+def test_a_broken_checkpoint_is_skipped_with_a_warning_that_names_it(tmp_path):
+    from autopar.runtime.checkpoint import describe_tensors, save_checkpoint
+
+    t = {"w": torch.ones(3)}
+    for step in (2, 4):
+        save_checkpoint(tmp_path / f"step-{step:08d}", t, None,
+                        {"tensors": describe_tensors(t)})
+    (tmp_path / "step-00000006.tmp-abc").mkdir()  # a save killed midway
+    victim = next((tmp_path / "step-00000004").rglob("*.distcp"))
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte
+    victim.write_bytes(bytes(data))
+    with pytest.warns(UserWarning) as caught:
+        assert latest_checkpoint(tmp_path) == tmp_path / "step-00000002"
+    said = " ".join(str(w.message) for w in caught)
+    assert "step-00000006.tmp-abc: a save that did not finish" in said
+    assert "skipping checkpoint" in said and "step-00000004" in said and "has changed" in said
+
+
+# -- real processes -----------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_args(tmp: Path, tag: str, layout: dict, blocks: int, epochs: int) -> list[str]:
+    return ["-m", "autopar.elastic", *MODEL, "--layout", json.dumps(layout),
+            "--checkpoint-dir", str(tmp / tag / "ckpt"), "--checkpoint-every", "3",
+            "--blocks", str(blocks), "--epochs", str(epochs), "--optimizer", "sgd",
+            "--lr", "0.05", "--history", str(tmp / tag / "history.jsonl"),
+            "--out", str(tmp / tag / "weights.pt")]
+
+
+def _env() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def _committed(history: Path) -> dict[int, list]:
+    steps: dict[int, list] = {}
+    for line in history.read_text().splitlines():
+        record = json.loads(line)
+        steps[record["step"]] = record["blocks"]  # a redone step replaces the earlier one
+    return steps
+
+
+def _check_exactly_once(history: Path, blocks: int, epochs: int, block_size: int) -> None:
+    steps = _committed(history)
+    assert sorted(steps) == list(range(1, len(steps) + 1)), sorted(steps)
+    samples = Counter(b * block_size + i for blks in steps.values() for b, _ in blks
+                      for i in range(block_size))
+    assert samples == Counter({s: epochs for s in range(blocks * block_size)})
+    per_epoch = Counter(e for blks in steps.values() for _, e in blks)
+    assert per_epoch == Counter({e: blocks for e in range(epochs)})
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def _rank_of(pid: int) -> int | None:
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    found = [e for e in env if e.startswith(b"RANK=")]
+    return int(found[0][5:]) if found else None
+
+
+def _wait_for_step(history: Path, step: int, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if history.exists() and any(json.loads(line)["step"] >= step
+                                    for line in history.read_text().splitlines()):
+            return
+        assert proc.poll() is None, "the job ended before the step to kill at"
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached in {timeout} s")
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_run_loses_nothing_and_ends_with_the_same_weights(tmp_path):
+    """3 workers, max-restarts 1: rank 1 is SIGKILLed after step 4 has begun. torchrun
+    restarts the workers, they load the step-3 checkpoint (and the master's state in it)
+    and finish. Every sample is in the committed history once per epoch, and the final
+    weights equal a run without the kill bit for bit."""
+    blocks, epochs = 6, 2
+    runs = {}
+    for tag in ("clean", "killed"):
+        (tmp_path / tag).mkdir()
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "3", "--max-restarts", "1",
+               *_worker_args(tmp_path, tag, {"dp": 3}, blocks, epochs)]
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        if tag == "killed":
+            _wait_for_step(tmp_path / tag / "history.jsonl", 4, proc, 240)
+            victim = next(p for p in _children(proc.pid) if _rank_of(p) == 1)
+            os.kill(victim, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out[-6000:]
+        runs[tag] = out
+    events = [json.loads(line.split(" ", 1)[1]) for line in runs["killed"].splitlines()
+              if line.startswith("@autopar-event ")]
+    resumed = [e for e in events if e["event"] == "resumed"]
+    assert [e["restart"] for e in resumed] == [0, 1], resumed
+    assert resumed[1]["checkpoint"] and resumed[1]["steps_redone"] >= 1, resumed[1]
+    _check_exactly_once(tmp_path / "killed" / "history.jsonl", blocks, epochs, 6)
+    clean = torch.load(tmp_path / "clean" / "weights.pt")
+    killed = torch.load(tmp_path / "killed" / "weights.pt")
+    assert clean.keys() == killed.keys()
+    for name in clean:
+        assert torch.equal(clean[name], killed[name]), name
+
+
+@pytest.mark.slow
+def test_an_agent_killed_leaves_the_other_node_to_replan_reshard_and_finish(tmp_path):
+    """Two torchrun agents on 127.0.0.1 (c10d rendezvous, --nnodes 1:2) stand in for two
+    nodes of one process each. Killing one agent with its worker leaves the other to
+    re-form a world of 1: dp=2 becomes dp=1 with two micro-batches (the global batch is
+    kept), the dp=2 checkpoint is resharded into it, and training finishes with every
+    sample once per epoch in the committed model."""
+    blocks, epochs = 12, 1
+    port = _free_port()
+    (tmp_path / "run").mkdir()
+    agents = []
+    for node in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
+               "--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
+               "--rdzv-conf", "last_call_timeout=1,join_timeout=60",
+               *_worker_args(tmp_path, "run", {"dp": 2}, blocks, epochs)]
+        agents.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True,
+                                       start_new_session=True))
+        time.sleep(0.5 if node == 0 else 0)  # node 0 hosts the rendezvous store
+    _wait_for_step(tmp_path / "run" / "history.jsonl", 4, agents[0], 240)
+    for pid in [agents[1].pid, *_children(agents[1].pid)]:  # the agent and its worker:
+        os.kill(pid, signal.SIGKILL)  # a node gone (torchrun starts workers in new sessions)
+    out, _ = agents[0].communicate(timeout=600)
+    agents[1].communicate()
+    assert agents[0].returncode == 0, out[-6000:]
+    events = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines()
+              if line.startswith("@autopar-event ")]
+    resumed = [e for e in events if e["event"] == "resumed"]
+    assert [(e["world"], e["restart"]) for e in resumed] == [(2, 0), (1, 1)], resumed
+    assert [e["layout"] for e in resumed] == ["Layout(dp=2)", "Layout(microbatches=2)"]
+    assert resumed[1]["checkpoint"], resumed[1]
+    _check_exactly_once(tmp_path / "run" / "history.jsonl", blocks, epochs, 6)
