@@ -224,6 +224,7 @@ def run(args: argparse.Namespace) -> None:
     if dist.is_initialized():
         dist.barrier()
     total = args.blocks * args.epochs // per_step
+    pending = None  # the background save under way
     history = Path(args.history) if args.history else None
     while True:
         leases = None
@@ -250,13 +251,15 @@ def run(args: argparse.Namespace) -> None:
             if history is not None:
                 with open(history, "a") as f:
                     f.write(json.dumps({"step": step.steps, "restart": restart,
-                                        "blocks": blocks, "loss": loss}) + "\n")
+                                        "blocks": blocks, "loss": loss,
+                                        "time": time.time()}) + "\n")
             emit("step", step=step.steps, steps=total, loss=loss,
                  seconds=time.perf_counter() - t0, tokens=batch[0].numel())
         if step.steps % args.checkpoint_every == 0:
-            _save(step, directory, master, args.keep_checkpoints, rank0)
+            pending = _save(step, directory, master, args, rank0, pending)
     if step.steps % args.checkpoint_every:
-        _save(step, directory, master, args.keep_checkpoints, rank0)
+        pending = _save(step, directory, master, args, rank0, pending)
+    _finish_save(pending, directory, args, rank0)
     if args.out:
         weights = step.full_state_dict()
         if rank0:
@@ -265,16 +268,34 @@ def run(args: argparse.Namespace) -> None:
         emit("finished", step=step.steps, restart=restart)
 
 
-def _save(step, directory: Path, master, keep: int, rank0: bool) -> None:
+def _save(step, directory: Path, master, args, rank0: bool, pending):
+    """Save the step and the master's state (the previous background save is finished
+    first); returns the new background save, or None."""
     from autopar.logs import emit
 
+    _finish_save(pending, directory, args, rank0)
     path = directory / f"{CHECKPOINT_PREFIX}{step.steps:08d}"
     state = _broadcast(master.state_dict() if rank0 else None)
     t0 = time.perf_counter()
-    step.save(path, extra={"blocks": state})
+    pending = step.save(path, extra={"blocks": state}, background=not args.sync_checkpoints)
     if rank0:
-        _prune(directory, keep)
-        emit("saved", path=str(path), seconds=time.perf_counter() - t0)
+        emit("saving" if pending else "saved", path=str(path),
+             seconds=time.perf_counter() - t0)
+        if pending is None:
+            _prune(directory, args.keep_checkpoints)
+    return pending
+
+
+def _finish_save(pending, directory: Path, args, rank0: bool) -> None:
+    from autopar.logs import emit
+
+    if pending is None:
+        return
+    t0 = time.perf_counter()
+    pending.wait()
+    if rank0:
+        _prune(directory, args.keep_checkpoints)
+        emit("saved", path=str(pending.path), seconds=time.perf_counter() - t0)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -284,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint-dir", required=True)
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--keep-checkpoints", type=int, default=2)
+    parser.add_argument("--sync-checkpoints", action="store_true",
+                        help="save on the training thread (default: in the background, "
+                             "torch.distributed.checkpoint.async_save)")
     parser.add_argument("--blocks", type=int, default=16, help="data set size in blocks")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--keep", choices=KEEP, default="global-batch")

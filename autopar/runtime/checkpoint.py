@@ -55,6 +55,7 @@ import json
 import os
 import secrets
 import shutil
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
@@ -440,15 +441,21 @@ def _unflatten_optimizer(flat: dict[str, Any], record: dict, groups: list[list[s
 
 def save_checkpoint(
     path: str | os.PathLike, tensors: dict[str, torch.Tensor], optimizer_state: dict | None, manifest: dict,
-    extra: dict | None = None, per_rank: dict[str, torch.Tensor] | None = None,
-) -> None:
+    extra: dict | None = None, per_rank: dict[str, torch.Tensor] | None = None, background: bool = False,
+) -> PendingSave | None:
     """Atomically replace the checkpoint at ``path`` (see the module docstring). Collective.
 
     ``tensors``: this rank's named tensors, a subset of ``manifest["tensors"]`` (the
     ranks' union must cover it). ``extra``: JSON-serialisable state saved in the
     manifest record with the tensors (the data-block master's queues: a checkpoint holds
     the data position with the weights); `read_extra` returns it. ``per_rank``: tensors
-    of this rank alone (its RNG state), saved under its rank number."""
+    of this rank alone (its RNG state), saved under its rank number.
+
+    ``background``: copy the tensors (DCP's staging) and return a `PendingSave` at once;
+    a thread writes the files (torch.distributed.checkpoint.async_save, over a gloo group
+    of its own so that its collectives never meet the step's) and then publishes the
+    checkpoint as a synchronous save would. Call its `wait()` on every rank before the
+    next save: it raises CheckpointError on every rank if the save failed."""
     path = Path(path)
     _agree(_subset_mismatches(tensors, manifest), "the manifest does not describe the tensors being saved")
     record = {"format": _FORMAT, "manifest": manifest, "extra": extra or {},
@@ -457,13 +464,17 @@ def save_checkpoint(
         record["optimizer"] = _describe_optimizer(optimizer_state)
     suffix = _on_rank0(lambda: _prepare_save(path, record))
     tmp = path.with_name(path.name + _TMP + suffix)
+    flat = _flat_state_dict(tensors, optimizer_state, per_rank)
+    planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+    if background:
+        group = _background_group()
+        with _quiet_single_process():
+            future = dcp.async_save(flat, storage_writer=FileSystemWriter(tmp), planner=planner,
+                                    process_group=group)
+        return PendingSave(path, lambda: _finish_background(future, path, tmp, suffix, record, group))
     try:
         with _quiet_single_process():
-            dcp.save(
-                _flat_state_dict(tensors, optimizer_state, per_rank),
-                storage_writer=FileSystemWriter(tmp),
-                planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
-            )
+            dcp.save(flat, storage_writer=FileSystemWriter(tmp), planner=planner)
     # NOTE: CheckpointException derives from BaseException; DCP raises it on every rank
     # when any rank fails to write.
     except (Exception, CheckpointException) as e:
@@ -475,6 +486,72 @@ def save_checkpoint(
     if _distributed():
         dist.barrier()
     _on_rank0(lambda: _publish(tmp, path, suffix, record))
+    return None
+
+
+class PendingSave:
+    """A checkpoint being written in the background (`save_checkpoint(background=True)`)."""
+
+    def __init__(self, path: Path, finish: Callable[[], str | None]):
+        self.path = path
+        self._error: str | None = None
+        self._thread = threading.Thread(target=self._run, args=(finish,), daemon=True,
+                                        name=f"autopar-save-{path.name}")
+        self._thread.start()
+
+    def _run(self, finish: Callable[[], str | None]) -> None:
+        self._error = finish()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Block until the checkpoint is published (or failed: CheckpointError, on every rank)."""
+        self._thread.join()
+        if self._error is not None:
+            raise CheckpointError(self._error)
+
+
+_BACKGROUND_GROUP: list = []
+
+
+def _background_group():
+    """A gloo group of every rank for background saves (created once, collectively)."""
+    if not _distributed():
+        return None
+    if not _BACKGROUND_GROUP:
+        _BACKGROUND_GROUP.append(dist.new_group(backend="gloo"))
+    return _BACKGROUND_GROUP[0]
+
+
+def _finish_background(future, path: Path, tmp: Path, suffix: str, record: dict, group) -> str | None:
+    """In the save's thread: wait for this rank's files, agree with the other ranks over
+    `group`, and let rank 0 publish. Returns the error every rank reports, or None."""
+    try:
+        future.result()
+        mine = None
+    except (Exception, CheckpointException) as e:
+        mine = _dcp_failure(e)
+    verdicts = [mine]
+    if _distributed():
+        verdicts = [None] * dist.get_world_size()
+        dist.all_gather_object(verdicts, mine, group=group)
+    failed = [f"rank {r}: {v}" for r, v in enumerate(verdicts) if v is not None]
+    error = None
+    if failed:
+        if _is_rank0():
+            shutil.rmtree(tmp, ignore_errors=True)
+        error = f"saving checkpoint {path} failed, the previous one there is untouched: " + "; ".join(failed)
+    elif _is_rank0():
+        try:
+            _publish(tmp, path, suffix, record)
+        except Exception as e:  # every rank must hear of it
+            error = f"publishing checkpoint {path} failed: {type(e).__name__}: {e}"
+    if _distributed():
+        box = [error]
+        dist.broadcast_object_list(box, src=0, group=group)
+        error = box[0]
+    return error
 
 
 def _subset_mismatches(tensors: dict[str, torch.Tensor], manifest: dict) -> list[str]:

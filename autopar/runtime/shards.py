@@ -83,6 +83,7 @@ def global_view(t: torch.Tensor, shape: torch.Size, shard_dim: int | None,
     writes one copy of a plain tensor."""
     if mesh.device_mesh is None or t.dim() == 0 or (shard_dim is None and zero_rows is None):
         return t
+    t = t.detach()  # the same storage; a view of a leaf that DCP's staging can copy
     if zero_rows is not None:
         start = mesh.rank_in("dp") * t.shape[0]
         t = t.narrow(0, 0, max(0, min(t.shape[0], zero_rows - start)))

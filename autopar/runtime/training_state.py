@@ -145,13 +145,17 @@ class TrainingState:
 
     # -- save and load ---------------------------------------------------------------------
 
-    def save(self, path: str | Path, extra: dict | None = None) -> None:
+    def save(self, path: str | Path, extra: dict | None = None, *,
+             background: bool = False) -> ckpt.PendingSave | None:
         """Collective: write the training state (see the module docstring) atomically with
         torch.distributed.checkpoint; any layout of the same model can load it.
         `extra`: JSON-serialisable state saved with it (for example the data-block
-        master's `state_dict()`); `load` returns it."""
-        ckpt.save_checkpoint(path, self._named_tensors(), self._optimizer_state(),
-                             self._manifest(), extra, per_rank=_rng_state())
+        master's `state_dict()`); `load` returns it. `background`: copy the state and
+        write it in a thread while training goes on; returns a `PendingSave` whose
+        `wait()` every rank calls before the next save (see checkpoint.save_checkpoint)."""
+        return ckpt.save_checkpoint(path, self._named_tensors(), self._optimizer_state(),
+                                    self._manifest(), extra, per_rank=_rng_state(),
+                                    background=background)
 
     def load(self, path: str | Path) -> dict:
         """Collective: restore what `save` wrote, in this layout (tensor-parallel and ZeRO

@@ -29,15 +29,19 @@ def _llama(seed=0):
     return llama(layers=4, seed=seed)
 
 
-def matrix_case(name, factory, saved, loaded, world=2, optimizer=adamw, atol=1e-6):
+def matrix_case(name, factory, saved, loaded, world=2, optimizer=adamw, atol=1e-6,
+                background=False):
     def run():
         check_resume_and_reshard(factory, L(**saved), L(**loaded), optimizer=optimizer,
-                                 atol=atol)
+                                 atol=atol, background=background)
     run.__name__ = name
     case(world=world)(run)
 
 
 matrix_case("ckpt_pp2_1f1b_to_dp2_gpt2_tied_sgd", _gpt2, PP_1F1B, dict(dp=2), optimizer=sgd)
+# written in the background (async_save) while the run trains on
+matrix_case("ckpt_background_pp2_zero_bubble_to_tp2_llama", _llama, PP_ZERO_BUBBLE, dict(tp=2),
+            background=True)
 matrix_case("ckpt_pp2_interleaved_to_pp2_zero_bubble_llama", _llama, PP_INTERLEAVED,
             PP_ZERO_BUBBLE)
 matrix_case("ckpt_pp2_zero_bubble_to_dp2_zero3_gpt2_odd", _gpt2_odd, PP_ZERO_BUBBLE,
@@ -49,7 +53,7 @@ matrix_case("ckpt_fp16_dp2_to_fp16_pp2_llama", _llama, dict(dp=2, amp="fp16"),
             dict(**PP_1F1B, amp="fp16"), atol=1e-4)
 # tensor parallelism and ZeRO both cut dim 0 (column-parallel weights, embeddings)
 matrix_case("ckpt_dp2_tp2_zero2_to_dp2_pp2_zero1_llama", _llama, dict(dp=2, tp=2, zero=2),
-            dict(dp=2, **PP_1F1B, zero=1), world=4)
+            dict(dp=2, **PP_1F1B, zero=1), world=4, background=True)
 matrix_case("ckpt_dp4_to_dp2_pp2_gpt2_odd_sgd", _gpt2_odd, dict(dp=4),
             dict(dp=2, **PP_1F1B), world=4, optimizer=sgd)
 matrix_case("ckpt_dp2_pp2_zero3_to_dp2_tp2_zero3_gpt2_tied", _gpt2, dict(dp=2, **PP_1F1B, zero=3),

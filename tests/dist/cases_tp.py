@@ -197,12 +197,13 @@ def _shared_dir() -> str:
 
 
 def check_resume_and_reshard(factory, layout, other_layout, batches=4, optimizer=None,
-                             atol=1e-6) -> None:
+                             atol=1e-6, background=False) -> None:
     """Save after two steps; a step of `layout` started from other weights loads it and
     then matches the uninterrupted run bit for bit; a step of `other_layout` loads the
     same checkpoint (resharded) with the saved weights exactly and trains on within
     rounding (`atol`) of the uninterrupted run. Both resumed steps count on from the
-    saved step count."""
+    saved step count. `background`: the save is written in the background while the
+    uninterrupted run trains on (it must hold the state of when it was called)."""
     example = factory()
     data = make_batches(example.batch, batches)
 
@@ -217,11 +218,13 @@ def check_resume_and_reshard(factory, layout, other_layout, batches=4, optimizer
     if a.loss_scaler is not None:  # a scale no fresh step starts from: load must restore it
         a.loss_scaler.scale.fill_(2.0 ** 12)
     path = _shared_dir()
-    a.save(path)
+    pending = a.save(path, background=background)
     saved = a.full_state_dict()
     for b in data[2:]:
         a(*b)
     expected = a.full_state_dict()
+    if pending is not None:
+        pending.wait()
     for lay, exact in ((layout, True), (other_layout, False)):
         step = fresh(lay, seed=7)
         step.load(path)
