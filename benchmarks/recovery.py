@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import socket
 import statistics
@@ -50,7 +51,9 @@ def _history(path: Path) -> list[dict]:
 
 
 def run_once(model: list[str], every: int, kill_at: int, blocks: int, tmp: Path) -> dict:
-    port, env = _free_port(), {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+           "AUTOPAR_JOB_TOKEN": secrets.token_hex(16)}
     history = tmp / "history.jsonl"
     agents = []
     for node in range(2):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -155,6 +156,12 @@ def _elastic_command(args: argparse.Namespace, nproc: int, layout_arg: str) -> l
     if multi and not args.rdzv_endpoint:
         raise SystemExit(f"autopar train --elastic --nnodes {args.nnodes} needs "
                          f"--rdzv-endpoint HOST:PORT (the c10d rendezvous every node joins)")
+    if multi and not os.environ.get("AUTOPAR_JOB_TOKEN"):
+        raise SystemExit("autopar train --elastic on several nodes needs the job's token: "
+                         "set AUTOPAR_JOB_TOKEN to the same secret on every node (for "
+                         "example `python -c 'import secrets; print(secrets.token_hex(16))'`)")
+    # one node: a fresh token, which only this launch's workers inherit
+    os.environ.setdefault("AUTOPAR_JOB_TOKEN", secrets.token_hex(16))
     launch = (["--nnodes", args.nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint",
                args.rdzv_endpoint, "--rdzv-id", args.rdzv_id] if multi else ["--standalone"])
     return [sys.executable, "-m", "torch.distributed.run", *launch,

@@ -26,7 +26,11 @@ overdue leases are expired by whichever worker calls next. `BlockSampler` is a
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import os
+import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -165,20 +169,48 @@ class BlockQueues:
         return out
 
 
+TOKEN_ENV = "AUTOPAR_JOB_TOKEN"
+
+
+class JobTokenError(PermissionError):
+    """A process without the job's token tried to use its block master."""
+
+
 class BlockMaster:
     """BlockQueues kept in a c10d Store under `prefix`, shared by every worker of a job.
 
     Create it on every worker with the same store and arguments; the first to arrive
     writes the initial state. Each call is one read and one compare-and-set of the
-    state (retried on a conflict)."""
+    state (retried on a conflict).
+
+    The job's token (`token`, default the launcher's environment variable
+    AUTOPAR_JOB_TOKEN) keeps other processes out: a c10d TCPStore authenticates no one
+    and listens on every interface, so whoever reaches its port can read and write any
+    key. Here
+    - the state lives under a key derived from the token (HMAC-SHA256), which a process
+      without it cannot name;
+    - the first worker leaves a challenge (a nonce and its HMAC) under `prefix`; a
+      process whose token does not answer it is refused (JobTokenError) before it can
+      lease, report or reset anything;
+    - every state written carries its HMAC, and a state whose HMAC does not verify is
+      refused, not used (JobTokenError naming the prefix)."""
 
     def __init__(self, store: dist.Store, blocks: int, timeout: float, *,
                  max_failures: int = 3, prefix: str = "autopar/blocks", worker: str = "",
-                 clock=time.time):
-        self.store, self.key, self.worker, self.clock = store, f"{prefix}/state", worker, clock
+                 clock=time.time, token: str | None = None):
+        token = token or os.environ.get(TOKEN_ENV)
+        if not token:
+            raise JobTokenError(
+                f"the block master at {prefix!r} needs the job's token: the launcher passes "
+                f"it in {TOKEN_ENV} (autopar train --elastic makes one on a single node; give "
+                f"every node of a job the same)")
+        self._secret = token.encode()
+        self.store, self.worker, self.clock = store, worker, clock
+        self.key = f"{prefix}/{self._mac(b'state-key:' + prefix.encode())[:32]}/state"
+        self._check_token(f"{prefix}/challenge", prefix)
         initial = BlockQueues(blocks, timeout, max_failures)
         stored = self._compare_set(b"", self._encode(initial))
-        found = BlockQueues.from_state_dict(json.loads(stored))
+        found = self._decode(stored)
         if (found.blocks, found.timeout, found.max_failures) != (blocks, timeout, max_failures):
             raise ValueError(f"the store already holds a block master with blocks="
                              f"{found.blocks}, timeout={found.timeout}, max_failures="
@@ -196,7 +228,7 @@ class BlockMaster:
         return self._apply(lambda q: q.release(lease, self.clock()))
 
     def state(self) -> BlockQueues:
-        return BlockQueues.from_state_dict(json.loads(self.store.get(self.key)))
+        return self._decode(self.store.get(self.key))
 
     def state_dict(self) -> dict:
         """What a checkpoint saves with the model (`load_state_dict` restores it)."""
@@ -210,7 +242,7 @@ class BlockMaster:
     def _apply(self, op, replace: bool = False):
         while True:
             old = self.store.get(self.key)
-            queues = BlockQueues.from_state_dict(json.loads(old))
+            queues = self._decode(old)
             result = op(queues)
             new = self._encode(result if replace else queues)
             if new == old or self._compare_set(old, new) == new:
@@ -219,9 +251,32 @@ class BlockMaster:
     def _compare_set(self, expected: bytes, desired: bytes) -> bytes:
         return self.store.compare_set(self.key, expected, desired)
 
-    @staticmethod
-    def _encode(queues: BlockQueues) -> bytes:
-        return json.dumps(queues.state_dict(), sort_keys=True).encode()
+    def _mac(self, data: bytes) -> str:
+        return hmac.new(self._secret, data, hashlib.sha256).hexdigest()
+
+    def _check_token(self, key: str, prefix: str) -> None:
+        nonce = secrets.token_hex(16)
+        challenge = json.dumps({"nonce": nonce, "mac": self._mac(nonce.encode())}).encode()
+        found = json.loads(self.store.compare_set(key, b"", challenge))
+        if not hmac.compare_digest(found.get("mac", ""), self._mac(found.get("nonce", "").encode())):
+            raise JobTokenError(f"refused: this process does not hold the token of the job "
+                                f"whose block master is at {prefix!r} in this store")
+
+    def _encode(self, queues: BlockQueues) -> bytes:
+        state = json.dumps(queues.state_dict(), sort_keys=True)
+        return json.dumps({"state": state, "mac": self._mac(state.encode())}).encode()
+
+    def _decode(self, raw: bytes) -> BlockQueues:
+        try:
+            signed = json.loads(raw)
+            good = hmac.compare_digest(signed["mac"], self._mac(signed["state"].encode()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            good = False
+        if not good:
+            raise JobTokenError(f"the block master's state under {self.key!r} was not written "
+                                f"with the job's token; not using it (the last checkpoint "
+                                f"holds the data position)")
+        return BlockQueues.from_state_dict(json.loads(signed["state"]))
 
 
 class BlockSampler(Sampler[int]):

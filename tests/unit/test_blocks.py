@@ -17,7 +17,15 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar.runtime.blocks import BlockMaster, BlockQueues, BlockSampler, Lease
+from autopar.runtime.blocks import (
+    BlockMaster,
+    BlockQueues,
+    BlockSampler,
+    JobTokenError,
+    Lease,
+)
+
+TOKEN = "the-job-token"
 
 
 def test_a_lease_that_times_out_returns_its_block_and_the_late_report_is_refused():
@@ -127,7 +135,7 @@ def test_any_interleaving_trains_each_block_exactly_once_per_epoch(ops):
 def _worker(port: int, name: str, blocks: int, out, hold: bool) -> None:
     """Train epoch 0's blocks until none is left; `hold`: take one lease and keep it."""
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
-    master = BlockMaster(store, blocks, timeout=1.0, worker=name)
+    master = BlockMaster(store, blocks, timeout=1.0, worker=name, token=TOKEN)
     while True:
         lease = master.lease()
         if lease is None:  # the rest are leased to others: one may time out
@@ -147,7 +155,7 @@ def _worker(port: int, name: str, blocks: int, out, hold: bool) -> None:
 def test_workers_over_a_tcpstore_survive_one_killed_holding_a_lease():
     blocks = 12
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    BlockMaster(store, blocks, timeout=1.0)  # the state exists before the workers start
+    BlockMaster(store, blocks, timeout=1.0, token=TOKEN)  # the state exists before the workers start
     ctx = mp.get_context("spawn")
     # the killed process gets a queue of its own: it may die holding the queue's lock
     told, out = ctx.Queue(), ctx.Queue()
@@ -168,13 +176,13 @@ def test_workers_over_a_tcpstore_survive_one_killed_holding_a_lease():
     # each block exactly once, the killed worker's too (leased a second time)
     assert sorted(block for _, block, _ in done) == list(range(blocks))
     assert ("done", 0, 2) in done
-    state = BlockMaster(store, blocks, timeout=1.0).state()
+    state = BlockMaster(store, blocks, timeout=1.0, token=TOKEN).state()
     assert state.epoch == 1 and state.failures == {0: 1} and not state.pending
 
 
 def test_a_sampler_reports_only_blocks_whose_samples_were_all_trained():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    master = BlockMaster(store, blocks=3, timeout=60.0)
+    master = BlockMaster(store, blocks=3, timeout=60.0, token=TOKEN)
     sampler = BlockSampler(master, block_size=4, samples=10)  # the last block has 2
     loader = torch.utils.data.DataLoader(list(range(10)), batch_size=3, sampler=sampler)
     seen, batches = [], iter(loader)
@@ -191,7 +199,7 @@ def test_a_sampler_reports_only_blocks_whose_samples_were_all_trained():
 
 def test_the_master_in_a_store_restores_a_checkpoint_and_refuses_leases_of_before():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    master = BlockMaster(store, blocks=4, timeout=60.0)
+    master = BlockMaster(store, blocks=4, timeout=60.0, token=TOKEN)
     assert master.finish(master.lease())
     saved = master.state_dict()  # saved with the model's checkpoint
     after = master.lease()  # taken after the checkpoint; then every process restarts
@@ -201,7 +209,7 @@ def test_the_master_in_a_store_restores_a_checkpoint_and_refuses_leases_of_befor
     assert state.done == [0] and state.todo == [1, 2, 3] and state.generation == 1
     assert not master.finish(after)  # a lease from before the restore
     with pytest.raises(ValueError, match="already holds a block master with blocks=4"):
-        BlockMaster(store, blocks=5, timeout=60.0)
+        BlockMaster(store, blocks=5, timeout=60.0, token=TOKEN)
 
 
 def test_the_masters_state_is_saved_and_restored_with_the_model_checkpoint(tmp_path):
@@ -215,7 +223,7 @@ def test_the_masters_state_is_saved_and_restored_with_the_model_checkpoint(tmp_p
     step = autopar.compile(ex.model, None, ex.batch, ex.loss_fn, layout=autopar.Layout(),
                            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    master = BlockMaster(store, blocks=4, timeout=60.0)
+    master = BlockMaster(store, blocks=4, timeout=60.0, token=TOKEN)
     step(*ex.batch)
     assert master.finish(master.lease())
     step.save(tmp_path / "ckpt", extra={"blocks": master.state_dict()})
@@ -227,3 +235,54 @@ def test_the_masters_state_is_saved_and_restored_with_the_model_checkpoint(tmp_p
     assert master.state().done == [0] and master.state().todo == [1, 2, 3]
     for name, value in step.full_state_dict().items():
         assert torch.equal(value, saved_weights[name]), name
+
+
+# -- the job's token ------------------------------------------------------------------------
+
+_STRAY = """
+import json, sys
+import torch.distributed as dist
+from autopar.runtime.blocks import BlockMaster, JobTokenError
+
+port, prefix = int(sys.argv[1]), sys.argv[2]
+store = dist.TCPStore("127.0.0.1", port, is_master=False)
+outcomes = {}
+for name, token in (("no token", None), ("wrong token", "guessed")):
+    try:
+        master = BlockMaster(store, 4, timeout=60.0, prefix=prefix, token=token)
+        master.lease()
+        outcomes[name] = "leased"
+    except JobTokenError as e:
+        outcomes[name] = "JobTokenError: " + str(e)
+# what a client can do with the store itself: overwrite what it can name
+store.set(prefix + "/state", b"{}")
+store.set(prefix + "/challenge", json.dumps({"nonce": "x", "mac": "y"}).encode())
+print(json.dumps(outcomes))
+"""
+
+
+def test_a_stray_client_without_the_jobs_token_is_refused_and_changes_nothing():
+    """A separate process reaching the job's store: without the token, or with another,
+    it cannot open the master (so cannot lease, report or reset), and what it writes to
+    the store's keys it can name leaves the job's state as it was."""
+    import json
+    import subprocess
+    import sys
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    master = BlockMaster(store, blocks=4, timeout=60.0, prefix="job", token=TOKEN)
+    lease = master.lease()
+    before = master.state_dict()
+    env = {**os.environ, "AUTOPAR_JOB_TOKEN": ""}
+    proc = subprocess.run([sys.executable, "-c", _STRAY, str(store.port), "job"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outcomes = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert outcomes["no token"].startswith(
+        "JobTokenError: the block master at 'job' needs the job's token")
+    assert outcomes["wrong token"].startswith(
+        "JobTokenError: refused: this process does not hold the token")
+    assert master.state_dict() == before  # nothing leased, reported or reset
+    assert master.finish(lease)  # the job goes on
+    with pytest.raises(JobTokenError, match="does not hold the token"):
+        BlockMaster(store, blocks=4, timeout=60.0, prefix="job", token="guessed")

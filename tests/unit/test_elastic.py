@@ -87,7 +87,8 @@ def _worker_args(tmp: Path, tag: str, layout: dict, blocks: int, epochs: int) ->
 
 
 def _env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+            "AUTOPAR_JOB_TOKEN": "elastic-test-token"}
 
 
 def _committed(history: Path) -> dict[int, list]:
