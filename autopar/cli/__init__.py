@@ -23,6 +23,7 @@ import secrets
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from rich.table import Table
 
@@ -171,6 +172,75 @@ def _elastic_command(args: argparse.Namespace, nproc: int, layout_arg: str) -> l
             str(args.checkpoint_every), "--blocks", str(args.blocks), "--epochs",
             str(args.epochs), "--keep", args.keep, "--lr", str(args.lr),
             "--optimizer", args.optimizer]
+
+
+# -- autopar k8s ------------------------------------------------------------------------------
+
+def cmd_k8s_job(args: argparse.Namespace) -> int:
+    import yaml
+
+    from autopar.cluster import ClusterSpecError
+    from autopar.k8s import JobSpec, ManifestError, manifest
+    from autopar.layout import Layout, LayoutError
+
+    try:
+        cluster = cluster_from_args(args.cluster, args.nodes, None, nproc=None)
+        if args.plan:
+            layout = Layout.from_dict(json.loads(Path(args.plan).read_text())["layout"])
+        else:
+            world = cluster.nodes * cluster.devices_per_node
+            dp = args.dp or max(1, world // (args.tp * args.pp))
+            layout = _layout_from_args(argparse.Namespace(**{**vars(args), "dp": dp}))
+        layout.check_world_size(cluster.nodes * cluster.devices_per_node)
+        out = manifest(JobSpec(
+            name=args.name, image=args.image, model=args.model, layout=layout,
+            cluster=cluster, min_nodes=args.min_nodes, max_nodes=args.max_nodes,
+            max_restarts=args.max_restarts, checkpoint_claim=args.checkpoint_claim,
+            checkpoint_every=args.checkpoint_every, blocks=args.blocks, epochs=args.epochs,
+            token_secret=args.token_secret))
+    except (LayoutError, ClusterSpecError, ManifestError, OSError, KeyError, ValueError) as exc:
+        raise SystemExit(f"autopar k8s job: {exc}") from exc
+    text = yaml.safe_dump(out, sort_keys=False)
+    if args.out:
+        Path(args.out).write_text(text)
+        console.print(f"wrote {args.out}: PyTorchJob {args.name}, {cluster.nodes} node(s) "
+                      f"({args.min_nodes}..{args.max_nodes or cluster.nodes}), "
+                      f"{cluster.devices_per_node} process(es) each, {layout}")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def cmd_k8s_validate(args: argparse.Namespace) -> int:
+    import yaml
+
+    from autopar.k8s import CRD_SOURCE, validate
+
+    problems = validate(yaml.safe_load(Path(args.manifest).read_text()))
+    for problem in problems:
+        console.print(f"[red]{args.manifest}[/red]: {problem}")
+    if not problems:
+        console.print(f"{args.manifest}: valid (the CRD of {CRD_SOURCE}, unknown fields, the "
+                      f"operator's webhook rules)")
+    return 1 if problems else 0
+
+
+def cmd_k8s_scale(args: argparse.Namespace) -> int:
+    from autopar.k8s import ElasticJob, autoscale
+
+    raw = Path(args.jobs).read_text() if os.path.exists(args.jobs) else args.jobs
+    try:
+        jobs = [ElasticJob(**j) for j in json.loads(raw)]
+    except (ValueError, TypeError) as exc:
+        raise SystemExit(f"autopar k8s scale: --jobs: {exc}") from exc
+    decision = autoscale(jobs, args.free_gpus, args.load, args.load_threshold)
+    for j in jobs:
+        change = decision[j.name] - j.replicas
+        console.print(f"{j.name}: {j.replicas} -> {decision[j.name]} replicas "
+                      f"({'+' if change > 0 else ''}{change}; min {j.min_replicas}, max "
+                      f"{j.max_replicas})")
+    console.print("dry run: nothing applied")
+    return 0
 
 
 def _train_layout(args: argparse.Namespace):
@@ -486,6 +556,49 @@ def build_parser() -> argparse.ArgumentParser:
                          help="host:port of the c10d rendezvous (several nodes)")
     elastic.add_argument("--rdzv-id", default="autopar")
     train.set_defaults(func=cmd_train)
+
+    k8s = sub.add_parser("k8s", help="Kubernetes: a Kubeflow PyTorchJob for an elastic job, "
+                                     "its validation, the auto-scaler's decision")
+    k8s_sub = k8s.add_subparsers(dest="k8s_command", required=True)
+    job = k8s_sub.add_parser("job", help="write the PyTorchJob (kubeflow.org/v1) that trains "
+                                         "MODEL elastically")
+    job.add_argument("model", help="built-in example or pkg.module:factory (in the image)")
+    job.add_argument("--image", required=True, help="the container image (autopar installed)")
+    job.add_argument("--name", required=True, help="the job's name (a DNS-1035 label)")
+    job.add_argument("--cluster", required=True,
+                     help="a preset (dgx-a100-80gb, ...) or a ClusterSpec YAML: the nodes, "
+                          "and the GPUs each pod asks for")
+    job.add_argument("--nodes", type=int, default=None, help="nodes to start with")
+    job.add_argument("--min-nodes", type=int, default=1)
+    job.add_argument("--max-nodes", type=int, default=None, help="default: --nodes")
+    job.add_argument("--plan", metavar="PLAN.json",
+                     help="take the layout from a plan (autopar plan --report PLAN.json)")
+    job.add_argument("--dp", type=int, default=None, help="default: the world's nodes x GPUs")
+    _add_layout_args(job)
+    job.add_argument("--max-restarts", type=int, default=3)
+    job.add_argument("--checkpoint-claim", default="autopar-checkpoints",
+                     help="the PersistentVolumeClaim every pod mounts for checkpoints")
+    job.add_argument("--checkpoint-every", type=int, default=100)
+    job.add_argument("--blocks", type=int, default=1024)
+    job.add_argument("--epochs", type=int, default=1)
+    job.add_argument("--token-secret", default="autopar-job-token",
+                     help="the Secret whose key 'token' is the job's token")
+    job.add_argument("-o", "--out", help="write the YAML here (default: stdout)")
+    job.set_defaults(func=cmd_k8s_job)
+    val = k8s_sub.add_parser("validate", help="check a PyTorchJob manifest offline (the CRD's "
+                                              "schema, unknown fields, the webhook's rules)")
+    val.add_argument("manifest")
+    val.set_defaults(func=cmd_k8s_validate)
+    scale = k8s_sub.add_parser("scale", help="the auto-scaler's new replica counts")
+    scale.add_argument("--jobs", required=True,
+                       help='JSON list of {"name", "min_replicas", "max_replicas", "replicas", '
+                            '"gpus_per_replica"}, or a file holding it')
+    scale.add_argument("--free-gpus", type=int, required=True)
+    scale.add_argument("--load", type=float, required=True, help="the cluster's GPU load, 0..1")
+    scale.add_argument("--load-threshold", type=float, default=0.9)
+    scale.add_argument("--dry-run", action="store_true",
+                       help="print the decision (the only mode: nothing is applied)")
+    scale.set_defaults(func=cmd_k8s_scale)
 
     chk = sub.add_parser("check", help="build every rank's program of MODEL for a layout and "
                                        "check that each group's ranks run the same collectives")
