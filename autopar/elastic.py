@@ -163,7 +163,10 @@ def _prune(directory: Path, keep: int) -> None:
 # -- the worker -----------------------------------------------------------------------------
 
 def _store() -> dist.Store:
-    """torchrun's store (the agent's TCPStore), which outlives a restart of the workers."""
+    """torchrun's store (the agent's TCPStore), which outlives a restart of the workers;
+    without torchrun (one process), a store of this process's own."""
+    if "MASTER_ADDR" not in os.environ:
+        return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                          is_master=False, timeout=timedelta(minutes=5))
 

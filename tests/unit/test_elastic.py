@@ -174,7 +174,9 @@ def test_an_agent_killed_leaves_the_other_node_to_replan_reshard_and_finish(tmp_
     nodes of one process each. Killing one agent with its worker leaves the other to
     re-form a world of 1: dp=2 becomes dp=1 with two micro-batches (the global batch is
     kept), the dp=2 checkpoint is resharded into it, and training finishes with every
-    sample once per epoch in the committed model."""
+    sample once per epoch in the committed model, and with the weights of a run on two
+    processes without the kill (within rounding: the re-planned steps sum the batch in
+    another order)."""
     blocks, epochs = 12, 1
     port = _free_port()
     (tmp_path / "run").mkdir()
@@ -202,3 +204,13 @@ def test_an_agent_killed_leaves_the_other_node_to_replan_reshard_and_finish(tmp_
     assert [e["layout"] for e in resumed] == ["Layout(dp=2)", "Layout(microbatches=2)"]
     assert resumed[1]["checkpoint"], resumed[1]
     _check_exactly_once(tmp_path / "run" / "history.jsonl", blocks, epochs, 6)
+    (tmp_path / "clean").mkdir()
+    clean = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            "--nproc-per-node", "2",
+                            *_worker_args(tmp_path, "clean", {"dp": 2}, blocks, epochs)],
+                           cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
+    expected = torch.load(tmp_path / "clean" / "weights.pt")
+    got = torch.load(tmp_path / "run" / "weights.pt")
+    for name in expected:
+        assert torch.allclose(got[name], expected[name], rtol=1e-4, atol=1e-6), name
