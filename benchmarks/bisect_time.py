@@ -16,9 +16,9 @@ import argparse
 import copy
 import logging
 import statistics
-import time
 
 import torch.distributed as dist
+import common  # benchmarks/common.py (the script's own folder is on sys.path)
 
 import autopar
 from autopar.bisection import bisect
@@ -26,14 +26,6 @@ from autopar.examples import gpt2, llama
 
 LAYOUTS = {"dp2": autopar.Layout(dp=2), "tp2": autopar.Layout(tp=2),
            "dp2 zero3": autopar.Layout(dp=2, zero=3), "pp2": autopar.Layout(pp=2, microbatches=2)}
-
-
-def _timed(fn) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -59,8 +51,8 @@ def main() -> None:
 
             times = {"compile": [], "bisect": []}
             for _ in range(args.repeat):
-                times["compile"].append(_timed(compile_and_step))
-                times["bisect"].append(_timed(run_bisect))
+                times["compile"].append(common.timed_collective(compile_and_step))
+                times["bisect"].append(common.timed_collective(run_bisect))
             report = reports[-1]
             rows.append((name, label, report.compared, report.nodes, report.ok,
                          statistics.median(times["bisect"]), statistics.median(times["compile"])))

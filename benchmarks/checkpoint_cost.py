@@ -22,12 +22,12 @@ import logging
 import shutil
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import common  # benchmarks/common.py (the script's own folder is on sys.path)
 
 import autopar
 from autopar.examples import gpt2, llama
@@ -39,14 +39,6 @@ MODELS = {
                                                 vocab=8192, batch=8, seq=64),
 }
 LAYOUTS = {"dp2": autopar.Layout(dp=2), "dp2 zero2": autopar.Layout(dp=2, zero=2)}
-
-
-def _timed(fn) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - start
 
 
 def _bytes(path: Path) -> int:
@@ -84,11 +76,11 @@ def main() -> None:
             for r in range(args.repeat):
                 ours, theirs = root / f"autopar-{r}", root / f"dcp-{r}"
                 flat = {"model": step._named_tensors(), "optim": step._optimizer_state()}
-                times["autopar save"].append(_timed(lambda: step.save(ours)))
-                times["dcp save"].append(_timed(lambda: dcp.save(
+                times["autopar save"].append(common.timed_collective(lambda: step.save(ours)))
+                times["dcp save"].append(common.timed_collective(lambda: dcp.save(
                     flat, storage_writer=dcp.FileSystemWriter(theirs))))
-                times["autopar load"].append(_timed(lambda: step.load(ours)))
-                times["dcp load"].append(_timed(lambda: dcp.load(
+                times["autopar load"].append(common.timed_collective(lambda: step.load(ours)))
+                times["dcp load"].append(common.timed_collective(lambda: dcp.load(
                     flat, storage_reader=dcp.FileSystemReader(theirs))))
                 if rank0:
                     sizes = {"autopar": _bytes(ours), "dcp": _bytes(theirs)}
@@ -108,7 +100,7 @@ def main() -> None:
                                                     background=label == "background")
                         if pending is not None:
                             pending.wait()
-                    runs[label].append(_timed(train))
+                    runs[label].append(common.timed_collective(train))
             if rank0:
                 med = {k: statistics.median(v) for k, v in times.items()}
                 base, sync, background = (statistics.median(v) / args.steps * 1e3

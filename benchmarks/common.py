@@ -11,6 +11,15 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 
+def timed_collective(fn: Callable) -> float:
+    """Seconds of `fn` on every rank, between two barriers (the slowest rank's time)."""
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - start
+
+
 def parser(description: str, steps: int) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--rounds", type=int, default=5)
