@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from autopar.compiler.planner.result import Plan
 from autopar.layout import Layout, LayoutError
 from autopar.logs import configure_from_env
 from autopar.runtime.executor import DistributedStep, OptimizerFactory
+from autopar.runtime.local_sgd import LocalSGDStep
 from autopar.runtime.mesh import launched_rank, launched_world_size
 from autopar.runtime.pipeline import PipelineStep
 
@@ -45,7 +47,7 @@ def trace(model: torch.nn.Module, example_inputs: Batch,
     return trace_train_step(model, flat, objective)
 
 
-def compile(model: torch.nn.Module,  # noqa: A001 - the contract's name
+def compile(model: torch.nn.Module,
             cluster: ClusterSpec | None = None,
             example_inputs: Batch = (), loss_fn: LossFn | None = None,
             optimizer: OptimizerFactory = _default_optimizer, layout: Layout | Plan | None = None,
@@ -90,10 +92,12 @@ def build_step(model: torch.nn.Module, cluster: ClusterSpec | None, example_inpu
                objective: Objective, optimizer: OptimizerFactory, layout: Layout,
                passes: Sequence[GraphPass | str] | None = None,
                amp_lists: dict[str, Sequence[str]] | None = None,
-               record_rewrites: bool = False) -> DistributedStep | PipelineStep:
+               record_rewrites: bool = False,
+               pass_options: dict[str, Any] | None = None) -> DistributedStep | PipelineStep:
     """The step of `compile` for a given layout and flat example batch: trace, rewrite
     (`record_rewrites`: mark what each pass changed, for autopar.bisect), lower, bind to
-    this rank, and check every rank's collectives against its peers'."""
+    this rank, and check every rank's collectives against its peers'. `pass_options`:
+    more PassOptions fields (e.g. {"hierarchy_form": "shards"})."""
     parse_amp_lists(amp_lists)  # a misspelt op fails before the (slow) trace
     if not example_inputs:
         raise ValueError("compile needs example_inputs: one global batch, as passed to the step")
@@ -106,8 +110,12 @@ def build_step(model: torch.nn.Module, cluster: ClusterSpec | None, example_inpu
         dp_rank=_rank_options(launched_rank(), layout)[1],
         # what the user's optimizer holds, for recompute="auto"'s memory budget
         optimizer_memory=profile_optimizer(optimizer) if layout.recompute == "auto" else "adamw",
-        amp_lists=amp_lists or None)
-    tg, results = run_passes(tg, layout, cluster, passes, options=options,
+        amp_lists=amp_lists or None, **(pass_options or {}))
+    traced = tg
+    # Local SGD: this is its warm-up's program, gradients summed every step
+    synchronous = layout if layout.local_sgd is None else layout.replace(
+        local_sgd=None, local_sgd_warmup=0, local_sgd_adaptive=False)
+    tg, results = run_passes(tg, synchronous, cluster, passes, options=options,
                              dump_dir=os.environ.get("AUTOPAR_DUMP"),
                              record_rewrites=record_rewrites)
     if layout.amp != "off" and "amp" not in tg.provides:
@@ -117,12 +125,27 @@ def build_step(model: torch.nn.Module, cluster: ClusterSpec | None, example_inpu
         log.info("%s", r.summary())
     if is_pipelined(layout):
         step = PipelineStep(lower_pipeline(tg, layout), model, optimizer, objective=objective)
+    elif layout.local_sgd is not None:
+        local = _local_program(traced, layout, cluster, passes, options)
+        _check_collectives_across_ranks(local)
+        step = LocalSGDStep(to_program(tg, layout), local, model, optimizer, objective=objective,
+                            period=layout.local_sgd, warmup=layout.local_sgd_warmup,
+                            adaptive=layout.local_sgd_adaptive)
     else:
         step = DistributedStep(to_program(tg, layout), model, optimizer, objective=objective)
     _check_collectives_across_ranks(step.program)
     step.pass_results = results
     step.train_graph = tg  # the rewritten graph the step runs (to inspect, or cost)
     return step
+
+
+def _local_program(traced: TrainGraph, layout: Layout, cluster: ClusterSpec | None,
+                   passes: Sequence[GraphPass | str] | None, options: PassOptions):
+    """Local SGD's program after its warm-up (default_passes of a Layout.local_sgd): this
+    rank's own gradients of its share's mean loss, nothing summed over dp; tensor
+    parallelism's collectives stay (runtime/local_sgd.py)."""
+    tg, _ = run_passes(traced, layout, cluster, passes, options=options)
+    return to_program(tg, layout)
 
 
 def check(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor] | Batch,
@@ -150,14 +173,19 @@ def check(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor] | Batch
                 tp_rank=options[0], dp_rank=options[1]))
             program = lower_pipeline(out, layout) if is_pipelined(layout) else \
                 to_program(out, layout)
-            built[options] = (program.mesh, program_collectives(program))
+            built[options] = (program.mesh, program_collectives(program),
+                              getattr(program, "node_split", 1))
         by_rank[rank] = built[options][1]
-    return check_collectives(by_rank, built[_rank_options(0, layout)][0])
+    first = built[_rank_options(0, layout)]
+    return check_collectives(by_rank, first[0], first[2])
 
 
 def _rank_options(rank: int, layout: Layout) -> tuple[int, int]:
-    """(tp_rank, dp_rank) the passes read for `rank`, as `compile` gives them."""
-    dp_rank = rank // (layout.tp * layout.pp) % layout.dp if layout.zero >= 2 else 0
+    """(tp_rank, dp_rank) the passes read for `rank`, as `compile` gives them: the dp rank
+    only where programs differ by it (ZeRO-2/3's blocks, a hierarchical all-reduce's
+    node leaders)."""
+    reads_dp = layout.zero >= 2 or layout.allreduce == "hierarchical"
+    dp_rank = rank // (layout.tp * layout.pp) % layout.dp if reads_dp else 0
     return rank % layout.tp, dp_rank
 
 
@@ -170,7 +198,7 @@ def _check_collectives_across_ranks(program) -> None:
     mine = program_collectives(program)
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    check_collectives(dict(enumerate(everyone)), program.mesh)
+    check_collectives(dict(enumerate(everyone)), program.mesh, getattr(program, "node_split", 1))
 
 
 def _plan_for_job(model, cluster, example_inputs: tuple, loss_fn, optimizer,

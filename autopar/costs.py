@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 
 from autopar.cluster import ClusterSpec, LinkSpec
-from autopar.layout import Layout
+from autopar.layout import Layout, LayoutError
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,14 @@ def hierarchical_all_reduce(nbytes: float, per_node: int, nodes: int, intra: Lin
             + flat_all_reduce(nbytes / per_node, nodes, inter, eff))
 
 
+def pipelined_reduce(nbytes: float, p: int, link: LinkSpec, eff: float = 1.0) -> float:
+    """Reduce to one rank (or broadcast from one), chunked down a chain or tree: the whole
+    message crosses each link once, the latency grows with the depth log2(p)."""
+    if p <= 1:
+        return 0.0
+    return nbytes / (link.bandwidth * eff) + math.ceil(math.log2(p)) * link.latency_s
+
+
 def hierarchical_all_gather(nbytes: float, per_node: int, nodes: int, intra: LinkSpec,
                             inter: LinkSpec, eff: float = 1.0) -> float:
     """All-gather (or reduce-scatter) of an n-byte full tensor over `nodes` nodes holding
@@ -138,16 +146,24 @@ def collective_time(kind: str, nbytes: float, group_size: int, cluster: ClusterS
     min(group_size, devices_per_node // stride) of the group, at least one: a
     data-parallel group outside tp = 8 on 8-GPU nodes has one rank per node, and its
     all-reduce crosses the network whole (each device has its own network port)."""
-    if kind not in ("all_reduce", "all_gather", "reduce_scatter"):
-        raise ValueError(f"unknown collective {kind!r}; expected all_reduce, all_gather "
-                         "or reduce_scatter")
+    if kind not in ("all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast"):
+        raise ValueError(f"unknown collective {kind!r}; expected all_reduce, all_gather, "
+                         "reduce_scatter, reduce or broadcast")
     if group_size <= 1:
         return 0.0
     spans_nodes = group_spans_nodes(group_size, stride, cluster)
+    if kind in ("reduce", "broadcast"):
+        link = cluster.inter_node if spans_nodes else cluster.intra_node
+        return pipelined_reduce(nbytes, group_size, link, eff.link)
     if not spans_nodes:
         if kind != "all_reduce":
             return ring_all_gather(nbytes, group_size, cluster.intra_node, eff.link)
         return flat_all_reduce(nbytes, group_size, cluster.intra_node, eff.link)
+    if cluster.backend == "gloo":
+        # gloo's ring is not topology-aware: every one of its steps waits on the network
+        if kind != "all_reduce":
+            return ring_all_gather(nbytes, group_size, cluster.inter_node, eff.link)
+        return ring_all_reduce(nbytes, group_size, cluster.inter_node, eff.link)
     # a node's ranks of the group each use their own network port: with one rank a node
     # the whole tensor crosses one port per node; with several, each port carries its share
     per_node = max(1, min(group_size, cluster.devices_per_node // stride))
@@ -165,9 +181,45 @@ def group_spans_nodes(group_size: int, stride: int, cluster: ClusterSpec) -> boo
     return group_size * stride > cluster.devices_per_node
 
 
-def mesh_dim_sizes(layout: Layout) -> dict[str, tuple[int, int]]:
-    """mesh dimension -> (group size, stride), mesh order (pp, dp, tp) with tp innermost."""
-    return {"tp": (layout.tp, 1), "dp": (layout.dp, layout.tp), "pp": (layout.pp, layout.tp * layout.dp)}
+def mesh_dim_sizes(layout: Layout, cluster: ClusterSpec | None = None
+                   ) -> dict[str, tuple[int, int]]:
+    """mesh dimension -> (group size, stride), mesh order (pp, dp, tp) with tp innermost;
+    with `cluster`, a hierarchical all-reduce's two levels of dp too: "dp.local" (a dp
+    group's ranks on one node) and "dp.node" (one rank of each node)."""
+    dims = {"tp": (layout.tp, 1), "dp": (layout.dp, layout.tp),
+            "pp": (layout.pp, layout.tp * layout.dp)}
+    if cluster is not None and layout.allreduce == "hierarchical":
+        local, nodes = dp_node_split(layout, cluster)
+        dims["dp.local"], dims["dp.node"] = (local, layout.tp), (nodes, layout.tp * local)
+    return dims
+
+
+def dp_node_split(layout: Layout, cluster: ClusterSpec) -> tuple[int, int]:
+    """(ranks of each data-parallel group on one node, nodes it spans): the two levels of
+    `Layout.allreduce="hierarchical"`. Ranks are numbered node-major with tp innermost,
+    so a node holds devices_per_node / tp consecutive ranks of a dp group. LayoutError
+    when that does not cut the group into whole nodes, or leaves one level empty."""
+    per_node, where = cluster.devices_per_node, (
+        f"Layout.allreduce='hierarchical' on cluster {cluster.name!r} ({cluster.nodes} "
+        f"node(s) x {cluster.devices_per_node} devices)")
+    if layout.world_size % per_node:
+        raise LayoutError(f"{where}: the {per_node} devices per node do not divide the world "
+                          f"size {layout.world_size} (dp*tp*pp), so the nodes are not whole; "
+                          f"use a world size that is a multiple of {per_node}, or "
+                          f"allreduce='flat'")
+    if per_node % layout.tp:
+        raise LayoutError(f"{where}: tp={layout.tp} does not divide the {per_node} devices "
+                          f"per node, so a node's ranks are not whole tensor-parallel groups; "
+                          f"use allreduce='flat' or a tp dividing {per_node}")
+    # world = dp * tp (no pipeline: Layout) and per_node divides it, so local divides dp
+    local = per_node // layout.tp
+    nodes = layout.dp // local
+    if nodes == 1 or local == 1:
+        where_not = "within one node" if nodes == 1 else "at one rank per node"
+        raise LayoutError(f"{where}: each data-parallel group of dp={layout.dp} lies "
+                          f"{where_not}, so there is no second level to sum over; use "
+                          f"allreduce='flat'")
+    return local, nodes
 
 
 def optimizer_traffic(param_bytes: int, optimizer: str) -> int:

@@ -15,6 +15,7 @@ SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero-bubble")
 RECOMPUTE = ("none", "full", "selective", "auto")
 AMP = ("off", "bf16", "fp16")
 COMM_DTYPES = (None, "fp32", "bf16", "fp16")
+ALLREDUCE = ("flat", "hierarchical")
 
 
 class LayoutError(ValueError):
@@ -28,7 +29,9 @@ class Layout:
     dp, tp, pp: data-, tensor- and pipeline-parallel degrees; their product is the
     number of processes. microbatches: micro-batches per step (gradient accumulation
     when pp == 1). bucket_mb: size of a gradient all-reduce bucket in MiB (0: one
-    all-reduce per gradient).
+    all-reduce per gradient). allreduce: "flat" sums gradients over the whole dp group at
+    once; "hierarchical" inside each node first, then among the nodes, then back inside
+    each node (docs/communication.md; needs the cluster's devices per node).
     """
 
     dp: int = 1
@@ -46,6 +49,10 @@ class Layout:
     bucket_mb: float = 25.0
     overlap_comm: bool = True
     grad_comm_dtype: str | None = None
+    allreduce: str = "flat"
+    local_sgd: int | None = None
+    local_sgd_warmup: int = 0
+    local_sgd_adaptive: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -63,6 +70,7 @@ class Layout:
         _check_choice("recompute", self.recompute, RECOMPUTE)
         _check_choice("amp", self.amp, AMP)
         _check_choice("grad_comm_dtype", self.grad_comm_dtype, COMM_DTYPES)
+        _check_choice("allreduce", self.allreduce, ALLREDUCE)
         if self.zero not in (0, 1, 2, 3):
             raise LayoutError(f"Layout.zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if not (isinstance(self.bucket_mb, (int, float)) and self.bucket_mb >= 0
@@ -76,6 +84,43 @@ class Layout:
             raise LayoutError("Layout.sequence_parallel=True needs tp > 1")
         if self.zero and self.dp == 1:
             raise LayoutError(f"Layout.zero={self.zero} shards over data-parallel ranks and needs dp > 1")
+        if self.allreduce == "hierarchical" and self.dp == 1:
+            raise LayoutError("Layout.allreduce='hierarchical' sums gradients over data-parallel "
+                              "ranks and needs dp > 1")
+        self._validate_local_sgd()
+        if self.allreduce == "hierarchical" and (self.pp > 1 or self.microbatches > 1):
+            raise LayoutError(
+                f"Layout.allreduce='hierarchical' is built for steps without a pipeline or "
+                f"accumulation (pp={self.pp}, microbatches={self.microbatches}): the pipeline "
+                f"runtime sums gradients flat over dp; use allreduce='flat'")
+
+    def _validate_local_sgd(self) -> None:
+        period, warmup = self.local_sgd, self.local_sgd_warmup
+        if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 0:
+            raise LayoutError(f"Layout.local_sgd_warmup (synchronous steps before Local SGD) "
+                              f"must be an integer >= 0, got {warmup!r}")
+        if not isinstance(self.local_sgd_adaptive, bool):
+            raise LayoutError(f"Layout.local_sgd_adaptive must be True or False, got "
+                              f"{self.local_sgd_adaptive!r}")
+        if period is None:
+            if warmup or self.local_sgd_adaptive:
+                raise LayoutError("Layout.local_sgd_warmup and local_sgd_adaptive need "
+                                  "Layout.local_sgd (the averaging period), which is None")
+            return
+        if not isinstance(period, int) or isinstance(period, bool) or period < 1:
+            raise LayoutError(f"Layout.local_sgd (the averaging period H, in steps) must be an "
+                              f"integer >= 1, or None to sum gradients every step; got "
+                              f"{period!r}")
+        if self.dp == 1:
+            raise LayoutError("Layout.local_sgd averages parameters over data-parallel ranks "
+                              "and needs dp > 1")
+        if self.zero:
+            raise LayoutError(f"Layout.local_sgd with zero={self.zero}: each rank steps its "
+                              f"whole parameters on its own gradients, which ZeRO shards over "
+                              f"dp; use zero=0")
+        if self.pp > 1 or self.microbatches > 1:
+            raise LayoutError(f"Layout.local_sgd is built for steps without a pipeline or "
+                              f"accumulation (pp={self.pp}, microbatches={self.microbatches})")
 
     def check_world_size(self, world_size: int) -> None:
         """Refuse a layout whose dp*tp*pp is not the number of processes."""

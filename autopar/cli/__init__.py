@@ -261,11 +261,18 @@ def _train_layout(args: argparse.Namespace):
     return Layout(dp=dp, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
                   schedule=args.schedule, virtual_stages=args.virtual_stages,
                   sequence_parallel=args.sequence_parallel, amp=args.amp,
-                  zero=args.zero, recompute=args.recompute, bucket_mb=args.bucket_mb)
+                  zero=args.zero, recompute=args.recompute, bucket_mb=args.bucket_mb,
+                  **_local_sgd_fields(args))
+
+
+def _local_sgd_fields(args: argparse.Namespace) -> dict:
+    return {"local_sgd": args.local_sgd, "local_sgd_warmup": args.local_sgd_warmup,
+            "local_sgd_adaptive": args.local_sgd_adaptive}
 
 
 _LAYOUT_FLAGS = ("dp", "tp", "pp", "microbatches", "schedule", "virtual_stages",
-                 "sequence_parallel", "amp", "zero", "recompute", "bucket_mb")
+                 "sequence_parallel", "amp", "zero", "recompute", "bucket_mb", "local_sgd",
+                 "local_sgd_warmup", "local_sgd_adaptive")
 
 
 class _Progress:
@@ -477,7 +484,7 @@ def _layout_from_args(args: argparse.Namespace, **more):
 
     return Layout(dp=args.dp, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
                   schedule=args.schedule, virtual_stages=args.virtual_stages, amp=args.amp,
-                  zero=args.zero, recompute=args.recompute, **more)
+                  zero=args.zero, recompute=args.recompute, **_local_sgd_fields(args), **more)
 
 
 def _add_layout_args(parser: argparse.ArgumentParser) -> None:
@@ -495,6 +502,13 @@ def _add_layout_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--recompute", default="none", choices=RECOMPUTE,
                         help="recomputation policy, see docs/memory.md ('auto' fits the "
                              "cluster's device memory)")
+    parser.add_argument("--local-sgd", type=int, default=None, metavar="H",
+                        help="Local SGD: each rank steps on its own gradients, the parameters "
+                             "are averaged every H steps (docs/communication.md)")
+    parser.add_argument("--local-sgd-warmup", type=int, default=0, metavar="W",
+                        help="with --local-sgd: W synchronous steps first (post-local SGD)")
+    parser.add_argument("--local-sgd-adaptive", action="store_true",
+                        help="with --local-sgd: adapt H to the loss and learning rate (AdaComm)")
 
 
 def _add_program_args(parser: argparse.ArgumentParser, model_help: str) -> None:

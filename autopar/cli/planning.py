@@ -13,7 +13,8 @@ from rich.table import Table
 from autopar.cli.common import cluster_from_args, console
 
 
-_PLAN_CONSTRAINTS = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "amp")
+_PLAN_CONSTRAINTS = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "amp",
+                     "allreduce", "local_sgd")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -41,7 +42,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             plan = plan_layout(example.model, cluster, example.batch, example.loss_fn,
                                 optimizer=args.optimizer, progress=show,
                                 trace_blocks=args.trace_blocks, workers=args.workers,
-                                **constraints)
+                                allow=args.allow, **constraints)
     except (LayoutError, ClusterSpecError, PlanError, PlanArgumentError, BatchError,
             TraceError) as exc:  # what the user controls; anything else is a bug: a traceback
         raise SystemExit(f"autopar plan: {exc}") from exc
@@ -193,6 +194,13 @@ def add_planner_commands(sub) -> None:
     plan.add_argument("--schedule", default=None,
                       choices=("1f1b", "gpipe", "interleaved", "zero-bubble"))
     plan.add_argument("--amp", default=None, choices=("off", "bf16", "fp16"))
+    plan.add_argument("--allreduce", default=None, choices=("flat", "hierarchical"),
+                      help="fix how gradients are summed (default: the planner chooses)")
+    plan.add_argument("--local-sgd", type=int, default=None, metavar="H",
+                      help="fix Local SGD with averaging period H")
+    plan.add_argument("--allow", action="append", default=[], choices=("local_sgd",),
+                      help="let the plan use a technique that changes convergence (its "
+                           "accuracy is not modelled; repeatable)")
     plan.add_argument("--max-memory-fraction", type=float, default=0.9,
                       help="share of device memory a layout may use (default 0.9)")
     plan.add_argument("--optimizer", choices=("adamw", "adam", "sgd-momentum", "sgd"),

@@ -41,7 +41,8 @@ class DistributedStep(TrainingState):
                  optimizer: OptimizerFactory, *, mesh: Mesh | None = None,
                  objective: Objective | None = None):
         self.program = program
-        self.mesh = mesh or build_mesh(program.mesh)
+        self.mesh = mesh or build_mesh(program.mesh, program.node_split)
+        self.mesh.split_dp(program.node_split)  # a mesh passed in: its two levels, if needed
         self.gm = bind_groups(program.gm, self.mesh.group_names) if self.mesh.group_names \
             else program.gm
         named = dict(model.named_parameters(remove_duplicate=False))
@@ -79,8 +80,13 @@ class DistributedStep(TrainingState):
 
     def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
         """One step on a global batch, passed as the example batch was (see Objective)."""
+        return self._run(self.gm, self.graph_inputs(*args, **kwargs))
+
+    def _run(self, gm, inputs: list[torch.Tensor]) -> torch.Tensor:
+        """Run `gm` on `inputs`, step the optimizer on the gradients it returns, write
+        its mutated buffers back; the loss."""
         with torch.no_grad():
-            outs = self.gm(*self.graph_inputs(*args, **kwargs))
+            outs = gm(*inputs)
             loss, rest = outs[0], outs[1:]
             grads, new_buffers = rest[:len(self.params)], rest[len(self.params):]
             grads = [self._grad_of_updated(u, g) for u, g in zip(self.updated, grads)]

@@ -44,16 +44,40 @@ class Mesh:
     group_names: dict[str, str]
     coords: dict[str, int]  # this rank's index along each mesh dimension
     _checkpoint_mesh: DeviceMesh | None = field(default=None, repr=False)
+    # groups that are not dimensions of the DeviceMesh: "dp.local", "dp.node" (split_dp)
+    _subgroups: dict = field(default_factory=dict, repr=False)
 
     def rank_in(self, dim: str) -> int:
         return self.coords.get(dim, 0)
 
     def group(self, dim: str):
         """The process group of mesh dimension `dim` (None without a process group or when
-        the mesh has no such dimension)."""
+        the mesh has no such dimension); "dp.local" and "dp.node" once `split_dp` made them."""
+        if dim in self._subgroups:
+            return self._subgroups[dim]
         if self.device_mesh is None or dim not in self.group_names:
             return None
         return self.device_mesh.get_group(dim)
+
+    def split_dp(self, local: int) -> None:
+        """The two levels of a hierarchical all-reduce (Program.node_split): each dp group
+        cut into runs of `local` consecutive ranks, one node's ("dp.local"), and the ranks
+        at the same place in every node ("dp.node"). Every rank makes every group, in the
+        same order (new_group is collective); a rank keeps its own. Idempotent."""
+        if local <= 1 or "dp.local" in self._subgroups or self.device_mesh is None:
+            return
+        names = list(self.device_mesh.mesh_dim_names)
+        axis = names.index("dp")
+        rows = self.device_mesh.mesh.movedim(axis, -1).reshape(-1, self.device_mesh.mesh.shape[axis])
+        me = dist.get_rank()
+        for row in rows.tolist():
+            runs = [row[k:k + local] for k in range(0, len(row), local)]
+            for name, groups in (("dp.local", runs), ("dp.node", [row[j::local] for j in range(local)])):
+                for ranks in groups:
+                    group = dist.new_group(ranks)
+                    if me in ranks:
+                        self._subgroups[name] = group
+                        self.group_names[name] = group.group_name
 
     def global_rank(self, **coords: int) -> int:
         """The rank at these mesh coordinates; dimensions not named are this rank's own."""
@@ -82,8 +106,9 @@ class Mesh:
 _CHECKPOINT_ORDER = {"tp": 0, "pp": 1, "dp": 2}
 
 
-def build_mesh(dims: tuple[tuple[str, int], ...]) -> Mesh:
-    """Initialise the process group (gloo on CPU, NCCL on GPU) and the mesh.
+def build_mesh(dims: tuple[tuple[str, int], ...], node_split: int = 1) -> Mesh:
+    """Initialise the process group (gloo on CPU, NCCL on GPU) and the mesh; with
+    `node_split` > 1 the hierarchical all-reduce's groups too (Mesh.split_dp).
 
     A single-process program with no torchrun runs without any process group.
     """
@@ -112,7 +137,9 @@ def build_mesh(dims: tuple[tuple[str, int], ...]) -> Mesh:
     mesh = init_device_mesh(device_type(), shape, mesh_dim_names=names)
     groups = {name: mesh.get_group(name).group_name for name in names}
     coords = {name: mesh.get_local_rank(name) for name in names}
-    return Mesh(mesh, groups, coords)
+    built = Mesh(mesh, groups, coords)
+    built.split_dp(node_split)
+    return built
 
 
 def _elastic_store() -> dict:

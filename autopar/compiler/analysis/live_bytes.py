@@ -35,6 +35,8 @@ from torch.utils._python_dispatch import (
 )
 from torch.utils._pytree import tree_leaves
 
+from autopar.compiler.ir import comm_ops
+
 
 @dataclass
 class _Tracked:
@@ -117,7 +119,7 @@ class LiveBytes(TorchDispatchMode):
             return region(args[0]).fallback(list(args[1]))
 
     def _track_collective(self, func, args, out, index: int) -> None:
-        if getattr(func, "namespace", "") != "_c10d_functional":
+        if getattr(func, "namespace", "") != "_c10d_functional" and func is not comm_ops.reduce:
             return
         if func.__name__.startswith("wait_tensor"):
             for tracked in self._in_flight.pop(_weak(args[0]).cdata, []):

@@ -24,6 +24,7 @@ import torch
 import torch.fx as fx
 
 from autopar.cluster import ClusterSpec
+from autopar.compiler.ir import comm_ops
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.annotate import op_name, tensor_bytes
 from autopar.compiler.ir.graph import TrainGraph
@@ -38,6 +39,8 @@ COLLECTIVES = {
     c10d.all_reduce.default: ("all_reduce", 2),
     c10d.all_gather_into_tensor.default: ("all_gather", 2),
     c10d.reduce_scatter_tensor.default: ("reduce_scatter", 3),
+    c10d.broadcast.default: ("broadcast", 2),
+    comm_ops.reduce: ("reduce", 2),
 }
 # NOTE: `_unsafe_view` has no alias annotation in its schema, yet eager returns a view
 # of its input (it follows ops whose result is already fresh); counting it would

@@ -121,17 +121,28 @@ def group_members(mesh: Sequence[tuple[str, int]], dim: str) -> list[list[int]]:
     return list(groups.values())
 
 
+def node_split_members(mesh: Sequence[tuple[str, int]], local: int) -> dict[str, list[list[int]]]:
+    """The groups of a hierarchical all-reduce's two levels (Program.node_split = `local`):
+    "dp.local", each dp group's runs of `local` ranks; "dp.node", the ranks at the same
+    place in each run (the runtime's Mesh.split_dp makes the same)."""
+    rows = group_members(mesh, "dp")
+    return {"dp.local": [row[k:k + local] for row in rows for k in range(0, len(row), local)],
+            "dp.node": [row[j::local] for row in rows for j in range(local)]}
+
+
 def check_collectives(by_rank: Mapping[int, Mapping[str, Sequence[Collective]]],
-                      mesh: Sequence[tuple[str, int]]) -> int:
+                      mesh: Sequence[tuple[str, int]], node_split: int = 1) -> int:
     """Raise CollectiveMismatch at the first collective two ranks of one group would run
     differently (order, kind, shape, dtype, arguments, or one rank running more); the
     number of collectives compared otherwise. `by_rank`: program_collectives of every
-    rank (all_gather_object sends them as they are: plain named tuples)."""
+    rank (all_gather_object sends them as they are: plain named tuples). `node_split`:
+    the hierarchical all-reduce's two levels are compared as groups of their own."""
     compared = 0
-    for dim, size in mesh:
-        if size == 1 or dim == "pp":
-            continue
-        for members in group_members(mesh, dim):
+    groups = {dim: group_members(mesh, dim) for dim, size in mesh if size > 1 and dim != "pp"}
+    if node_split > 1:
+        groups.update(node_split_members(mesh, node_split))
+    for dim, all_members in groups.items():
+        for members in all_members:
             first = members[0]
             for rank in members[1:]:
                 compared += _compare(first, by_rank[first], rank, by_rank[rank], dim)
@@ -166,4 +177,4 @@ def _said(c: Collective | None) -> str:
 
 
 __all__ = ["Collective", "CollectiveMismatch", "check_collectives", "collectives_of",
-           "group_members", "program_collectives"]
+           "group_members", "node_split_members", "program_collectives"]

@@ -69,6 +69,9 @@ class Program:
     # batch-decided counts the loss divides by (compiler/ir/batch.LossNormalizer): the
     # step takes each one's mean over the global batch's shards, after the batch inputs
     normalizers: tuple = ()
+    # Layout.allreduce="hierarchical": ranks of each dp group on one node (the runtime
+    # makes the "dp.local" and "dp.node" process groups from it); 1: a flat all-reduce
+    node_split: int = 1
 
     @property
     def world_size(self) -> int:

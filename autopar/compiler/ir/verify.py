@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from autopar.compiler.ir import comm_ops
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.graph import TrainGraph
 
@@ -28,7 +29,7 @@ _c10d = torch.ops._c10d_functional
 COLLECTIVES = frozenset({
     _c10d.all_reduce.default, _c10d.all_gather_into_tensor.default,
     _c10d.reduce_scatter_tensor.default, _c10d.all_to_all_single.default,
-    _c10d.broadcast.default,
+    _c10d.broadcast.default, comm_ops.reduce,
 })
 WAIT = _c10d.wait_tensor.default
 
@@ -37,7 +38,7 @@ def verify(tg: TrainGraph) -> None:
     """Raise VerificationError on the first rule a graph breaks."""
     try:
         tg.graph.lint()
-    except Exception as exc:  # noqa: BLE001 - lint raises plain RuntimeErrors
+    except Exception as exc:
         raise VerificationError(f"graph lint failed: {exc}") from exc
     _check_signature(tg)
     _check_metadata(tg)

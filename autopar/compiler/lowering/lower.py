@@ -31,4 +31,5 @@ def to_program(tg: TrainGraph, layout: Layout) -> Program:
         grad_blocks=sig.grad_blocks,
         param_blocks=sig.param_blocks,
         normalizers=tg.loss_normalizers,
+        node_split=tg.attrs.get("dp_node_split", 1),
     )

@@ -88,6 +88,11 @@ class PassOptions:
     # [...]} (an AutoMixedPrecision(amp_lists=...) of its own wins). Set by
     # autopar.compile(amp_lists=...)
     amp_lists: Mapping[str, Sequence[str]] | None = None
+    # insert_allreduce with Layout.allreduce="hierarchical": "leaders" (reduce, the
+    # leaders' all-reduce, broadcast), "shards" (reduce-scatter, the shards' all-reduce,
+    # all-gather), or "auto": shards on NCCL, leaders on gloo (which runs
+    # reduce_scatter_tensor as an all-reduce)
+    hierarchy_form: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("tp_rank", "dp_rank"):
@@ -100,6 +105,9 @@ class PassOptions:
                                  f"or None, got {self.memory_budget!r}")
             object.__setattr__(self, "memory_budget", int(self.memory_budget))
         optimizer_memory(self.optimizer_memory)  # an unknown optimizer name fails here
+        if self.hierarchy_form not in ("auto", "leaders", "shards"):
+            raise ValueError(f"pass option hierarchy_form must be 'auto', 'leaders' or "
+                             f"'shards', got {self.hierarchy_form!r}")
         if self.pipeline_cuts is not None:
             if isinstance(self.pipeline_cuts, str):
                 raise ValueError(f"pass option pipeline_cuts must be a list of module paths, "

@@ -29,7 +29,8 @@ def is_pipelined(layout: Layout) -> bool:
 
 def default_passes(layout: Layout) -> list[GraphPass]:
     """tensor_parallel -> amp -> recompute -> global_loss_mean -> pipeline stages or
-    data-parallel sync (-> zero-3 parameter sharding) -> fusion.
+    data-parallel sync (-> zero-3 parameter sharding) -> fusion. With Layout.local_sgd,
+    the steady state's program: no global loss mean, no gradient sync.
 
     Pipelined steps sum gradients over data-parallel ranks after the last micro-batch
     (in the pipeline runtime), so they get no all-reduce pass."""
@@ -41,11 +42,14 @@ def default_passes(layout: Layout) -> list[GraphPass]:
     first += [Recompute()] if layout.recompute != "none" else []
     # the batch is cut into dp * microbatches shards: a loss over a count the batch
     # decides must divide by the whole batch's count
-    first += [GlobalLossMean()] if layout.dp * layout.microbatches > 1 else []
+    # Local SGD's steady state: each rank's own mean loss and gradients, nothing summed
+    # over dp (its warm-up is the layout without local_sgd: runtime/local_sgd.py)
+    local = layout.local_sgd is not None
+    first += [GlobalLossMean()] if layout.dp * layout.microbatches > 1 and not local else []
     last = [FuseRegions()] if layout.fusion else []
     if is_pipelined(layout):
         return first + [AssignStages()] + last
-    sync = [InsertAllReduce()] if layout.dp > 1 else []
+    sync = [InsertAllReduce()] if layout.dp > 1 and not local else []
     return first + sync + ([ShardParameters()] if layout.zero == 3 else []) + last
 
 

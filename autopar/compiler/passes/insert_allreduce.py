@@ -32,6 +32,13 @@ Rewrites, in order:
    blocks masked out; PassOptions.dp_rank says which block). The runtime's
    optimizer updates the block and gathers the blocks back into the parameter.
    Gradients with fewer rows than dp are all-reduced whole, as listed in `declined`.
+5. Hierarchical (`Layout.allreduce="hierarchical"`, docs/communication.md): each whole
+   bucket is summed in three levels over the "dp.local" and "dp.node" groups (_Chain):
+   inside each node, among the nodes, back inside each node. On gloo the first and
+   last are a reduce to the node's first rank and a broadcast from it, and only those
+   first ranks cross the network; on NCCL a reduce-scatter and an all-gather, with each
+   rank's shard crossing the network. The loss, gathered embedding rows and ZeRO's
+   reduce-scatters stay flat (`declined`).
 
 Requires: "traced". Provides: "dp_grad_sync".
 
@@ -54,6 +61,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from autopar.compiler.ir import comm_ops
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.annotate import tensor_bytes
 from autopar.compiler.ir.graph import TrainGraph
@@ -61,6 +69,8 @@ from autopar.compiler.ir.program import block_rows, mesh_group_tag
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
 from autopar.compiler.passes.builder import NodeBuilder, scale_backward_seed
 from autopar.compiler.passes.manager import register_pass
+from autopar.costs import dp_node_split
+from autopar.layout import LayoutError
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -133,12 +143,89 @@ def _padded(build: NodeBuilder, term: fx.Node, blocks: int, extra: dict) -> fx.N
     return build.call(aten.constant_pad_nd.default, (term, pad), **extra)
 
 
+@dataclass(frozen=True)
+class _Levels:
+    """A hierarchical all-reduce's shape for this rank (Layout.allreduce="hierarchical")."""
+
+    local: int  # ranks of the dp group on each node ("dp.local")
+    nodes: int  # nodes the dp group spans: ranks of each "dp.node" group
+    form: str  # "leaders" or "shards" (_Chain)
+    leader: bool  # this rank is the first of its node's ranks of the dp group
+
+    def describe(self) -> str:
+        steps = ("reduce to each node's leader, all-reduce among the leaders, broadcast"
+                 if self.form == "leaders" else
+                 "reduce-scatter in each node, all-reduce of each shard among the nodes, "
+                 "all-gather in each node")
+        return f"hierarchical over {self.nodes} nodes x {self.local} ranks: {steps}"
+
+
+class _Chain:
+    """One bucket's hierarchical all-reduce: three collectives. The first starts when the
+    bucket is complete, the second (over the network) when the backward completes the
+    next bucket: the compute waits there only for the first, a transfer inside the
+    node. The third starts at the end of the backward, after the second's wait, so no
+    compute waits on the network before the flat all-reduce's would; its result is
+    waited for at the output.
+
+    - "leaders" (gloo, where reduce_scatter_tensor is an all-reduce in disguise): a
+      reduce to the node's first rank over "dp.local", an all-reduce among the nodes'
+      first ranks over "dp.node" (the others send nothing over the network), and a
+      broadcast from the first rank over "dp.local".
+    - "shards" (NCCL): a reduce-scatter over "dp.local" (the bucket padded to a multiple
+      of the local ranks), an all-reduce of each rank's shard over "dp.node" (one per
+      network port), an all-gather over "dp.local"; the padding is cut at the output.
+    """
+
+    LOCAL, NODE = mesh_group_tag("dp.local"), mesh_group_tag("dp.node")
+    BACK = 2  # the stage of the third collective, back inside the node
+
+    def __init__(self, packed: fx.Node, levels: _Levels, extra: dict) -> None:
+        self.node, self.levels, self.extra, self.stage = packed, levels, extra, 0
+
+    @property
+    def done(self) -> bool:
+        return self.stage == 3
+
+    def advance(self, build: NodeBuilder, until: int = 3) -> None:
+        """Start the next level, unless it is stage `until` or later (or all are done)."""
+        if self.stage >= until:
+            return
+        levels, extra = self.levels, {**self.extra, M.COMM_KIND: "grad_bucket"}
+        local, shards = levels.local, levels.form == "shards"
+        if self.stage == 0:
+            if shards:
+                packed = self.node
+                missing = -packed.meta[M.VAL].numel() % local
+                if missing:
+                    packed = build.call(aten.constant_pad_nd.default, (packed, [0, missing]),
+                                        **self.extra)
+                self.node = build.call(c10d.reduce_scatter_tensor.default,
+                                       (packed, "sum", local, self.LOCAL), **extra)
+            else:
+                self.node = build.call(comm_ops.reduce, (self.node, 0, self.LOCAL), **extra)
+        elif self.stage == 1:
+            waited = build.call(c10d.wait_tensor.default, (self.node,))
+            self.node = build.call(c10d.all_reduce.default, (waited, "sum", self.NODE), **extra) \
+                if shards or levels.leader else waited
+        elif self.stage == 2:
+            summed = self.node if self.node.target is c10d.wait_tensor.default else \
+                build.call(c10d.wait_tensor.default, (self.node,))
+            self.node = build.call(c10d.all_gather_into_tensor.default,
+                                   (summed, local, self.LOCAL), **extra) if shards else \
+                build.call(c10d.broadcast.default, (summed, 0, self.LOCAL), **extra)
+        else:
+            return
+        self.stage += 1
+
+
 @register_pass
 class InsertAllReduce(GraphPass):
     name = "insert_allreduce"
     requires = frozenset({"traced"})
     provides = frozenset({"dp_grad_sync"})
-    layout_fields = frozenset({"dp", "zero", "bucket_mb", "overlap_comm", "grad_comm_dtype"})
+    layout_fields = frozenset({"dp", "tp", "zero", "bucket_mb", "overlap_comm", "grad_comm_dtype",
+                               "allreduce"})
 
     def run(self, tg: TrainGraph, ctx: PassContext) -> tuple[TrainGraph, PassResult]:
         dp = ctx.layout.dp
@@ -165,21 +252,35 @@ class InsertAllReduce(GraphPass):
                         for b in plan_buckets(sizes, ctx.layout.bucket_mb * MiB)]
         buckets.sort(key=lambda b: order[b[0][-1][0]])  # in the order backward completes them
         waited: dict[fx.Node, fx.Node] = {}  # reduce-scatters waited for early: their waits
+        levels = self._levels(ctx)
+        chains: list[_Chain] = []  # hierarchical all-reduces in flight, one level each call
         if ctx.layout.overlap_comm:  # each bucket starts right after its last term
             pending, scattering = [], []
             for i, (b, blocks) in enumerate(buckets):
                 build.at(max((t for t, _ in b), key=order.__getitem__))
+                for chain in chains:  # the earlier buckets' network level, as this one starts
+                    chain.advance(build, until=_Chain.BACK)
                 if blocks > 1:
                     if len(scattering) >= SCATTERS_IN_FLIGHT:
                         early = scattering.pop(0)
                         waited[early] = build.call(c10d.wait_tensor.default, (early,))
-                pending.append(self._launch_bucket(build, b, i, divisor, tag, wire, blocks))
+                pending.append(self._launch_bucket(build, b, i, divisor, tag, wire, blocks, levels))
                 if blocks > 1:
                     scattering.append(pending[-1][1])
+                elif levels is not None:
+                    chains.append(pending[-1][1])
         else:  # a baseline: all buckets start after the whole backward pass
             build.at(tg.output_node().prev)
-            pending = [self._launch_bucket(build, b, i, divisor, tag, wire, blocks)
+            pending = [self._launch_bucket(build, b, i, divisor, tag, wire, blocks, levels)
                        for i, (b, blocks) in enumerate(buckets)]
+            chains = [reduced for _, reduced, blocks in pending if isinstance(reduced, _Chain)]
+        if chains:  # the levels left, before the waits at the output
+            build.at(tg.output_node().prev)
+            while any(not c.done for c in chains):
+                for chain in chains:
+                    chain.advance(build)
+            pending = [(b, r.node if isinstance(r, _Chain) else r, blocks)
+                       for b, r, blocks in pending]
         loss = self._launch_loss(tg, build, dp, tag)
         tg.output_node().args = (tuple(self._wait_all(tg, build, pending, loss, grads,
                                                       {i: dp for i in blocked}, waited)),)
@@ -188,18 +289,27 @@ class InsertAllReduce(GraphPass):
         if blocked:
             tg.signature = dataclasses.replace(tg.signature, grad_blocks=tuple(
                 dp if i in blocked else 1 for i in range(len(tg.signature.params))))
+        if levels is not None:  # the runtime makes the two levels' process groups
+            tg.attrs["dp_node_split"] = levels.local
         stats = {"buckets": len(buckets), "bucket_mb": ctx.layout.bucket_mb,
                  "overlap": ctx.layout.overlap_comm,
                  "allreduce_bytes": sum(tensor_bytes(r.meta[M.VAL]) for _, r, _ in pending),
                  "grad_comm_dtype": str(wire or "same as the gradients"), "dp": dp,
                  "averaging": "backward seed / dp" if divisor == 1 else "bucket / dp",
-                 "embedding_grads_gathered": gathered}
+                 "embedding_grads_gathered": gathered,
+                 "allreduce": "flat" if levels is None else levels.describe()}
         declined = []
+        if levels is not None:
+            declined += [(what, "summed flat over dp: too small to gain from two levels") for what
+                         in ["the loss", *[f"embedding rows of {g}" for g in gathered]]]
+            if blocked:
+                declined.append(("ZeRO's gradient reduce-scatters",
+                                 "run flat over dp: only whole buckets are summed in two levels"))
         if ctx.layout.zero >= 2:
             stats["reduce_scattered_grads"] = len(blocked)
-            declined = [(f"reduce-scatter of {tg.signature.params[g.param].name}'s gradient",
-                         "it has fewer rows than dp: all-reduced whole")
-                        for g in grads if g.param not in blocked]
+            declined += [(f"reduce-scatter of {tg.signature.params[g.param].name}'s gradient",
+                          "it has fewer rows than dp: all-reduced whole")
+                         for g in grads if g.param not in blocked]
         return tg, PassResult(self.name, changed=True, stats=stats, declined=declined)
 
     @staticmethod
@@ -248,10 +358,27 @@ class InsertAllReduce(GraphPass):
                               **{M.COMM_KIND: "embedding_rows"})
         return _GatheredRows(rows_job, indices_job, tuple(term.args[2:]), term.meta[M.MODULE_PATH])
 
-    def _launch_bucket(self, build, bucket, index, divisor, tag, wire=None, blocks=1):
+    @staticmethod
+    def _levels(ctx: PassContext) -> _Levels | None:
+        """Layout.allreduce="hierarchical": the two levels of this rank's dp group."""
+        if ctx.layout.allreduce != "hierarchical":
+            return None
+        if ctx.cluster is None:
+            raise LayoutError("Layout.allreduce='hierarchical' sums inside each node first and "
+                              "needs the cluster's devices per node: pass cluster=ClusterSpec(...) "
+                              "(nodes, devices_per_node) to compile")
+        local, nodes = dp_node_split(ctx.layout, ctx.cluster)
+        form = ctx.options.hierarchy_form
+        if form == "auto":
+            form = "shards" if ctx.cluster.backend == "nccl" else "leaders"
+        return _Levels(local, nodes, form, ctx.options.dp_rank % local == 0)
+
+    def _launch_bucket(self, build, bucket, index, divisor, tag, wire=None, blocks=1,
+                       levels=None):
         """Pack a bucket and start its reduction: an all-reduce, or (blocks = dp, ZeRO-2) a
         reduce-scatter of the gradients laid out block-major ([dp, ...]: row r holds
-        every gradient's r-th dim-0 block), so that each rank receives its blocks."""
+        every gradient's r-th dim-0 block), so that each rank receives its blocks. With
+        `levels` a whole bucket starts a _Chain, its first level launched."""
         extra = {M.BUCKET: index}
         shape = [blocks, -1] if blocks > 1 else [-1]
         flat = [build.call(aten.reshape.default, (_padded(build, t, blocks, extra), shape), **extra)
@@ -266,6 +393,9 @@ class InsertAllReduce(GraphPass):
         if blocks > 1:
             reduced = build.call(c10d.reduce_scatter_tensor.default, (packed, "sum", blocks, tag),
                                  **extra, **{M.COMM_KIND: "grad_bucket"})
+        elif levels is not None:
+            reduced = _Chain(packed, levels, extra)
+            reduced.advance(build)
         else:
             reduced = build.call(c10d.all_reduce.default, (packed, "sum", tag),
                                  **extra, **{M.COMM_KIND: "grad_bucket"})
@@ -289,6 +419,8 @@ class InsertAllReduce(GraphPass):
             if blocks > 1:  # [1, n]: this rank's block of every gradient, in bucket order
                 done = build.call(aten.reshape.default, (done, [-1]))
             sizes = [_block_shape(t, blocks).numel() for t, _ in bucket]
+            if done.meta[M.VAL].numel() > sum(sizes):  # a hierarchical bucket's padding
+                done = build.call(aten.slice.Tensor, (done, 0, 0, sum(sizes)))
             parts = build.call(aten.split_with_sizes.default, (done, sizes)) \
                 if len(bucket) > 1 else None
             for k, (term, _) in enumerate(bucket):

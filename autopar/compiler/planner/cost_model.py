@@ -84,7 +84,7 @@ class StepTime:
 
 def collective_seconds(op: OpRecord, cluster: ClusterSpec, layout: Layout,
                        eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
-    dims = mesh_dim_sizes(layout)
+    dims = mesh_dim_sizes(layout, cluster)
     if op.group not in dims:
         raise ValueError(f"collective {op.name} names mesh dimension {op.group!r}; the cost "
                          f"model knows {sorted(dims)}")
@@ -137,9 +137,23 @@ def step_time(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
     and, under ZeRO-1/2, the gather of the updated blocks (zero_gather_time)."""
     compute, comm, end = simulate_streams(summary, cluster, layout, eff)
     updated = sum(held_parameter_bytes(summary, layout)[1])  # ZeRO: this rank's blocks
-    gather = zero_gather_time(summary, cluster, layout, eff)
+    gather = zero_gather_time(summary, cluster, layout, eff) + averaging_time(
+        summary, cluster, layout, eff)
     return StepTime(compute_s=compute, comm_s=comm + gather, exposed_comm_s=end - compute + gather,
                     optimizer_s=optimizer_time(updated, optimizer, cluster, eff))
+
+
+def averaging_time(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
+                   eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    """Local SGD (Layout.local_sgd = H): the all-reduce of a rank's parameters over dp
+    that follows every H-th step (runtime/local_sgd.py), amortised over the H steps and
+    exposed (nothing runs beside it). The steady state's: the warm-up's synchronous
+    steps, and an adaptive period's changes, are not in it. 0 without Local SGD."""
+    if layout.local_sgd is None:
+        return 0.0
+    size, stride = mesh_dim_sizes(layout)["dp"]
+    held = held_parameter_bytes(summary, layout)[0]
+    return collective_time("all_reduce", held, size, cluster, stride, eff) / layout.local_sgd
 
 
 def layer_costs(tg, cluster: ClusterSpec) -> list[dict[str, Any]]:

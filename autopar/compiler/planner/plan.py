@@ -31,6 +31,7 @@ from autopar.compiler.planner.pipeline_cost import (
 from autopar.compiler.planner.result import Plan
 from autopar.compiler.planner.rewrites import template_key
 from autopar.compiler.planner.search import (
+    ALLOWABLE,
     FLOOR_ONLY,
     MEMORY_FLOOR_ONLY,
     TIMED_ONLY,
@@ -59,7 +60,8 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs: Batch,
          efficiency: Efficiency = DEFAULT_EFFICIENCY,
          progress: Callable[[int, int, Layout], None] | None = None,
          trace_blocks: int | str | None = "auto", workers: int | None = None,
-         example_targets: Batch | None = None, **constraints: Any) -> Plan:
+         example_targets: Batch | None = None, allow: Sequence[str] = (),
+         **constraints: Any) -> Plan:
     """The fastest layout of `model` on `cluster` that fits memory, and every other one
     with why not. Constraints fix Layout fields (tp=2, amp="bf16") or set
     max_memory_fraction (default 0.9). `progress(done, total, layout)` is called
@@ -72,17 +74,34 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs: Batch,
     processes that rewrite graphs while the search costs (planner/workers.py: the same
     plan, sooner on more than one core; only with per-block tracing, on Linux); None: one
     per CPU up to MAX_WORKERS; 0: none. The batch is passed as to `autopar.compile`
-    (`example_inputs` to the model, `example_targets` only to the loss)."""
+    (`example_inputs` to the model, `example_targets` only to the loss). `allow`:
+    techniques that change what training converges to, which the plan may then use
+    ("local_sgd": Local SGD with period LOCAL_SGD_PERIOD, or fix `local_sgd=H`); the cost
+    model prices their time, not their accuracy, and the report says so."""
     if workers is not None and (not isinstance(workers, int) or workers < 0):
         raise PlanArgumentError(f"workers must be a count of processes (0: none) or None, got "
                          f"{workers!r}")
     if not isinstance(cluster, ClusterSpec):
         raise TypeError(f"cluster must be an autopar.ClusterSpec, got {type(cluster).__name__}")
     fixed, fraction = check_constraints(constraints)
+    allow = check_allow(allow)
     objective, flat = Objective.from_example(example_inputs, example_targets, loss_fn)
     with collector_paused():
         return _search(model, cluster, flat, objective, optimizer, efficiency,
-                       progress, trace_blocks, workers, constraints, fixed, fraction)
+                       progress, trace_blocks, workers, constraints, fixed, fraction, allow)
+
+
+def check_allow(allow: Sequence[str]) -> tuple[str, ...]:
+    """plan's `allow`: names of ALLOWABLE techniques, which change convergence."""
+    if isinstance(allow, str):
+        allow = [allow]
+    unknown = [a for a in allow if a not in ALLOWABLE]
+    if unknown:
+        raise PlanArgumentError(
+            f"allow names techniques that change what training converges to, which the plan "
+            f"uses only when allowed: {list(ALLOWABLE)}; got {unknown[0]!r}"
+            + (" (DGC is not built yet)" if unknown[0] == "dgc" else ""))
+    return tuple(allow)
 
 
 @contextlib.contextmanager
@@ -102,7 +121,7 @@ def collector_paused() -> Iterator[None]:
 
 
 def _search(model, cluster, example_inputs, loss_fn, optimizer, efficiency, progress,
-            trace_blocks, workers, constraints, fixed, fraction) -> Plan:
+            trace_blocks, workers, constraints, fixed, fraction, allow=()) -> Plan:
     estimator = Estimator(model, cluster, example_inputs, loss_fn, optimizer, efficiency,
                           trace_blocks=trace_blocks)
     trace_blocks = estimator.trace_blocks  # "auto" resolved: None or a count
@@ -125,7 +144,8 @@ def _search(model, cluster, example_inputs, loss_fn, optimizer, efficiency, prog
         try:
             capacity = cluster.device.memory_bytes * fraction
             result = search(costed, planner_costing(estimator, bound, widest, capacity, fixed),
-                            cluster, fraction, step, refinements(fixed, recompute=False))
+                            cluster, fraction, step,
+                            refinements(fixed, recompute=False, cluster=cluster, allow=allow))
             result.skipped += pruned
         except PlanError as exc:
             exc = _smallest_peak_error(exc, estimator, costed, pruned, cluster, fraction, fixed)
@@ -188,7 +208,7 @@ def _smallest_peak_error(exc: PlanError, estimator: Estimator, costed: list[Layo
                       variants=recompute_variants(fixed))
     try:
         search(costed + sorted((lay for lay, _ in pruned), key=floor), costing, cluster,
-               fraction, None, refinements(fixed, recompute=False))
+               fraction, None, refinements(fixed, recompute=False, cluster=cluster))
     except PlanError as again:
         return again
     return exc

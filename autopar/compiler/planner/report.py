@@ -76,6 +76,11 @@ def headline(plan: Plan) -> list[str]:
              f"{_gb(p.peak_memory_bytes)} GB per device."]
     if plan.details.get("tracing"):
         lines.append(f"Traced {plan.details['tracing']}.")
+    if plan.layout.local_sgd is not None:
+        lines.append(f"Local SGD: each rank steps on its own gradients and the parameters are "
+                     f"averaged every {plan.layout.local_sgd} steps; the predicted step "
+                     f"amortises that average. What it does to the loss curve is not "
+                     f"modelled: compare the loss against a synchronous run.")
     if plan.alternatives:
         lay, _, why = plan.alternatives[0]
         lines.append(f"Runner-up: {lay}: {why}.")

@@ -39,12 +39,13 @@ import functools
 import heapq
 import itertools
 import math
-from dataclasses import dataclass, field
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.cluster import ClusterSpec
 from autopar.compiler.planner.result import Plan, Prediction
+from autopar.costs import dp_node_split
 from autopar.layout import Layout, LayoutError
 
 GB = 1e9
@@ -199,6 +200,27 @@ def rank(costed: list[tuple[Layout, Prediction]], capacity: float
 
 
 BUCKET_MB_CHOICES = (5.0, 25.0, 100.0)
+# the averaging period a plan allowed Local SGD tries (plan(allow=["local_sgd"])): a longer
+# one always costs less, and what it does to convergence is not modelled, so the planner
+# does not choose it; fix Layout.local_sgd to try another
+LOCAL_SGD_PERIOD = 4
+# techniques that change what training converges to: plan(allow=...) names those it may use
+ALLOWABLE = ("local_sgd",)
+# the fastest fitting layouts the hierarchical all-reduce (and Local SGD) is tried on: it changes only the
+# gradients' sum, so it can reorder close layouts but not lift a slow one to the top
+HIERARCHICAL_TRIED = 3
+
+
+def _two_levels(layout: Layout, cluster: ClusterSpec) -> bool:
+    """Whether `layout` could sum its gradients in two levels on `cluster` (a flat
+    unpipelined data-parallel layout whose dp groups span whole nodes, several ranks each)."""
+    if layout.allreduce != "flat" or layout.dp == 1 or layout.pp > 1 or layout.microbatches > 1:
+        return False
+    try:
+        dp_node_split(layout, cluster)
+    except LayoutError:
+        return False
+    return True
 
 Refinement = Callable[[list[tuple[Layout, Prediction]], float], list[Layout]]
 
@@ -273,18 +295,34 @@ def recompute_variants(fixed: dict[str, Any]
     return variants
 
 
-def refinements(fixed: dict[str, Any], recompute: bool = True) -> list[Refinement]:
+def refinements(fixed: dict[str, Any], recompute: bool = True,
+                cluster: ClusterSpec | None = None, allow: Sequence[str] = ()) -> list[Refinement]:
     """The rounds of layouts `search` costs after the candidates (module docstring);
     without the recomputation rounds when `recompute` is False (`recompute_variants`
-    tries them as it goes)."""
+    tries them as it goes); with `cluster`, the hierarchical all-reduce of the fastest
+    fitting data-parallel layouts where the cluster has two levels to sum over; with
+    "local_sgd" in `allow`, Local SGD of those layouts (period LOCAL_SGD_PERIOD)."""
     rounds: list[Refinement] = []
     if "recompute" not in fixed and recompute:
         rounds += [_with_full_recompute, _with_selective_recompute]
+    if "allreduce" not in fixed and cluster is not None and cluster.nodes > 1:
+        def hierarchical(costed, capacity):
+            fits = [lay for lay, _ in rank(costed, capacity)[0] if _two_levels(lay, cluster)]
+            return [lay.replace(allreduce="hierarchical") for lay in fits[:HIERARCHICAL_TRIED]]
+        rounds.append(hierarchical)
+    if "local_sgd" in allow and "local_sgd" not in fixed:
+        def local(costed, capacity):
+            fits = [lay for lay, _ in rank(costed, capacity)[0] if lay.local_sgd is None
+                    and lay.dp > 1 and lay.pp == 1 and lay.microbatches == 1]
+            return [lay.replace(local_sgd=LOCAL_SGD_PERIOD, zero=0)
+                    for lay in fits[:HIERARCHICAL_TRIED]]
+        rounds.append(local)
     if "bucket_mb" not in fixed:
         def buckets(costed, capacity):
             fits = rank(costed, capacity)[0]
-            if not fits or fits[0][0].dp == 1 or fits[0][0].pp > 1 or fits[0][0].microbatches > 1:
-                return []  # the pipeline runtime all-reduces its gradients flat
+            if not fits or fits[0][0].dp == 1 or fits[0][0].pp > 1 or fits[0][0].microbatches > 1 \
+                    or fits[0][0].local_sgd is not None:
+                return []  # the pipeline runtime all-reduces its gradients flat; Local SGD none
             best = fits[0][0]
             return [best.replace(bucket_mb=mb) for mb in BUCKET_MB_CHOICES if mb != best.bucket_mb]
         rounds.append(buckets)

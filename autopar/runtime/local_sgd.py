@@ -1,0 +1,166 @@
+"""Local SGD: every rank steps its optimizer on its own gradients, and the parameters
+are averaged over the data-parallel ranks every H steps (Layout.local_sgd).
+
+Post-local SGD (Lin et al., 2020): the first `Layout.local_sgd_warmup` steps run the
+synchronous program, gradients summed every step, bit for bit the data-parallel step;
+after them the local program runs, compiled as dp=1 on this rank's share of the batch
+(no gradient collective; a tensor-parallel layout keeps its tp collectives), and the
+parameters are averaged after local step 0, H, 2H, ...: ceil((T - W) / H) averagings
+in T steps, as torch's PeriodicModelAverager counts them.
+
+The average is one all-reduce of every parameter packed together over the dp group,
+divided by dp and copied back in place into the tensors the optimizer updates (torch's
+averager rebinds `p.data`, which would leave an optimizer holding the old tensors).
+Optimizer state (momentum, Adam's moments) stays each rank's own, as in Lin et al.'s
+local SGD and torch's PostLocalSGDOptimizer. Buffers are not averaged. A checkpoint is
+taken where the ranks agree (`save` refuses otherwise); `load` puts the schedule where
+the step count says (an adaptive period starts again from Layout.local_sgd). The
+optimizer state a checkpoint keeps is one rank's (in Local SGD each rank's momentum is
+its own); after a load every rank starts from it.
+
+Adaptive period (`Layout.local_sgd_adaptive`): AdaComm (Wang and Joshi, "Adaptive
+communication strategies to achieve the best error-runtime trade-off in local-update
+SGD", SysML 2019), tau = ceil(sqrt(lr0 * F / (lr * F0)) * tau0), clamped to [1,
+MAX_PERIOD]: F is the training loss averaged over the ranks at an averaging (carried
+in the same all-reduce as the parameters, so every rank takes the same period), F0 and
+lr0 those at the first averaging, tau0 = Layout.local_sgd. tau0 multiplies the square
+root, as in the paper, so the period starts where the user set it; the form with tau0
+under the root would start at sqrt(tau0). The period falls as the loss falls and grows
+as the learning rate decays.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from autopar.compiler.ir.program import Program, bind_groups
+from autopar.runtime.executor import DistributedStep
+
+MAX_PERIOD = 16  # the adaptive period's upper clamp (a rank drifts at most this far)
+
+
+def adaptive_period(period0: int, lr0: float, lr: float, loss0: float, loss: float) -> int:
+    """AdaComm's period: ceil(sqrt(lr0 * loss / (lr * loss0)) * period0), in [1, MAX_PERIOD]."""
+    if lr <= 0 or loss0 <= 0 or not math.isfinite(loss):
+        return period0
+    ratio = max(lr0 * loss / (lr * loss0), 0.0)
+    return min(MAX_PERIOD, max(1, math.ceil(math.sqrt(ratio) * period0)))
+
+
+@dataclass
+class AveragingSchedule:
+    """When Local SGD averages: after local step 0 (the first after the warm-up), then
+    every `period` local steps; an adaptive schedule sets the period at each averaging."""
+
+    period: int
+    warmup: int
+    adaptive: bool = False
+    next_local: int = 0  # the local step after which the next averaging comes
+    lr0: float | None = None
+    loss0: float | None = None
+    averagings: int = 0
+
+    def synchronous(self, step: int) -> bool:
+        """Whether step `step` (0-based) sums its gradients (the warm-up)."""
+        return step < self.warmup
+
+    def due(self, step: int) -> bool:
+        """Whether to average after step `step` (0-based, past the warm-up)."""
+        return step - self.warmup == self.next_local
+
+    def averaged(self, lr: float, loss: float) -> None:
+        """An averaging happened with the ranks' mean loss `loss` at learning rate `lr`:
+        the next one's local step."""
+        if self.adaptive:
+            if self.lr0 is None:
+                self.lr0, self.loss0 = lr, loss
+            else:
+                self.period = adaptive_period(self.period0, self.lr0, lr, self.loss0, loss)
+        self.averagings += 1
+        self.next_local += self.period
+
+    def __post_init__(self) -> None:
+        self.period0 = self.period
+
+    def resume(self, steps: int) -> None:
+        """After `steps` steps restored from a checkpoint: the next averaging where a run
+        without the restart would have it (a fixed period), or after the next local step
+        (an adaptive one, whose loss and learning rate are anchored again there)."""
+        local = max(steps - self.warmup, 0)
+        if self.adaptive:
+            self.next_local, self.lr0, self.loss0, self.period = local, None, None, self.period0
+        else:
+            self.next_local = -(-local // self.period) * self.period
+        self.averagings = -(-local // self.period) if not self.adaptive else 0
+
+
+class LocalSGDStep(DistributedStep):
+    """A DistributedStep that runs `local_program` (this rank's gradients only) after the
+    warm-up and averages the parameters over dp on its schedule (module docstring).
+    The loss it returns in a local step is this rank's own."""
+
+    def __init__(self, program: Program, local_program: Program, model: torch.nn.Module,
+                 optimizer, *, objective=None, period: int, warmup: int = 0,
+                 adaptive: bool = False):
+        super().__init__(program, model, optimizer, objective=objective)
+        self.local_gm = bind_groups(local_program.gm, self.mesh.group_names) \
+            if self.mesh.group_names else local_program.gm
+        self.schedule = AveragingSchedule(period, warmup, adaptive)
+        # every dp rank holds the same parameters: from the start (the weights are
+        # broadcast), in the warm-up, after an averaging and after a load
+        self.synchronized = True
+
+    def save(self, path, extra=None, *, background=False):
+        """TrainingState.save, where every rank holds the same parameters (in the warm-up
+        or right after an averaging): between averagings a checkpoint would keep one
+        rank's own and drop the others'."""
+        if not self.synchronized:
+            raise RuntimeError(
+                f"Local SGD: after step {self.steps} the ranks' parameters differ (the next "
+                f"average follows step {self.schedule.warmup + self.schedule.next_local + 1}); "
+                f"save right after an averaging, when step.synchronized is True")
+        return super().save(path, extra, background=background)
+
+    def load(self, path) -> dict:
+        """TrainingState.load, then the averaging schedule where the step count says."""
+        extra = super().load(path)
+        self.schedule.resume(self.steps)
+        self.synchronized = True
+        return extra
+
+    def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        step = self.steps
+        if self.schedule.synchronous(step):
+            return super().__call__(*args, **kwargs)
+        inputs = self.graph_inputs(*args, **kwargs)
+        scale = inputs[-1:] if self.loss_scaler is not None else []
+        batch = len(self.graph_params) + len(self.buffers)
+        local = inputs[batch:batch + self._n_user_inputs]  # no global-loss divisors
+        loss = self._run(self.local_gm, [*inputs[:batch], *local, *scale])
+        self.synchronized = self.schedule.due(step)
+        if self.synchronized:
+            self._average(loss)
+        return loss
+
+    def _average(self, loss: torch.Tensor) -> None:
+        """Every parameter (and, adaptive, the loss) averaged over dp, in place."""
+        group, dp = self.mesh.group("dp"), self.program.mesh_size("dp")
+        params = list(self.updated)
+        with torch.no_grad():
+            for dtype in dict.fromkeys(p.dtype for p in params):
+                mine = [p for p in params if p.dtype == dtype]
+                flat = torch.cat([p.reshape(-1) for p in mine])
+                dist.all_reduce(flat, group=group)
+                flat /= dp
+                for p, part in zip(mine, flat.split([p.numel() for p in mine])):
+                    p.copy_(part.view_as(p))
+            mean_loss = float("nan")
+            if self.schedule.adaptive:
+                total = loss.detach().double().reshape(1).clone()
+                dist.all_reduce(total, group=group)
+                mean_loss = float(total) / dp
+        self.schedule.averaged(float(self.optimizer.param_groups[0]["lr"]), mean_loss)

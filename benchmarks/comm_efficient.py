@@ -1,0 +1,159 @@
+"""Local SGD and the hierarchical all-reduce against torch's own peers, over a slow link.
+
+Run by benchmarks/slow_link.py (2 nodes of 2 processes, the link between them
+rate-limited). Every side trains GPT-2 (4 layers, hidden 256, vocabulary 4,096) with SGD
+and momentum from the same weights on the same learnable batches; the sides take their
+steps in turn (step k of every side, then step k+1), so machine noise hits all alike:
+
+- DDP;
+- DDP with PowerSGD (torch's gradient compression hook, rank 1, error feedback);
+- DDP with PostLocalSGDOptimizer (torch's Local SGD: PeriodicModelAverager, no gradient
+  sum after the warm-up);
+- autopar dp=4 (flat), autopar hierarchical, autopar Local SGD (the same H and warm-up).
+
+Prints per side: the median step time after the warm-up, the mean bytes node 0 sent over
+the link per step after the warm-up (its veth's counter), the mean loss over the ranks at
+the last step, and the time to target: the wall clock (sum of step times) until the
+mean loss first falls below DDP's loss at step --target-step.
+
+    python benchmarks/slow_link.py --rate 1gbit -- benchmarks/comm_efficient.py --steps 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import time
+
+import common  # benchmarks/common.py
+import torch
+import torch.distributed as dist
+from hierarchical_vs_ddp import two_nodes, tx_bytes
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
+from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import (
+    PostLocalSGDState,
+    post_localSGD_hook,
+)
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.distributed.optim import PostLocalSGDOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import autopar
+from autopar.examples import gpt2
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def learnable(batch: int, seq: int, steps: int, vocab: int) -> list[torch.Tensor]:
+    """Sequences a model can learn: each token the previous plus a per-sequence stride."""
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(steps):
+        start = torch.randint(0, vocab, (batch, 1), generator=gen)
+        stride = torch.randint(1, 4, (batch, 1), generator=gen)
+        out.append((start + stride * torch.arange(seq)) % vocab)
+    return out
+
+
+def ddp_side(model, loss_fn, rank, world, hook=None, local=None):
+    # PowerSGD issues its collectives from futures' callbacks; with several buckets, gloo
+    # saw them in different orders on different ranks (a size mismatch abort, torch
+    # 2.13), so its gradients travel as one bucket
+    ddp = DDP(model, bucket_cap_mb=10_000) if hook == "powersgd" else DDP(model)
+    opt = sgd(list(ddp.parameters()))
+    if hook == "powersgd":
+        state = powerSGD.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                       start_powerSGD_iter=local[1])
+        ddp.register_comm_hook(state, powerSGD.powerSGD_hook)
+    elif hook == "localsgd":
+        period, warmup = local
+        ddp.register_comm_hook(PostLocalSGDState(None, None, warmup,
+                                                 post_local_gradient_allreduce=False),
+                               post_localSGD_hook)
+        opt = PostLocalSGDOptimizer(opt, PeriodicModelAverager(period, warmup))
+    return common.eager_step(ddp, loss_fn, opt, lambda ids: ids.chunk(world)[rank])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--target-step", type=int, default=None,
+                        help="DDP's loss at this step is the target (default: the last)")
+    parser.add_argument("--period", type=int, default=4, help="Local SGD's H")
+    parser.add_argument("--warmup", type=int, default=8, help="synchronous steps first")
+    parser.add_argument("--rate-bytes", type=float, default=125e6)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    example = gpt2(layers=4, hidden=256, heads=8, vocab=4096, batch=16, seq=128)
+    cluster, loss_fn, local = two_nodes(args.rate_bytes), example.loss_fn, (args.period, args.warmup)
+
+    def ours(**fields):
+        return autopar.compile(copy.deepcopy(example.model), cluster, example.batch, loss_fn,
+                               optimizer=sgd, layout=autopar.Layout(dp=world, **fields))
+
+    sides = {
+        "DDP": ddp_side(copy.deepcopy(example.model), loss_fn, rank, world),
+        "DDP + PowerSGD": ddp_side(copy.deepcopy(example.model), loss_fn, rank, world,
+                                   "powersgd", local),
+        "DDP + PostLocalSGD": ddp_side(copy.deepcopy(example.model), loss_fn, rank, world,
+                                       "localsgd", local),
+        "autopar dp": ours(),
+        "autopar hierarchical": ours(allreduce="hierarchical"),
+        "autopar Local SGD": ours(local_sgd=args.period, local_sgd_warmup=args.warmup),
+    }
+    batches = learnable(16, 128, args.steps, 4096)
+    times = {n: [] for n in sides}
+    sent = {n: [] for n in sides}
+    losses = {n: [] for n in sides}
+    for batch in batches:
+        for name, step in sides.items():
+            dist.barrier()
+            before = tx_bytes()
+            start = time.perf_counter()
+            loss = step(batch)
+            times[name].append(time.perf_counter() - start)
+            dist.barrier()
+            time.sleep(0.05)  # the counter settles
+            sent[name].append(tx_bytes() - before)
+            mean = loss.detach().clone().float()
+            dist.all_reduce(mean)  # untimed: the loss the ranks' models reach together
+            losses[name].append(float(mean) / world)
+    target_step = (args.target_step or args.steps) - 1
+    target = losses["DDP"][target_step]
+
+    def to_target(name):
+        for k, value in enumerate(losses[name]):
+            if value <= target:
+                return sum(times[name][:k + 1])
+        return None
+
+    if rank == 0:
+        after = slice(args.warmup, None)
+        result = {"benchmark": "comm_efficient", "world": world, "steps": args.steps,
+                  "period": args.period, "warmup": args.warmup,
+                  "link": os.environ.get("AUTOPAR_BENCH_RATE", "unshaped"),
+                  "target_loss": target, "target_step": target_step + 1,
+                  "sides": {n: {"median_step_s": statistics.median(times[n][after]),
+                                "link_bytes_per_step": statistics.mean(sent[n][after]),
+                                "final_loss": losses[n][-1],
+                                "time_to_target_s": to_target(n),
+                                "total_s": sum(times[n])} for n in sides},
+                  "torch": torch.__version__}
+        ddp_time = result["sides"]["DDP"]["time_to_target_s"]
+        for side in result["sides"].values():
+            side["time_to_target_over_ddp"] = (side["time_to_target_s"] / ddp_time
+                                               if side["time_to_target_s"] else None)
+        print(json.dumps(result, indent=1), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""Hierarchical all-reduce (Layout.allreduce="hierarchical") on 4 processes arranged as
+2 nodes x 2 (a ClusterSpec of two nodes; the processes share this machine): exact
+against the flat all-reduce, parity with one process, and who uses the network."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import autopar
+from autopar.api import build_step
+from autopar.compiler.ir import comm_ops
+from autopar.compiler.ir.batch import Objective
+from autopar.examples import gpt2
+from autopar.testing import compare, make_batches, reference_train
+from tests.dist.cases_dp import adamw, sgd
+from tests.dist.registry import case
+
+
+def two_nodes() -> autopar.ClusterSpec:
+    """This machine's 4 processes described as 2 nodes of 2 devices."""
+    local = autopar.ClusterSpec.local(4).to_dict()
+    return autopar.ClusterSpec.from_dict({**local, "name": "two-nodes", "nodes": 2,
+                                          "devices_per_node": 2})
+
+
+def step_of(model, batch, loss_fn, optimizer, layout, form="auto", targets=None):
+    objective, flat = Objective.from_example(batch, targets, loss_fn)
+    return build_step(model, two_nodes(), flat, objective, optimizer, layout,
+                      pass_options={"hierarchy_form": form}), objective
+
+
+class _IntegerLinear(torch.nn.Module):
+    """Weights of 15 and 3 elements: the bias does not divide by the 2 ranks of a node."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(5, 3)
+        with torch.no_grad():
+            self.fc.weight.copy_(torch.arange(15.0).reshape(3, 5) - 7)
+            self.fc.bias.copy_(torch.tensor([1.0, -2.0, 3.0]))
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def _integer_grads(layout, form):
+    """The weights after 3 steps of SGD (lr 1) on integer data: every gradient is an
+    integer over 4 (the batch mean over dp = 4), so sums are exact in any order."""
+    torch.manual_seed(0)
+    model = _IntegerLinear()
+    x = torch.randint(-3, 4, (8, 5)).float()
+    loss_fn = lambda out, x: (out * torch.arange(1.0, 4.0)).sum()
+    step, _ = step_of(model, (x,), loss_fn, lambda p: torch.optim.SGD(p, lr=1.0), layout, form)
+    for k in range(3):
+        step(x + k)
+    return step.full_state_dict()
+
+
+@case(world=4)
+def hierarchical_integer_gradients_equal_flat_both_forms():
+    flat = _integer_grads(autopar.Layout(dp=4, bucket_mb=0.0), "auto")
+    for form in ("leaders", "shards"):
+        for bucket_mb in (0.0, 25.0):  # a bucket per gradient (3 elements: padded), one bucket
+            layout = autopar.Layout(dp=4, bucket_mb=bucket_mb, allreduce="hierarchical")
+            got = _integer_grads(layout, form)
+            for name, value in flat.items():
+                assert torch.equal(got[name], value), (form, bucket_mb, name, got[name], value)
+            assert not torch.equal(flat["fc.weight"], _IntegerLinear().fc.weight.detach())
+
+
+def _parity(optimizer, form, steps):
+    example = gpt2()
+    objective, flat = Objective.from_example(example.batch, None, example.loss_fn)
+    init = {k: v.clone() for k, v in example.model.state_dict().items()}
+    batches = make_batches(flat, steps)
+    ref_losses, ref_state = reference_train(example.model, batches, objective, optimizer)
+    layout = autopar.Layout(dp=4, allreduce="hierarchical", bucket_mb=0.05)
+    step, objective = step_of(copy.deepcopy(example.model), example.batch, example.loss_fn,
+                              optimizer, layout, form)
+    stats = {r.name: r for r in step.pass_results}["insert_allreduce"].stats
+    assert stats["allreduce"].startswith("hierarchical over 2 nodes x 2 ranks"), stats
+    assert stats["buckets"] > 2, stats  # several chains in flight at once
+    losses = [step(*objective.unflatten(b)[0]).item() for b in batches]
+    report = compare(losses, ref_losses, step.full_state_dict(), ref_state, init,
+                     adam=optimizer is adamw)
+    assert report.ok, str(report)
+    return step
+
+
+@case(world=4)
+def hierarchical_parity_gpt2_20_steps_sgd_leaders():
+    _parity(sgd, "leaders", 20)
+
+
+@case(world=4)
+def hierarchical_parity_gpt2_adamw_shards():
+    _parity(adamw, "shards", 6)
+
+
+class _CountCollectives(TorchDispatchMode):
+    """The collectives this process runs, by the name of the group they run over."""
+
+    def __init__(self):
+        super().__init__()
+        self.by_group: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "namespace", "") == "_c10d_functional" or func is comm_ops.reduce:
+            names = [a for a in args if isinstance(a, str)]
+            if names and not func.__name__.startswith("wait_tensor"):
+                self.by_group[names[-1]] = self.by_group.get(names[-1], 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@case(world=4)
+def hierarchical_only_node_leaders_use_the_inter_node_group():
+    example = gpt2()
+    layout = autopar.Layout(dp=4, allreduce="hierarchical", bucket_mb=0.05)
+    step, objective = step_of(example.model, example.batch, example.loss_fn, sgd, layout)
+    counter = _CountCollectives()
+    with counter:
+        step(*objective.unflatten(make_batches(
+            Objective.from_example(example.batch, None, example.loss_fn)[1], 1)[0])[0])
+    names = step.mesh.group_names
+    node, local = counter.by_group.get(names["dp.node"], 0), counter.by_group.get(names["dp.local"], 0)
+    buckets = {r.name: r for r in step.pass_results}["insert_allreduce"].stats["buckets"]
+    leader = dist.get_rank() % 2 == 0  # ranks 0, 2: the first of nodes 0 and 1
+    assert node == (buckets if leader else 0), (dist.get_rank(), counter.by_group, names)
+    assert local == 2 * buckets, (counter.by_group, names)  # a reduce and a broadcast each
+    members = dist.get_process_group_ranks(step.mesh.group("dp.node"))
+    assert members == ([0, 2] if leader else [1, 3]), members
+    assert dist.get_process_group_ranks(step.mesh.group("dp.local")) == \
+        ([0, 1] if dist.get_rank() < 2 else [2, 3])

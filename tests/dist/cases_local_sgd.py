@@ -1,0 +1,143 @@
+"""Local SGD (Layout.local_sgd) on 2 gloo processes: the warm-up is data parallelism
+bit for bit, period 1 with SGD and momentum is data parallelism, the parameters agree
+bitwise after every averaging and the averagings are counted, and a real model ends
+near data parallelism's loss."""
+
+from __future__ import annotations
+
+import copy
+import math
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar.compiler.ir.batch import Objective
+from autopar.examples import gpt2
+from autopar.runtime import local_sgd
+from autopar.testing import compare, make_batches, reference_train
+from tests.dist.cases_dp import sgd
+from tests.dist.registry import case
+
+
+def _compile(example, layout, optimizer=sgd):
+    return autopar.compile(copy.deepcopy(example.model), autopar.ClusterSpec.local(2),
+                           example.batch, example.loss_fn, optimizer=optimizer, layout=layout)
+
+
+def _weights(step):
+    return {k: v.clone() for k, v in step.full_state_dict().items() if v.is_floating_point()}
+
+
+def _mean(loss):
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return float(total) / dist.get_world_size()
+
+
+def _learnable(example, steps, seed=0):
+    """Batches a model can learn (each token the previous plus a per-sequence stride),
+    so that the loss falls: random tokens leave only their unigram distribution."""
+    ids = example.batch[0] if isinstance(example.batch, tuple) else example.batch
+    batch, seq = ids.shape
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        start = torch.randint(0, 256, (batch, 1), generator=gen)
+        stride = torch.randint(1, 4, (batch, 1), generator=gen)
+        out.append(((start + stride * torch.arange(seq)) % 256,))
+    return out
+
+
+@case(world=2)
+def local_sgd_warmup_is_data_parallel_bit_for_bit():
+    example = gpt2()
+    dp = _compile(example, autopar.Layout(dp=2))
+    local = _compile(example, autopar.Layout(dp=2, local_sgd=2, local_sgd_warmup=3))
+    for batch in make_batches(example.batch, 3):
+        assert torch.equal(dp(*batch), local(*batch))
+    mine, theirs = _weights(local), _weights(dp)
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+    assert local.schedule.averagings == 0
+
+
+@case(world=2)
+def local_sgd_period_1_is_data_parallel_sgd_momentum():
+    """Averaging after every step: mean(p - lr * m_r) with m_r = mu m_r + g_r is the
+    data-parallel step with the mean gradient (momentum is linear), up to rounding."""
+    example = gpt2()
+    objective, flat = Objective.from_example(example.batch, None, example.loss_fn)
+    batches = make_batches(flat, 5)
+    init = {k: v.clone() for k, v in example.model.state_dict().items()}
+    ref_losses, ref_state = reference_train(example.model, batches, objective, sgd)
+    step = _compile(example, autopar.Layout(dp=2, local_sgd=1))
+    losses = [_mean(step(*b)) for b in batches]
+    report = compare(losses, ref_losses, step.full_state_dict(), ref_state, init, adam=False)
+    assert report.ok, str(report)
+    assert step.schedule.averagings == 5
+
+
+@case(world=2)
+def local_sgd_averages_bitwise_and_counts_its_all_reduces():
+    example = gpt2()
+    steps, warmup, period = 8, 2, 3
+    step = _compile(example, autopar.Layout(dp=2, local_sgd=period, local_sgd_warmup=warmup))
+    calls = []
+    all_reduce = local_sgd.dist.all_reduce
+    local_sgd.dist.all_reduce = lambda t, *a, **k: (calls.append(t.numel()), all_reduce(t, *a, **k))[1]
+    try:
+        differed = 0
+        for k, batch in enumerate(_learnable(example, steps)):
+            step(*batch)
+            mine = torch.cat([p.detach().reshape(-1) for p in step.updated])
+            everyone = [torch.empty_like(mine) for _ in range(2)]
+            dist.all_gather(everyone, mine)
+            same = torch.equal(everyone[0], everyone[1])
+            assert same == step.synchronized, (k, same, step.synchronized)
+            if not same and not differed:  # a checkpoint would keep one rank's parameters
+                with tempfile.TemporaryDirectory() as tmp:
+                    try:
+                        step.save(tmp)
+                    except RuntimeError as exc:
+                        assert "the ranks' parameters differ" in str(exc), exc
+                    else:
+                        raise AssertionError("saved between averagings")
+            differed += not same
+    finally:
+        local_sgd.dist.all_reduce = all_reduce
+    assert differed > 0  # the ranks' own steps do move them apart
+    expected = math.ceil((steps - warmup) / period)  # after local steps 0, 3: and 6 > 5
+    assert step.schedule.averagings == expected == len(calls), (step.schedule, calls)
+    assert calls[0] == sum(p.numel() for p in step.updated)  # every parameter, one collective
+
+
+@case(world=2)
+def local_sgd_gpt2_ends_near_data_parallel_loss():
+    """GPT-2 tiny, SGD with momentum, 36 steps of learnable sequences; Local SGD with
+    period 4 after 8 synchronous steps. The final models are compared on the same
+    held-out batch (a training loss would be one rank's own)."""
+    example = gpt2()
+    steps = 8 + 1 + 4 * 7  # ends on an averaging: the ranks agree
+    batches = _learnable(example, steps)
+    held_out = _learnable(example, 1, seed=99)[0]
+    finals = {}
+    for name, layout in (("dp", autopar.Layout(dp=2)),
+                         ("local", autopar.Layout(dp=2, local_sgd=4, local_sgd_warmup=8))):
+        step = _compile(example, layout)
+        for b in batches:
+            step(*b)
+        model = copy.deepcopy(example.model)
+        model.load_state_dict(step.full_state_dict())
+        with torch.no_grad():
+            finals[name] = float(example.loss_fn(model(*held_out), *held_out))
+    with torch.no_grad():
+        first = float(example.loss_fn(example.model(*held_out), *held_out))
+    assert finals["dp"] < 0.8 * first, (first, finals)  # it learnt something
+    assert abs(finals["local"] - finals["dp"]) <= LOSS_GAP * finals["dp"], (first, finals)
+
+
+# measured first (2026-11-26, this configuration, deterministic on CPU): held-out loss
+# 5.546 at the start, data parallelism 3.195 after 37 steps, Local SGD 3.316 (+3.8%):
+# it drifts between averagings. 6% bounds that with room for rounding across torch builds
+LOSS_GAP = 0.06

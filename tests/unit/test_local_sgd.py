@@ -1,0 +1,125 @@
+"""Local SGD (Layout.local_sgd): the averaging schedule and AdaComm's adaptive period on
+scripted traces, the layout's bad values, the steady state's passes, its cost and the
+planner's `allow`. The multi-process results are tests/dist/cases_local_sgd.py."""
+
+import math
+
+import pytest
+
+import autopar
+from autopar.compiler.passes.defaults import default_passes
+from autopar.compiler.planner.plan import PlanArgumentError
+from autopar.examples import gpt2
+from autopar.layout import LayoutError
+from autopar.runtime.local_sgd import MAX_PERIOD, AveragingSchedule, adaptive_period
+
+
+def test_adaptive_period_follows_the_loss_and_the_learning_rate_with_its_clamp():
+    # tau = ceil(sqrt(lr0 * loss / (lr * loss0)) * tau0)
+    assert adaptive_period(4, 0.1, 0.1, 4.0, 4.0) == 4
+    assert adaptive_period(4, 0.1, 0.1, 4.0, 1.0) == 2  # sqrt(1/4) * 4
+    assert adaptive_period(4, 0.1, 0.1, 4.0, 0.5) == 2  # ceil(1.41)
+    assert adaptive_period(4, 0.1, 0.1, 4.0, 0.0) == 1  # clamped below
+    assert adaptive_period(4, 0.1, 0.01, 4.0, 4.0) == 13  # ceil(sqrt(10) * 4)
+    assert adaptive_period(4, 0.1, 0.001, 4.0, 4.0) == MAX_PERIOD == 16  # 40, clamped
+    assert adaptive_period(4, 0.1, 0.1, 4.0, float("nan")) == 4  # no finite loss: unchanged
+
+
+def _run(schedule, steps, loss_at, lr_at):
+    averaged = []
+    for step in range(steps):
+        if schedule.synchronous(step):
+            continue
+        if schedule.due(step):
+            schedule.averaged(lr_at(step), loss_at(step))
+            averaged.append(step)
+    return averaged
+
+
+@pytest.mark.parametrize("steps, warmup, period", [(10, 3, 3), (8, 2, 3), (5, 0, 1), (9, 9, 2)])
+def test_a_fixed_period_averages_ceil_of_local_steps_over_period_times(steps, warmup, period):
+    schedule = AveragingSchedule(period, warmup)
+    averaged = _run(schedule, steps, lambda s: 1.0, lambda s: 0.1)
+    assert averaged == list(range(warmup, steps, period))
+    assert schedule.averagings == len(averaged) == math.ceil(max(steps - warmup, 0) / period)
+
+
+def test_an_adaptive_period_on_a_scripted_trace():
+    """The loss falls 4 -> 1 -> 0.25 and the learning rate is cut 100x at step 30."""
+    loss = {2: 4.0, 6: 1.0, 8: 0.25, 9: 0.25, 10: 0.25}
+    lr = lambda s: 0.1 if s < 30 else 0.001
+    schedule = AveragingSchedule(4, 2, adaptive=True)
+    averaged = _run(schedule, 50, lambda s: loss.get(s, 0.25), lr)
+    # at step 2 the first average sets loss0 = 4 (period 4: next at 6); at 6 the loss is
+    # 1 (sqrt(1/4) * 4 = 2: next at 8); at 8, 0.25 (sqrt(1/16) * 4 = 1: every step) until
+    # the learning rate falls at 30: sqrt(100 / 16) * 4 = 10 (next at 40, then 50)
+    assert averaged == [2, 6, *range(8, 31), 40]
+    assert schedule.period == 10
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"dp": 2, "local_sgd": 0}, r"Layout.local_sgd \(the averaging period H, in steps\) must be an integer >= 1"),
+    ({"dp": 2, "local_sgd": -3}, "must be an integer >= 1"),
+    ({"dp": 2, "local_sgd": 2.5}, "must be an integer >= 1"),
+    ({"local_sgd": 2}, "needs dp > 1"),
+    ({"dp": 2, "local_sgd": 2, "zero": 1}, "use zero=0"),
+    ({"dp": 2, "local_sgd": 2, "pp": 2}, "without a pipeline"),
+    ({"dp": 2, "local_sgd_warmup": 3}, "need Layout.local_sgd"),
+    ({"dp": 2, "local_sgd": 2, "local_sgd_warmup": -1}, "local_sgd_warmup .* must be an integer >= 0"),
+])
+def test_bad_local_sgd_layouts_name_the_field(fields, words):
+    with pytest.raises(LayoutError, match=words):
+        autopar.Layout(**fields)
+
+
+def test_the_steady_state_program_sums_nothing_over_dp():
+    names = [p.name for p in default_passes(autopar.Layout(dp=2, local_sgd=4))]
+    assert "insert_allreduce" not in names and "global_loss_mean" not in names
+    sync = [p.name for p in default_passes(autopar.Layout(dp=2))]
+    assert "insert_allreduce" in sync and "global_loss_mean" in sync
+
+
+def _slow_cluster():
+    spec = autopar.ClusterSpec.local(4).to_dict()
+    spec.update(name="slow", nodes=2, devices_per_node=2,
+                inter_node={"bandwidth": 125e6, "latency_s": 1e-4})
+    return autopar.ClusterSpec.from_dict(spec)
+
+
+def test_the_cost_amortises_the_average_and_the_plan_uses_local_sgd_only_when_allowed():
+    ex = gpt2(layers=2, hidden=128, vocab=1024, batch=8, seq=64)
+    cluster = _slow_cluster()
+    sync = autopar.estimate(ex.model, cluster, autopar.Layout(dp=4), ex.batch, ex.loss_fn,
+                            optimizer="sgd-momentum")
+    local = autopar.estimate(ex.model, cluster, autopar.Layout(dp=4, local_sgd=4), ex.batch,
+                             ex.loss_fn, optimizer="sgd-momentum")
+    assert local.step_time_s < sync.step_time_s
+    assert local.breakdown["compute"] == pytest.approx(sync.breakdown["compute"], rel=0.05)
+    kw = {"optimizer": "sgd-momentum", "tp": 1, "pp": 1, "amp": "off"}
+    plain = autopar.plan(ex.model, cluster, ex.batch, ex.loss_fn, **kw)
+    every = [plain.layout, *[lay for lay, _, _ in plain.alternatives],
+             *[lay for lay, _ in plain.skipped]]
+    assert all(lay.local_sgd is None for lay in every)
+    allowed = autopar.plan(ex.model, cluster, ex.batch, ex.loss_fn, allow=["local_sgd"], **kw)
+    assert allowed.layout.local_sgd == 4 and allowed.layout.zero == 0, allowed.layout
+    assert allowed.predicted.step_time_s < plain.predicted.step_time_s
+    from autopar.compiler.planner.report import headline
+    assert any("is not modelled" in line for line in headline(allowed))
+
+
+def test_allow_names_what_it_knows():
+    ex = gpt2(layers=1)
+    with pytest.raises(PlanArgumentError, match=r"\['local_sgd'\]; got 'dgc' \(DGC is not built yet\)"):
+        autopar.plan(ex.model, autopar.ClusterSpec.local(2), ex.batch, ex.loss_fn, allow=["dgc"])
+
+
+@pytest.mark.parametrize("steps, warmup, period", [(8, 2, 3), (9, 2, 3), (2, 5, 2), (12, 0, 4)])
+def test_a_resumed_schedule_averages_where_an_uninterrupted_one_would(steps, warmup, period):
+    straight = AveragingSchedule(period, warmup)
+    first = _run(straight, 20, lambda s: 1.0, lambda s: 0.1)
+    resumed = AveragingSchedule(period, warmup)
+    resumed.resume(steps)
+    later = [s for s in range(steps, 20) if not resumed.synchronous(s) and resumed.due(s)
+             and (resumed.averaged(0.1, 1.0) or True)]
+    assert later == [s for s in first if s >= steps]
+    assert resumed.averagings == len(first)
