@@ -395,6 +395,9 @@ def _print_estimate(model: str, cluster, layout, pred) -> None:
         seconds = pred.breakdown.get(key, 0.0)
         times.add_row(label, f"{seconds * 1e3:.3f}", f"{seconds / pred.step_time_s:.1%}")
     console.print(times)
+    if pred.comm_bytes:
+        console.print("bytes one rank's collectives carry per step: " + ", ".join(
+            f"{group} {_fmt_bytes(n)}" for group, n in pred.comm_bytes.items()))
     memory = Table(title=f"memory per rank {_fmt_bytes(pred.peak_memory_bytes)} of "
                          f"{_fmt_bytes(cluster.device.memory_bytes)}")
     for col in ("category", "size", "of device"):

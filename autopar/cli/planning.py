@@ -64,6 +64,10 @@ def _print_plan(model: str, cluster, plan) -> None:
     console.print(f"[bold]{model}[/bold]")
     for line in headline(plan):
         console.print(line)
+    if plan.predicted.comm_bytes:
+        console.print("Bytes one rank's collectives carry per step: " + ", ".join(
+            f"{group} {nbytes / 1e6:.4g} MB" for group, nbytes in plan.predicted.comm_bytes.items())
+            + ".")
     table = Table(title="best alternatives")
     for col in ("layout", "step ms", "why not"):
         table.add_column(col)

@@ -187,3 +187,21 @@ def test_the_planner_never_offers_it_on_one_node():
                         tp=1, pp=1, amp="off")
     every = [plan.layout, *[lay for lay, _, _ in plan.alternatives], *[lay for lay, _ in plan.skipped]]
     assert all(lay.allreduce == "flat" for lay in every)
+
+
+def test_the_prediction_says_what_each_group_carries():
+    from autopar.compiler.planner.report import tables
+    ex = gpt2(layers=2, hidden=128, vocab=1024, batch=8, seq=64)
+    slow = cluster(inter_bw=125e6)
+    flat = autopar.estimate(ex.model, slow, autopar.Layout(dp=4), ex.batch, ex.loss_fn)
+    two = autopar.estimate(ex.model, slow, autopar.Layout(dp=4, allreduce=H), ex.batch, ex.loss_fn)
+    grads = sum(p.numel() * 4 for p in ex.model.parameters())
+    assert set(flat.comm_bytes) == {"dp"} and flat.comm_bytes["dp"] >= 0.9 * grads
+    # the leader's program: every whole bucket reduced and broadcast in the node, summed
+    # among the nodes; only the loss (and embedding rows) over the flat group
+    assert two.comm_bytes["dp.local"] == 2 * two.comm_bytes["dp.node"]
+    assert two.comm_bytes["dp.node"] + two.comm_bytes["dp"] == pytest.approx(flat.comm_bytes["dp"])
+    plan = autopar.plan(ex.model, slow, ex.batch, ex.loss_fn, tp=1, pp=1, amp="off")
+    rows = {t: r for t, _, r in tables(plan)}
+    comm = next(r for t, r in rows.items() if t.startswith("Communication per step"))
+    assert [g for g, _ in comm] == list(plan.predicted.comm_bytes)

@@ -123,3 +123,12 @@ def test_a_resumed_schedule_averages_where_an_uninterrupted_one_would(steps, war
              and (resumed.averaged(0.1, 1.0) or True)]
     assert later == [s for s in first if s >= steps]
     assert resumed.averagings == len(first)
+
+
+def test_local_sgd_carries_a_parameter_average_every_period():
+    from autopar.compiler.planner.cost_model import AVERAGE_KEY
+    ex = gpt2(layers=2, hidden=128, vocab=1024, batch=8, seq=64)
+    local = autopar.estimate(ex.model, _slow_cluster(), autopar.Layout(dp=4, local_sgd=4),
+                             ex.batch, ex.loss_fn, optimizer="sgd-momentum")
+    params = sum(p.numel() * 4 for p in ex.model.parameters())
+    assert local.comm_bytes == {AVERAGE_KEY: params // 4}

@@ -143,6 +143,24 @@ def step_time(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
                     optimizer_s=optimizer_time(updated, optimizer, cluster, eff))
 
 
+# Prediction.comm_bytes' key for Local SGD's parameter average, amortised per step
+AVERAGE_KEY = "dp parameter average (per step)"
+
+
+def comm_bytes(summary: GraphSummary, layout: Layout) -> dict[str, int]:
+    """Bytes one rank's collectives carry per step of a whole-graph step, by the group
+    they run over ("tp", "dp", the hierarchical "dp.local" and "dp.node"): each
+    collective's full tensor, as collective_time prices it; Local SGD's parameter
+    average amortised over its period (AVERAGE_KEY)."""
+    out: dict[str, int] = {}
+    for op in summary.ops:
+        if op.collective:
+            out[op.group] = out.get(op.group, 0) + op.comm_bytes * op.repeat
+    if layout.local_sgd is not None:
+        out[AVERAGE_KEY] = held_parameter_bytes(summary, layout)[0] // layout.local_sgd
+    return out
+
+
 def averaging_time(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
                    eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
     """Local SGD (Layout.local_sgd = H): the all-reduce of a rank's parameters over dp

@@ -7,7 +7,7 @@ from __future__ import annotations
 from autopar.cluster import ClusterSpec
 from autopar.compiler.analysis.memory import MemoryPrediction, step_memory
 from autopar.compiler.analysis.summary import GraphSummary
-from autopar.compiler.planner.cost_model import step_time
+from autopar.compiler.planner.cost_model import comm_bytes, step_time
 from autopar.compiler.planner.pipeline_cost import pipeline_time
 from autopar.compiler.planner.result import Prediction
 from autopar.costs import DEFAULT_EFFICIENCY, Efficiency
@@ -47,7 +47,8 @@ def predict(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
         breakdown={"compute": times.compute_s, "comm": times.comm_s,
                    "exposed_comm": times.exposed_comm_s, "bubble": times.bubble_s,
                    "optimizer": times.optimizer_s},
-        memory=memory.by_category)
+        memory=memory.by_category,
+        comm_bytes=comm_bytes(summary, layout) if stages is None else {})
 
 
 def step_times(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,

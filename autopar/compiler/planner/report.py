@@ -87,6 +87,17 @@ def headline(plan: Plan) -> list[str]:
     return lines
 
 
+def comm_rows(plan: Plan) -> list[list[str]]:
+    """The Communication table's rows: Prediction.comm_bytes, or why there are none."""
+    if plan.predicted.comm_bytes:
+        return [[group, f"{nbytes / 1e6:.4g}"] for group, nbytes in plan.predicted.comm_bytes.items()]
+    if plan.layout.pp > 1 or plan.layout.microbatches > 1:
+        why = ("not computed for a pipelined step (its gradient sums run after the schedule, "
+               "outside the stage programs)")
+        return [[why, ""]]
+    return [["none (one process, or nothing to exchange)", ""]]
+
+
 def tables(plan: Plan) -> list[tuple[str, list[str], list[list[str]]]]:
     """(title, header, rows) of every table of the report."""
     p = plan.predicted
@@ -97,6 +108,8 @@ def tables(plan: Plan) -> list[tuple[str, list[str], list[list[str]]]]:
             + [["communication (total, overlapped or not)", _ms(p.breakdown.get("comm", 0.0)), ""]]),
            ("Memory per device (the fullest rank)", ["category", "GB", "of device"],
             [[k.replace("_", " "), _gb(v), f"{v / capacity:.1%}"] for k, v in p.memory.items()])]
+    out.append(("Communication per step (the bytes of one rank's collectives, by group)",
+                ["group", "MB"], comm_rows(plan)))
     table = plan.details.get("tp_placements")
     if table:
         out.append(("Tensor-parallel placements (R: replicated, S(d): split on dim d)",

@@ -29,6 +29,9 @@ class Prediction:
     # how the step was traced: the whole model, or a few repeated blocks scaled
     # (Estimator's trace_blocks; planner/traces.py Traces.describe)
     tracing: str = ""
+    # bytes one rank's collectives carry per step, by group (cost_model.comm_bytes); empty
+    # for a pipelined step, whose gradient sums run outside its stage programs
+    comm_bytes: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
