@@ -32,7 +32,7 @@ as the learning rate decays.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,10 @@ class AveragingSchedule:
     lr0: float | None = None
     loss0: float | None = None
     averagings: int = 0
+    period0: int = field(init=False)  # the period the layout set (an adaptive one's tau0)
+
+    def __post_init__(self) -> None:
+        self.period0 = self.period
 
     def synchronous(self, step: int) -> bool:
         """Whether step `step` (0-based) sums its gradients (the warm-up)."""
@@ -82,9 +86,6 @@ class AveragingSchedule:
                 self.period = adaptive_period(self.period0, self.lr0, lr, self.loss0, loss)
         self.averagings += 1
         self.next_local += self.period
-
-    def __post_init__(self) -> None:
-        self.period0 = self.period
 
     def resume(self, steps: int) -> None:
         """After `steps` steps restored from a checkpoint: the next averaging where a run
