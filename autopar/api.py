@@ -28,6 +28,8 @@ from autopar.compiler.passes.defaults import is_pipelined, run_passes
 from autopar.compiler.planner.result import Plan
 from autopar.layout import Layout, LayoutError
 from autopar.logs import configure_from_env
+from autopar.runtime.dgc import DGCStep
+from autopar.runtime.dgc import check_optimizer as check_dgc_optimizer
 from autopar.runtime.executor import DistributedStep, OptimizerFactory
 from autopar.runtime.local_sgd import LocalSGDStep
 from autopar.runtime.mesh import launched_rank, launched_world_size
@@ -99,6 +101,8 @@ def build_step(model: torch.nn.Module, cluster: ClusterSpec | None, example_inpu
     this rank, and check every rank's collectives against its peers'. `pass_options`:
     more PassOptions fields (e.g. {"hierarchy_form": "shards"})."""
     parse_amp_lists(amp_lists)  # a misspelt op fails before the (slow) trace
+    if layout.dgc is not None:  # and an optimizer DGC cannot correct
+        check_dgc_optimizer(optimizer([torch.nn.Parameter(torch.zeros(1))]))
     if not example_inputs:
         raise ValueError("compile needs example_inputs: one global batch, as passed to the step")
     local = local_example(example_inputs, layout)
@@ -112,9 +116,8 @@ def build_step(model: torch.nn.Module, cluster: ClusterSpec | None, example_inpu
         optimizer_memory=profile_optimizer(optimizer) if layout.recompute == "auto" else "adamw",
         amp_lists=amp_lists or None, **(pass_options or {}))
     traced = tg
-    # Local SGD: this is its warm-up's program, gradients summed every step
-    synchronous = layout if layout.local_sgd is None else layout.replace(
-        local_sgd=None, local_sgd_warmup=0, local_sgd_adaptive=False)
+    # Local SGD and DGC: this is their warm-up's program, gradients summed every step
+    synchronous = layout.synchronous()
     tg, results = run_passes(tg, synchronous, cluster, passes, options=options,
                              dump_dir=os.environ.get("AUTOPAR_DUMP"),
                              record_rewrites=record_rewrites)
@@ -125,6 +128,12 @@ def build_step(model: torch.nn.Module, cluster: ClusterSpec | None, example_inpu
         log.info("%s", r.summary())
     if is_pipelined(layout):
         step = PipelineStep(lower_pipeline(tg, layout), model, optimizer, objective=objective)
+    elif layout.dgc is not None:
+        own = _local_program(traced, layout, cluster, passes, options)
+        _check_collectives_across_ranks(own)
+        step = DGCStep(to_program(tg, layout), own, model, optimizer, objective=objective,
+                       sparsity=layout.dgc, warmup=layout.dgc_warmup, rampup=layout.dgc_rampup,
+                       clip=layout.dgc_clip, topk=layout.dgc_topk)
     elif layout.local_sgd is not None:
         local = _local_program(traced, layout, cluster, passes, options)
         _check_collectives_across_ranks(local)
@@ -141,9 +150,11 @@ def build_step(model: torch.nn.Module, cluster: ClusterSpec | None, example_inpu
 
 def _local_program(traced: TrainGraph, layout: Layout, cluster: ClusterSpec | None,
                    passes: Sequence[GraphPass | str] | None, options: PassOptions):
-    """Local SGD's program after its warm-up (default_passes of a Layout.local_sgd): this
-    rank's own gradients of its share's mean loss, nothing summed over dp; tensor
-    parallelism's collectives stay (runtime/local_sgd.py)."""
+    """The program of Local SGD's steps after its warm-up (default_passes of a
+    Layout.local_sgd: this rank's own gradients of its share's mean loss), or of DGC's
+    compressed steps (of a Layout.dgc: this rank's share of the global loss's
+    gradients); nothing summed over dp, tensor parallelism's collectives stay
+    (runtime/local_sgd.py, runtime/dgc.py)."""
     tg, _ = run_passes(traced, layout, cluster, passes, options=options)
     return to_program(tg, layout)
 

@@ -241,3 +241,37 @@ def check_optimizer(optimizer: str) -> str:
         raise ValueError(f"unknown optimizer kind {optimizer!r}; expected one of "
                          f"{', '.join(OPTIMIZER_STATES)}")
     return optimizer
+
+
+# -- Deep Gradient Compression (Layout.dgc; runtime/dgc.py) ------------------------------
+
+DGC_DENSE_BELOW = 1024  # a gradient with fewer elements (or not fp32) is summed dense: the
+#                         paper leaves biases, norms and other small layers uncompressed
+# bytes of memory traffic per compressed element and step, at the device's bandwidth:
+# momentum correction, |v|, masking and applying the summed update (about 12 fp32
+# accesses), and the selection, measured on this project's 2-core CPU at 65k-4M
+# elements and sparsity 0.99-0.999 at its nominal 10 GB/s (torch.topk 19-172
+# bytes-equivalent per element, growing with the size; the sampled threshold 19-38:
+# docs/communication.md)
+DGC_ELEMENTWISE_BYTES = 48
+DGC_TOPK_BYTES = {"exact": 100, "sampled": 30}
+
+
+def dgc_compressed(numel: int, itemsize: int) -> bool:
+    """Whether DGC compresses a gradient of `numel` elements of `itemsize` bytes (fp32,
+    and not small), else it is summed dense."""
+    return itemsize == 4 and numel >= DGC_DENSE_BELOW
+
+
+def dgc_kept(numel: int, sparsity: float) -> int:
+    """How many of `numel` values a rank sends at `sparsity`: ceil(numel * (1 - s)), >= 1."""
+    return max(1, min(numel, math.ceil(numel * (1 - sparsity) - 1e-9)))
+
+
+def dgc_select_time(numel: int, method: str, cluster: ClusterSpec,
+                    eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    """One compressed tensor's DGC work per step (correction, top-k, masking, update),
+    times the device's fitted factor "dgc.<method>"."""
+    nbytes = numel * (DGC_ELEMENTWISE_BYTES + DGC_TOPK_BYTES[method])
+    seconds = nbytes / (cluster.device.memory_bandwidth * eff.memory)
+    return seconds * cluster.device.op_time_factors.get(f"dgc.{method}", 1.0)

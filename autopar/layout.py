@@ -16,6 +16,7 @@ RECOMPUTE = ("none", "full", "selective", "auto")
 AMP = ("off", "bf16", "fp16")
 COMM_DTYPES = (None, "fp32", "bf16", "fp16")
 ALLREDUCE = ("flat", "hierarchical")
+DGC_TOPK = ("exact", "sampled")
 
 
 class LayoutError(ValueError):
@@ -32,6 +33,9 @@ class Layout:
     all-reduce per gradient). allreduce: "flat" sums gradients over the whole dp group at
     once; "hierarchical" inside each node first, then among the nodes, then back inside
     each node (docs/communication.md; needs the cluster's devices per node).
+    local_sgd*: Local SGD's averaging period, synchronous warm-up and adaptive period.
+    dgc*: Deep Gradient Compression's final sparsity, dense steps before its ramp-up,
+    ramp-up length, clipping norm and top-k selection (docs/communication.md).
     """
 
     dp: int = 1
@@ -53,6 +57,11 @@ class Layout:
     local_sgd: int | None = None
     local_sgd_warmup: int = 0
     local_sgd_adaptive: bool = False
+    dgc: float | None = None
+    dgc_warmup: int = 0
+    dgc_rampup: int = 0
+    dgc_clip: float | None = None
+    dgc_topk: str = "exact"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -88,6 +97,7 @@ class Layout:
             raise LayoutError("Layout.allreduce='hierarchical' sums gradients over data-parallel "
                               "ranks and needs dp > 1")
         self._validate_local_sgd()
+        self._validate_dgc()
         if self.allreduce == "hierarchical" and (self.pp > 1 or self.microbatches > 1):
             raise LayoutError(
                 f"Layout.allreduce='hierarchical' is built for steps without a pipeline or "
@@ -120,6 +130,47 @@ class Layout:
                               f"dp; use zero=0")
         if self.pp > 1 or self.microbatches > 1:
             raise LayoutError(f"Layout.local_sgd is built for steps without a pipeline or "
+                              f"accumulation (pp={self.pp}, microbatches={self.microbatches})")
+
+    def _validate_dgc(self) -> None:
+        _check_choice("dgc_topk", self.dgc_topk, DGC_TOPK)
+        for name in ("dgc_warmup", "dgc_rampup"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise LayoutError(f"Layout.{name} must be an integer >= 0 (steps), got {value!r}")
+        clip = self.dgc_clip
+        if clip is not None and not (isinstance(clip, (int, float)) and not isinstance(clip, bool)
+                                     and math.isfinite(clip) and clip > 0):
+            raise LayoutError(f"Layout.dgc_clip (the gradient norm DGC clips to) must be a "
+                              f"number > 0 or None, got {clip!r}")
+        sparsity = self.dgc
+        if sparsity is None:
+            if self.dgc_warmup or self.dgc_rampup or clip is not None or self.dgc_topk != "exact":
+                raise LayoutError("Layout.dgc_warmup, dgc_rampup, dgc_clip and dgc_topk need "
+                                  "Layout.dgc (the final sparsity, e.g. 0.999), which is None")
+            return
+        if not (isinstance(sparsity, (int, float)) and not isinstance(sparsity, bool)
+                and 0 < sparsity < 1):
+            raise LayoutError(f"Layout.dgc (the fraction of each gradient DGC leaves unsent, "
+                              f"e.g. 0.999) must be a number in (0, 1), or None to send "
+                              f"gradients whole; got {sparsity!r}")
+        if self.dp == 1:
+            raise LayoutError("Layout.dgc compresses the gradient exchange over data-parallel "
+                              "ranks and needs dp > 1")
+        if self.local_sgd is not None:
+            raise LayoutError("Layout.dgc and Layout.local_sgd both replace the per-step "
+                              "gradient sum: choose one")
+        if self.zero:
+            raise LayoutError(f"Layout.dgc with zero={self.zero}: DGC's momentum and residual "
+                              f"are per-rank state of whole gradients; use zero=0")
+        if self.allreduce != "flat":
+            raise LayoutError("Layout.dgc exchanges sparse gradients with an all-gather over "
+                              "dp; use allreduce='flat'")
+        if self.amp == "fp16":
+            raise LayoutError("Layout.dgc with amp='fp16': the loss scaler's overflow check "
+                              "would see only this rank's gradients; use amp='bf16' or 'off'")
+        if self.pp > 1 or self.microbatches > 1:
+            raise LayoutError(f"Layout.dgc is built for steps without a pipeline or "
                               f"accumulation (pp={self.pp}, microbatches={self.microbatches})")
 
     def check_world_size(self, world_size: int) -> None:
@@ -159,6 +210,13 @@ class Layout:
         fields.update(changes)
         new.validate()
         return new
+
+    def synchronous(self) -> Layout:
+        """This layout with gradients summed over dp every step: without Local SGD or DGC
+        (the program of their warm-up steps)."""
+        return self.replace(local_sgd=None, local_sgd_warmup=0, local_sgd_adaptive=False,
+                            dgc=None, dgc_warmup=0, dgc_rampup=0, dgc_clip=None,
+                            dgc_topk="exact")
 
     def non_default_fields(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)

@@ -1,7 +1,7 @@
-"""Local SGD and the hierarchical all-reduce against torch's own peers, over a slow link.
+"""Local SGD, DGC and the hierarchical all-reduce against torch's own peers, over a slow link.
 
 Run by benchmarks/slow_link.py (2 nodes of 2 processes, the link between them
-rate-limited). Every side trains GPT-2 (4 layers, hidden 256, vocabulary 4,096) with SGD
+rate-limited). Every side trains GPT-2 (by default 4 layers, hidden 256, vocabulary 4,096) with SGD
 and momentum from the same weights on the same learnable batches; the sides take their
 steps in turn (step k of every side, then step k+1), so machine noise hits all alike:
 
@@ -9,7 +9,9 @@ steps in turn (step k of every side, then step k+1), so machine noise hits all a
 - DDP with PowerSGD (torch's gradient compression hook, rank 1, error feedback);
 - DDP with PostLocalSGDOptimizer (torch's Local SGD: PeriodicModelAverager, no gradient
   sum after the warm-up);
-- autopar dp=4 (flat), autopar hierarchical, autopar Local SGD (the same H and warm-up).
+- autopar dp=4 (flat), autopar hierarchical, autopar Local SGD (the same H and warm-up);
+- autopar DGC at sparsity 0.999 after the same warm-up (dense) and a ramp-up of as many
+  steps, with exact and with sampled top-k.
 
 Prints per side: the median step time after the warm-up, the mean bytes node 0 sent over
 the link per step after the warm-up (its veth's counter), the mean loss over the ranks at
@@ -87,11 +89,13 @@ def main() -> None:
     parser.add_argument("--period", type=int, default=4, help="Local SGD's H")
     parser.add_argument("--warmup", type=int, default=8, help="synchronous steps first")
     parser.add_argument("--rate-bytes", type=float, default=125e6)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    example = gpt2(layers=4, hidden=256, heads=8, vocab=4096, batch=16, seq=128)
+    example = gpt2(layers=args.layers, hidden=args.hidden, heads=8, vocab=4096, batch=16, seq=128)
     cluster, loss_fn, local = two_nodes(args.rate_bytes), example.loss_fn, (args.period, args.warmup)
 
     def ours(**fields):
@@ -107,6 +111,9 @@ def main() -> None:
         "autopar dp": ours(),
         "autopar hierarchical": ours(allreduce="hierarchical"),
         "autopar Local SGD": ours(local_sgd=args.period, local_sgd_warmup=args.warmup),
+        "autopar DGC exact": ours(dgc=0.999, dgc_warmup=args.warmup, dgc_rampup=args.warmup),
+        "autopar DGC sampled": ours(dgc=0.999, dgc_warmup=args.warmup, dgc_rampup=args.warmup,
+                                    dgc_topk="sampled"),
     }
     batches = learnable(16, 128, args.steps, 4096)
     times = {n: [] for n in sides}
@@ -137,6 +144,7 @@ def main() -> None:
     if rank == 0:
         after = slice(args.warmup, None)
         result = {"benchmark": "comm_efficient", "world": world, "steps": args.steps,
+                  "layers": args.layers, "hidden": args.hidden,
                   "period": args.period, "warmup": args.warmup,
                   "link": os.environ.get("AUTOPAR_BENCH_RATE", "unshaped"),
                   "target_loss": target, "target_step": target_step + 1,

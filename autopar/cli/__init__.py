@@ -108,6 +108,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         layout = _train_layout(args)
     except LayoutError as exc:
         raise SystemExit(f"autopar train: {exc}") from exc
+    if args.parity and (layout.local_sgd is not None or layout.dgc is not None):
+        raise SystemExit("autopar train: --parity compares every step with single-process "
+                         "training, and --local-sgd / --dgc change the update by design: "
+                         "drop --parity (the tests compare them with simulations of their "
+                         "own)")
+    if layout.dgc is not None and args.optimizer != "sgd":
+        raise SystemExit("autopar train: --dgc corrects SGD's momentum; add --optimizer sgd "
+                         "(SGD with momentum 0.9)")
     if args.plan:  # compile(layout=None): every rank plans on this machine's processes
         nproc, layout_arg = args.nproc or 2, "plan"
     else:
@@ -265,14 +273,17 @@ def _train_layout(args: argparse.Namespace):
                   **_local_sgd_fields(args))
 
 
+_COMM_FIELDS = ("local_sgd", "local_sgd_warmup", "local_sgd_adaptive", "dgc", "dgc_warmup",
+                "dgc_rampup", "dgc_clip", "dgc_topk")
+
+
 def _local_sgd_fields(args: argparse.Namespace) -> dict:
-    return {"local_sgd": args.local_sgd, "local_sgd_warmup": args.local_sgd_warmup,
-            "local_sgd_adaptive": args.local_sgd_adaptive}
+    """The Local SGD and DGC fields of the layout flags."""
+    return {name: getattr(args, name) for name in _COMM_FIELDS}
 
 
 _LAYOUT_FLAGS = ("dp", "tp", "pp", "microbatches", "schedule", "virtual_stages",
-                 "sequence_parallel", "amp", "zero", "recompute", "bucket_mb", "local_sgd",
-                 "local_sgd_warmup", "local_sgd_adaptive")
+                 "sequence_parallel", "amp", "zero", "recompute", "bucket_mb", *_COMM_FIELDS)
 
 
 class _Progress:
@@ -512,6 +523,17 @@ def _add_layout_args(parser: argparse.ArgumentParser) -> None:
                         help="with --local-sgd: W synchronous steps first (post-local SGD)")
     parser.add_argument("--local-sgd-adaptive", action="store_true",
                         help="with --local-sgd: adapt H to the loss and learning rate (AdaComm)")
+    parser.add_argument("--dgc", type=float, default=None, metavar="S",
+                        help="Deep Gradient Compression with final sparsity S, e.g. 0.999 "
+                             "(SGD with momentum; docs/communication.md)")
+    parser.add_argument("--dgc-warmup", type=int, default=0, metavar="W",
+                        help="with --dgc: W dense steps before the sparsity ramps up")
+    parser.add_argument("--dgc-rampup", type=int, default=0, metavar="R",
+                        help="with --dgc: R steps of ramp-up through 75%%, 93.75%%, ...")
+    parser.add_argument("--dgc-clip", type=float, default=None, metavar="NORM",
+                        help="with --dgc: clip each rank's gradient to NORM/sqrt(dp)")
+    parser.add_argument("--dgc-topk", default="exact", choices=("exact", "sampled"),
+                        help="with --dgc: how the top-k values are found")
 
 
 def _add_program_args(parser: argparse.ArgumentParser, model_help: str) -> None:

@@ -14,7 +14,7 @@ from autopar.cli.common import cluster_from_args, console
 
 
 _PLAN_CONSTRAINTS = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "amp",
-                     "allreduce", "local_sgd")
+                     "allreduce", "local_sgd", "dgc")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -202,7 +202,9 @@ def add_planner_commands(sub) -> None:
                       help="fix how gradients are summed (default: the planner chooses)")
     plan.add_argument("--local-sgd", type=int, default=None, metavar="H",
                       help="fix Local SGD with averaging period H")
-    plan.add_argument("--allow", action="append", default=[], choices=("local_sgd",),
+    plan.add_argument("--dgc", type=float, default=None, metavar="S",
+                      help="fix DGC with final sparsity S (with --optimizer sgd-momentum)")
+    plan.add_argument("--allow", action="append", default=[], choices=("local_sgd", "dgc"),
                       help="let the plan use a technique that changes convergence (its "
                            "accuracy is not modelled; repeatable)")
     plan.add_argument("--max-memory-fraction", type=float, default=0.9,

@@ -92,11 +92,7 @@ class DistributedStep(TrainingState):
             grads = [self._grad_of_updated(u, g) for u, g in zip(self.updated, grads)]
             for u, g in zip(self.updated, grads):
                 u.grad = g
-            if self.loss_scaler is None or self.loss_scaler.unscale_and_check(grads):
-                self.optimizer.step()
-                self._gather_zero_blocks()
-            if self.loss_scaler is not None:
-                self.loss_scaler.update()
+            loss = self._update(grads, loss)
             for u in self.updated:
                 u.grad = None
             by_name = {b.name: t for b, t in zip(self.program.buffers, self.buffers)}
@@ -104,6 +100,17 @@ class DistributedStep(TrainingState):
                 by_name[name].copy_(value)
         self.steps += 1
         return loss.detach()
+
+    def _update(self, grads: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
+        """Step the optimizer on `grads` (already on each updated tensor's .grad): unscaled
+        and skipped on an overflow with fp16 AMP, then ZeRO's blocks gathered back. Returns
+        the step's loss (`loss`, the graph's)."""
+        if self.loss_scaler is None or self.loss_scaler.unscale_and_check(grads):
+            self.optimizer.step()
+            self._gather_zero_blocks()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update()
+        return loss
 
     def graph_inputs(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> list[torch.Tensor]:
         """What this rank's graph takes for one step on the global batch `args`/`kwargs`:

@@ -83,6 +83,9 @@ class TrainingState:
     loss_scaler: LossScaler | None
     steps: int
     _whole: dict[str, tuple[torch.Size, torch.dtype]]
+    # more of this rank's own tensors to save and (same layout and world size) load in
+    # place, beside its RNG state: DGC's residuals (runtime/dgc.py)
+    _extra_per_rank: dict[str, torch.Tensor] = {}
 
     def _held_params(self) -> list[HeldParam]:
         raise NotImplementedError
@@ -154,7 +157,8 @@ class TrainingState:
         write it in a thread while training goes on; returns a `PendingSave` whose
         `wait()` every rank calls before the next save (see checkpoint.save_checkpoint)."""
         return ckpt.save_checkpoint(path, self._named_tensors(), self._optimizer_state(),
-                                    self._manifest(), extra, per_rank=_rng_state(),
+                                    self._manifest(), extra,
+                                    per_rank={**_rng_state(), **self._extra_per_rank},
                                     background=background)
 
     def load(self, path: str | Path) -> dict:
@@ -166,7 +170,7 @@ class TrainingState:
         state_like = {h.entry.name: self._state_view(h, h.updated) for h in held}
         rng = {k: v.clone() for k, v in _rng_state().items()}
         state = ckpt.load_checkpoint(path, named, self._manifest(), self._optimizer_state(),
-                                     state_like, per_rank=rng)
+                                     state_like, per_rank={**rng, **self._extra_per_rank})
         self.steps = int(named[STEPS_KEY])
         _set_rng_state(rng)  # unchanged unless saved in this layout and world size
         updated = {h.entry.name: h.updated for h in held}

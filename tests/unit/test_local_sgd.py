@@ -109,8 +109,9 @@ def test_the_cost_amortises_the_average_and_the_plan_uses_local_sgd_only_when_al
 
 def test_allow_names_what_it_knows():
     ex = gpt2(layers=1)
-    with pytest.raises(PlanArgumentError, match=r"\['local_sgd'\]; got 'dgc' \(DGC is not built yet\)"):
-        autopar.plan(ex.model, autopar.ClusterSpec.local(2), ex.batch, ex.loss_fn, allow=["dgc"])
+    with pytest.raises(PlanArgumentError, match=r"\['local_sgd', 'dgc'\]; got 'powersgd'"):
+        autopar.plan(ex.model, autopar.ClusterSpec.local(2), ex.batch, ex.loss_fn,
+                     allow=["powersgd"])
 
 
 @pytest.mark.parametrize("steps, warmup, period", [(8, 2, 3), (9, 2, 3), (2, 5, 2), (12, 0, 4)])

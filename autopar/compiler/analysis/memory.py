@@ -33,6 +33,7 @@ import torch
 
 from autopar.compiler.analysis.summary import GraphSummary
 from autopar.compiler.ir.program import block_nbytes
+from autopar.costs import dgc_compressed
 from autopar.layout import Layout
 
 STATIC = ("parameters", "buffers", "optimizer_states", "inputs")
@@ -239,6 +240,12 @@ def step_memory(summary: GraphSummary, layout: Layout,
     static = {"parameters": params, "buffers": summary.buffer_bytes,
               "optimizer_states": int(opt.states * sum(updated) + opt.counter_bytes * len(updated)),
               "inputs": inputs}
+    if layout.dgc is not None:  # DGC holds u and v of each tensor it compresses (runtime/dgc.py)
+        copies = summary.param_copies or (1,) * len(summary.param_numel)
+        compressed = sum(n * size for n, size, k in zip(summary.param_numel,
+                                                        summary.param_itemsize, copies)
+                         if dgc_compressed(n // k, size))
+        static["optimizer_states"] += int((2 - opt.states) * compressed)
     graph = graph_liveness(summary, fallbacks)
     in_graph = graph.at_peak
     in_graph_total = graph.peak_bytes

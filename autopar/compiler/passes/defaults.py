@@ -30,7 +30,9 @@ def is_pipelined(layout: Layout) -> bool:
 def default_passes(layout: Layout) -> list[GraphPass]:
     """tensor_parallel -> amp -> recompute -> global_loss_mean -> pipeline stages or
     data-parallel sync (-> zero-3 parameter sharding) -> fusion. With Layout.local_sgd,
-    the steady state's program: no global loss mean, no gradient sync.
+    the steady state's program: no global loss mean, no gradient sync. With Layout.dgc,
+    its compressed steps' program: each rank's share of the global loss's gradient, not
+    summed (runtime/dgc.py exchanges it).
 
     Pipelined steps sum gradients over data-parallel ranks after the last micro-batch
     (in the pipeline runtime), so they get no all-reduce pass."""
@@ -49,7 +51,9 @@ def default_passes(layout: Layout) -> list[GraphPass]:
     last = [FuseRegions()] if layout.fusion else []
     if is_pipelined(layout):
         return first + [AssignStages()] + last
-    sync = [InsertAllReduce()] if layout.dp > 1 and not local else []
+    # DGC: the gradients stay this rank's share of the global one (runtime/dgc.py sums
+    # them, sparsified); its dense steps are the layout without dgc
+    sync = [InsertAllReduce()] if layout.dp > 1 and not local and layout.dgc is None else []
     return first + sync + ([ShardParameters()] if layout.zero == 3 else []) + last
 
 

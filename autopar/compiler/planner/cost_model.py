@@ -27,6 +27,9 @@ from autopar.costs import (
     DEFAULT_EFFICIENCY,
     Efficiency,
     collective_time,
+    dgc_compressed,
+    dgc_kept,
+    dgc_select_time,
     kernel_time,
     mesh_dim_sizes,
     optimizer_time,
@@ -138,9 +141,15 @@ def step_time(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
     compute, comm, end = simulate_streams(summary, cluster, layout, eff)
     updated = sum(held_parameter_bytes(summary, layout)[1])  # ZeRO: this rank's blocks
     gather = zero_gather_time(summary, cluster, layout, eff) + averaging_time(
-        summary, cluster, layout, eff)
+        summary, cluster, layout, eff) + dgc_exchange_time(summary, cluster, layout, eff)
+    if layout.dgc is not None:  # SGD steps the dense tensors; DGC updates the others
+        update = optimizer_time(dgc_split(summary)[0], optimizer, cluster, eff) + sum(
+            dgc_select_time(n, layout.dgc_topk, cluster, eff) * k
+            for n, k in dgc_split(summary)[1])
+    else:
+        update = optimizer_time(updated, optimizer, cluster, eff)
     return StepTime(compute_s=compute, comm_s=comm + gather, exposed_comm_s=end - compute + gather,
-                    optimizer_s=optimizer_time(updated, optimizer, cluster, eff))
+                    optimizer_s=update)
 
 
 # Prediction.comm_bytes' key for Local SGD's parameter average, amortised per step
@@ -158,7 +167,53 @@ def comm_bytes(summary: GraphSummary, layout: Layout) -> dict[str, int]:
             out[op.group] = out.get(op.group, 0) + op.comm_bytes * op.repeat
     if layout.local_sgd is not None:
         out[AVERAGE_KEY] = held_parameter_bytes(summary, layout)[0] // layout.local_sgd
+    if layout.dgc is not None:
+        dense, sparse = dgc_bytes(summary, layout)
+        out["dp"] = out.get("dp", 0) + dense
+        out[DGC_KEY] = sparse
     return out
+
+
+# Prediction.comm_bytes' key for DGC's all-gather of values and indices (its dense sum of
+# the small gradients is under "dp")
+DGC_KEY = "dp sparse gradients (DGC)"
+
+
+def dgc_split(summary: GraphSummary) -> tuple[int, list[tuple[int, int]]]:
+    """DGC's two kinds of gradient (runtime/dgc.py): bytes of those summed dense, and
+    (elements, copies) of each parameter it compresses (a scaled summary's block
+    parameter stands for `copies` tensors of `elements` each)."""
+    dense, compressed = 0, []
+    copies = summary.param_copies or (1,) * len(summary.param_numel)
+    for numel, size, k in zip(summary.param_numel, summary.param_itemsize, copies):
+        if dgc_compressed(numel // k, size):
+            compressed.append((numel // k, k))
+        else:
+            dense += numel * size
+    return dense, compressed
+
+
+def dgc_bytes(summary: GraphSummary, layout: Layout) -> tuple[int, int]:
+    """Per steady-state step (sparsity Layout.dgc): the bytes of DGC's dense all-reduce
+    (the small gradients and the loss) and of its all-gather (every rank's k fp32 values
+    and k int32 indices per compressed tensor: the gathered whole, as collective_time
+    prices an all-gather)."""
+    dense, compressed = dgc_split(summary)
+    sent = sum(2 * 4 * dgc_kept(n, layout.dgc) * k for n, k in compressed)
+    return dense + 4, sent * layout.dp
+
+
+def dgc_exchange_time(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
+                      eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    """DGC (Layout.dgc): its steady state's exchange after the backward, exposed (nothing
+    runs beside it): the dense all-reduce and the sparse all-gather over dp. The dense
+    warm-up and the ramp-up's lower sparsities are not in it. 0 without DGC."""
+    if layout.dgc is None:
+        return 0.0
+    size, stride = mesh_dim_sizes(layout)["dp"]
+    dense, sparse = dgc_bytes(summary, layout)
+    return (collective_time("all_reduce", dense, size, cluster, stride, eff)
+            + collective_time("all_gather", sparse, size, cluster, stride, eff))
 
 
 def averaging_time(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,

@@ -76,31 +76,36 @@ def plan(model: torch.nn.Module, cluster: ClusterSpec, example_inputs: Batch,
     per CPU up to MAX_WORKERS; 0: none. The batch is passed as to `autopar.compile`
     (`example_inputs` to the model, `example_targets` only to the loss). `allow`:
     techniques that change what training converges to, which the plan may then use
-    ("local_sgd": Local SGD with period LOCAL_SGD_PERIOD, or fix `local_sgd=H`); the cost
-    model prices their time, not their accuracy, and the report says so."""
+    ("local_sgd": Local SGD with period LOCAL_SGD_PERIOD, or fix `local_sgd=H`; "dgc":
+    DGC at sparsity DGC_SPARSITY, or fix `dgc=s`, with optimizer="sgd-momentum"); the
+    cost model prices their time, not their accuracy, and the report says so."""
     if workers is not None and (not isinstance(workers, int) or workers < 0):
         raise PlanArgumentError(f"workers must be a count of processes (0: none) or None, got "
                          f"{workers!r}")
     if not isinstance(cluster, ClusterSpec):
         raise TypeError(f"cluster must be an autopar.ClusterSpec, got {type(cluster).__name__}")
     fixed, fraction = check_constraints(constraints)
-    allow = check_allow(allow)
+    allow = check_allow(allow, optimizer)
     objective, flat = Objective.from_example(example_inputs, example_targets, loss_fn)
     with collector_paused():
         return _search(model, cluster, flat, objective, optimizer, efficiency,
                        progress, trace_blocks, workers, constraints, fixed, fraction, allow)
 
 
-def check_allow(allow: Sequence[str]) -> tuple[str, ...]:
-    """plan's `allow`: names of ALLOWABLE techniques, which change convergence."""
+def check_allow(allow: Sequence[str], optimizer: str = "sgd-momentum") -> tuple[str, ...]:
+    """plan's `allow`: names of ALLOWABLE techniques, which change convergence; DGC only
+    with SGD and momentum (its momentum correction replaces SGD's)."""
     if isinstance(allow, str):
         allow = [allow]
     unknown = [a for a in allow if a not in ALLOWABLE]
     if unknown:
         raise PlanArgumentError(
             f"allow names techniques that change what training converges to, which the plan "
-            f"uses only when allowed: {list(ALLOWABLE)}; got {unknown[0]!r}"
-            + (" (DGC is not built yet)" if unknown[0] == "dgc" else ""))
+            f"uses only when allowed: {list(ALLOWABLE)}; got {unknown[0]!r}")
+    if "dgc" in allow and optimizer != "sgd-momentum":
+        raise PlanArgumentError(
+            f"allow=['dgc']: DGC corrects SGD's momentum, and the plan's optimizer is "
+            f"{optimizer!r}; plan with optimizer='sgd-momentum', or leave 'dgc' out")
     return tuple(allow)
 
 

@@ -81,10 +81,31 @@ def headline(plan: Plan) -> list[str]:
                      f"averaged every {plan.layout.local_sgd} steps; the predicted step "
                      f"amortises that average. What it does to the loss curve is not "
                      f"modelled: compare the loss against a synchronous run.")
+    if plan.layout.dgc is not None:
+        lines.append(_dgc_line(plan))
     if plan.alternatives:
         lay, _, why = plan.alternatives[0]
         lines.append(f"Runner-up: {lay}: {why}.")
     return lines
+
+
+def _dgc_line(plan: Plan) -> str:
+    """What DGC saves against the layout it was derived from, summing whole gradients,
+    where that was costed."""
+    layout, p = plan.layout, plan.predicted
+    sent = sum(p.comm_bytes.values())
+    line = (f"DGC: each rank sends {1 - layout.dgc:.2%} of each large gradient as values and "
+            f"indices, {sent / 1e6:.4g} MB per step")
+    dense = layout.replace(dgc=None, dgc_warmup=0, dgc_rampup=0, dgc_clip=None,
+                           dgc_topk="exact")
+    for lay, q, _ in plan.alternatives:  # the layout it was derived from (search.py)
+        if lay.dgc is None and lay.replace(zero=0, allreduce="flat") == dense:
+            line += (f" against {sum(q.comm_bytes.values()) / 1e6:.4g} MB and "
+                     f"{_ms(q.step_time_s)} ms per step summing them whole")
+            break
+    return (line + ". The prediction is the steady state's (final sparsity, after the dense "
+            "warm-up and the ramp-up). What it does to the loss curve is not modelled: "
+            "compare the loss against a synchronous run.")
 
 
 def comm_rows(plan: Plan) -> list[list[str]]:

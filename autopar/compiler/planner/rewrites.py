@@ -70,9 +70,9 @@ class Group(NamedTuple):
 
 def template_layout(layout: Layout) -> Layout:
     """The layout a pipeline's template is rewritten under: two stages, one per block (a
-    pipeline sums its gradients flat and every step: Layout.allreduce, local_sgd)."""
-    return layout.replace(pp=2, virtual_stages=1, schedule="1f1b", allreduce="flat",
-                          local_sgd=None, local_sgd_warmup=0, local_sgd_adaptive=False)
+    pipeline sums its gradients flat and every step: Layout.allreduce, local_sgd, dgc)."""
+    return layout.synchronous().replace(pp=2, virtual_stages=1, schedule="1f1b",
+                                        allreduce="flat")
 
 
 @functools.lru_cache(maxsize=1 << 15)  # asked for every bound of a pipeline: kept

@@ -98,7 +98,8 @@ def check_constraints(constraints: dict[str, Any]) -> tuple[dict[str, Any], floa
 
 # fields valid only next to another: checked on their own in such a layout
 _CONTEXT = {"zero": {"dp": 2}, "sequence_parallel": {"tp": 2},
-            "virtual_stages": {"schedule": "interleaved"}}
+            "virtual_stages": {"schedule": "interleaved"}, "allreduce": {"dp": 2},
+            "local_sgd": {"dp": 2}, "dgc": {"dp": 2}}
 
 
 def _schedules(pp: int, blocks: int) -> list[tuple[str, int]]:
@@ -204,8 +205,11 @@ BUCKET_MB_CHOICES = (5.0, 25.0, 100.0)
 # one always costs less, and what it does to convergence is not modelled, so the planner
 # does not choose it; fix Layout.local_sgd to try another
 LOCAL_SGD_PERIOD = 4
+# the final sparsity a plan allowed DGC tries (plan(allow=["dgc"])): the paper's, which
+# its accuracy results are for; fix Layout.dgc to try another
+DGC_SPARSITY = 0.999
 # techniques that change what training converges to: plan(allow=...) names those it may use
-ALLOWABLE = ("local_sgd",)
+ALLOWABLE = ("local_sgd", "dgc")
 # the fastest fitting layouts the hierarchical all-reduce (and Local SGD) is tried on: it changes only the
 # gradients' sum, so it can reorder close layouts but not lift a slow one to the top
 HIERARCHICAL_TRIED = 3
@@ -301,7 +305,9 @@ def refinements(fixed: dict[str, Any], recompute: bool = True,
     without the recomputation rounds when `recompute` is False (`recompute_variants`
     tries them as it goes); with `cluster`, the hierarchical all-reduce of the fastest
     fitting data-parallel layouts where the cluster has two levels to sum over; with
-    "local_sgd" in `allow`, Local SGD of those layouts (period LOCAL_SGD_PERIOD)."""
+    "local_sgd" in `allow`, Local SGD of those layouts (period LOCAL_SGD_PERIOD); with
+    "dgc", DGC of them (final sparsity DGC_SPARSITY; the plan's optimizer is SGD with
+    momentum, plan.check_allow)."""
     rounds: list[Refinement] = []
     if "recompute" not in fixed and recompute:
         rounds += [_with_full_recompute, _with_selective_recompute]
@@ -317,12 +323,21 @@ def refinements(fixed: dict[str, Any], recompute: bool = True,
             return [lay.replace(local_sgd=LOCAL_SGD_PERIOD, zero=0)
                     for lay in fits[:HIERARCHICAL_TRIED]]
         rounds.append(local)
+    if "dgc" in allow and "dgc" not in fixed:
+        def compressed(costed, capacity):
+            fits = [lay for lay, _ in rank(costed, capacity)[0] if lay.dgc is None
+                    and lay.local_sgd is None and lay.dp > 1 and lay.pp == 1
+                    and lay.microbatches == 1 and lay.amp != "fp16"]
+            return [lay.replace(dgc=DGC_SPARSITY, zero=0, allreduce="flat")
+                    for lay in fits[:HIERARCHICAL_TRIED]]
+        rounds.append(compressed)
     if "bucket_mb" not in fixed:
         def buckets(costed, capacity):
             fits = rank(costed, capacity)[0]
             if not fits or fits[0][0].dp == 1 or fits[0][0].pp > 1 or fits[0][0].microbatches > 1 \
-                    or fits[0][0].local_sgd is not None:
-                return []  # the pipeline runtime all-reduces its gradients flat; Local SGD none
+                    or fits[0][0].local_sgd is not None or fits[0][0].dgc is not None:
+                return []  # the pipeline runtime all-reduces its gradients flat; Local SGD
+                #            and DGC have no buckets
             best = fits[0][0]
             return [best.replace(bucket_mb=mb) for mb in BUCKET_MB_CHOICES if mb != best.bucket_mb]
         rounds.append(buckets)
