@@ -28,10 +28,10 @@ from autopar.compiler.passes.defaults import is_pipelined, run_passes
 from autopar.compiler.planner.result import Plan
 from autopar.layout import Layout, LayoutError
 from autopar.logs import configure_from_env
-from autopar.runtime.dgc import DGCStep
+from autopar.runtime.dgc import DGCPipelineStep, DGCStep
 from autopar.runtime.dgc import check_optimizer as check_dgc_optimizer
 from autopar.runtime.executor import DistributedStep, OptimizerFactory
-from autopar.runtime.local_sgd import LocalSGDStep
+from autopar.runtime.local_sgd import LocalSGDPipelineStep, LocalSGDStep
 from autopar.runtime.mesh import launched_rank, launched_world_size
 from autopar.runtime.pipeline import PipelineStep
 
@@ -126,7 +126,17 @@ def build_step(model: torch.nn.Module, cluster: ClusterSpec | None, example_inpu
                           "'amp' pass: add \"amp\" first in passes=, or use amp='off'")
     for r in results:
         log.info("%s", r.summary())
-    if is_pipelined(layout):
+    if is_pipelined(layout) and layout.dgc is not None:
+        step = DGCPipelineStep(lower_pipeline(tg, layout), model, optimizer,
+                               objective=objective, sparsity=layout.dgc,
+                               warmup=layout.dgc_warmup, rampup=layout.dgc_rampup,
+                               clip=layout.dgc_clip, topk=layout.dgc_topk)
+    elif is_pipelined(layout) and layout.local_sgd is not None:
+        step = LocalSGDPipelineStep(lower_pipeline(tg, layout), model, optimizer,
+                                    objective=objective, period=layout.local_sgd,
+                                    warmup=layout.local_sgd_warmup,
+                                    adaptive=layout.local_sgd_adaptive)
+    elif is_pipelined(layout):
         step = PipelineStep(lower_pipeline(tg, layout), model, optimizer, objective=objective)
     elif layout.dgc is not None:
         own = _local_program(traced, layout, cluster, passes, options)

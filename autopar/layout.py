@@ -128,9 +128,6 @@ class Layout:
             raise LayoutError(f"Layout.local_sgd with zero={self.zero}: each rank steps its "
                               f"whole parameters on its own gradients, which ZeRO shards over "
                               f"dp; use zero=0")
-        if self.pp > 1 or self.microbatches > 1:
-            raise LayoutError(f"Layout.local_sgd is built for steps without a pipeline or "
-                              f"accumulation (pp={self.pp}, microbatches={self.microbatches})")
 
     def _validate_dgc(self) -> None:
         _check_choice("dgc_topk", self.dgc_topk, DGC_TOPK)
@@ -169,9 +166,10 @@ class Layout:
         if self.amp == "fp16":
             raise LayoutError("Layout.dgc with amp='fp16': the loss scaler's overflow check "
                               "would see only this rank's gradients; use amp='bf16' or 'off'")
-        if self.pp > 1 or self.microbatches > 1:
-            raise LayoutError(f"Layout.dgc is built for steps without a pipeline or "
-                              f"accumulation (pp={self.pp}, microbatches={self.microbatches})")
+        if clip is not None and (self.tp > 1 or self.pp > 1):
+            raise LayoutError(f"Layout.dgc_clip clips each rank's whole gradient, which "
+                              f"tp={self.tp} / pp={self.pp} split over ranks (its norm is "
+                              f"not built there); use dgc_clip=None, or tp=pp=1")
 
     def check_world_size(self, world_size: int) -> None:
         """Refuse a layout whose dp*tp*pp is not the number of processes."""

@@ -14,7 +14,8 @@ steps in turn (step k of every side, then step k+1), so machine noise hits all a
   steps, with exact and with sampled top-k.
 
 Prints per side: the median step time after the warm-up, the mean bytes node 0 sent over
-the link per step after the warm-up (its veth's counter), the mean loss over the ranks at
+the link per step after the warm-up (its veth's counter) and over the last quarter of
+the steps (DGC's steady state, past its ramp-up), the mean loss over the ranks at
 the last step, and the time to target: the wall clock (sum of step times) until the
 mean loss first falls below DDP's loss at step --target-step.
 
@@ -150,6 +151,9 @@ def main() -> None:
                   "target_loss": target, "target_step": target_step + 1,
                   "sides": {n: {"median_step_s": statistics.median(times[n][after]),
                                 "link_bytes_per_step": statistics.mean(sent[n][after]),
+                                # the last quarter: DGC's final sparsity, past its ramp-up
+                                "link_bytes_last_quarter": statistics.mean(
+                                    sent[n][-max(1, args.steps // 4):]),
                                 "final_loss": losses[n][-1],
                                 "time_to_target_s": to_target(n),
                                 "total_s": sum(times[n])} for n in sides},

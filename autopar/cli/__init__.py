@@ -408,7 +408,9 @@ def _print_estimate(model: str, cluster, layout, pred) -> None:
     console.print(times)
     if pred.comm_bytes:
         console.print("bytes one rank's collectives carry per step: " + ", ".join(
-            f"{group} {_fmt_bytes(n)}" for group, n in pred.comm_bytes.items()))
+            f"{group} {_fmt_bytes(n)}" for group, n in pred.comm_bytes.items())
+            + (f" (summed whole every step: dp {_fmt_bytes(pred.uncompressed_bytes)})"
+               if pred.uncompressed_bytes else ""))
     memory = Table(title=f"memory per rank {_fmt_bytes(pred.peak_memory_bytes)} of "
                          f"{_fmt_bytes(cluster.device.memory_bytes)}")
     for col in ("category", "size", "of device"):

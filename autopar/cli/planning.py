@@ -67,7 +67,8 @@ def _print_plan(model: str, cluster, plan) -> None:
     if plan.predicted.comm_bytes:
         console.print("Bytes one rank's collectives carry per step: " + ", ".join(
             f"{group} {nbytes / 1e6:.4g} MB" for group, nbytes in plan.predicted.comm_bytes.items())
-            + ".")
+            + (f" (summed whole every step: dp {plan.predicted.uncompressed_bytes / 1e6:.4g} MB)"
+               if plan.predicted.uncompressed_bytes else "") + ".")
     table = Table(title="best alternatives")
     for col in ("layout", "step ms", "why not"):
         table.add_column(col)

@@ -13,7 +13,7 @@ Phases, by step count:
   - a *compressed* tensor (fp32, at least costs.DGC_DENSE_BELOW elements) takes DGC's
     path: local clipping first (the rank's whole gradient to `dgc_clip` / sqrt(dp)),
     weight decay added (wd * w / dp per rank, so the sum adds wd * w as SGD does), momentum correction u = m u + g, v += u, top-k of |v|
-    (k = ceil(numel * (1 - sparsity))), the values and their int32 indices
+    (k = floor(numel * (1 - sparsity)), at least 1), the values and their int32 indices
     all-gathered (every rank sends exactly k per tensor, so shapes agree), summed into
     a dense gradient G in rank order on every rank (the ranks stay identical),
     momentum factor masking (u and v zeroed where this rank sent), and the update
@@ -53,6 +53,7 @@ from autopar.compiler.ir.program import Program, bind_groups
 from autopar.costs import dgc_compressed, dgc_kept
 from autopar.layout import LayoutError
 from autopar.runtime.executor import DistributedStep
+from autopar.runtime.pipeline import PipelineStep
 
 STAGE_BASE = 0.25  # ramp-up stages 1 - STAGE_BASE**i, i = 1, 2, ...
 SAMPLE_FRACTION = 0.01  # the sampled threshold's sample, of the tensor's elements
@@ -99,6 +100,24 @@ def top_k(magnitude: torch.Tensor, k: int, method: str,
     return candidates[torch.topk(magnitude[candidates], k, sorted=False).indices], False
 
 
+def compress(g: torch.Tensor, u: torch.Tensor, v: torch.Tensor, momentum: float, k: int,
+             method: str = "exact", generator: torch.Generator | None = None,
+             masking: bool = True) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """One tensor's DGC step on this rank, in place: u = m u + g, v += u, the top-k of
+    |v| taken out of v (error feedback: what is sent plus what stays is what was
+    accumulated) and, with momentum factor `masking`, out of u. Returns the flat int64
+    indices, their values and whether the sampled top-k fell back to the exact one."""
+    u.mul_(momentum).add_(g)
+    v.add_(u)
+    flat_v = v.view(-1)
+    idx, fell_back = top_k(flat_v.abs(), k, method, generator)
+    values = flat_v[idx]
+    flat_v.index_fill_(0, idx, 0)
+    if masking:
+        u.view(-1).index_fill_(0, idx, 0)
+    return idx, values, fell_back
+
+
 def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     """DGC's momentum correction replaces SGD's momentum: refuse anything else."""
     if type(optimizer) is not torch.optim.SGD:
@@ -116,43 +135,32 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
                               f"{', '.join(bad)}")
 
 
-class DGCStep(DistributedStep):
-    """A DistributedStep whose gradient exchange after the dense warm-up is DGC's
-    (module docstring). `stats`: what the compressed steps sent, in values per rank."""
+class _Compression:
+    """What DGC adds to a step (DistributedStep or PipelineStep): the schedule, the
+    compressed exchange and update, and the residuals in checkpoints. The step provides
+    `mesh`, `updated`, `optimizer`, `steps`, `dp_size` and TrainingState's save / load.
+    `stats`: what the compressed steps sent from this rank (values, bytes of the sparse
+    all-gather), summed dense, compressed whole, and how often the sampled top-k fell
+    back."""
 
-    def __init__(self, program: Program, dgc_program: Program, model: torch.nn.Module,
-                 optimizer, *, objective=None, sparsity: float, warmup: int = 0,
-                 rampup: int = 0, clip: float | None = None, topk: str = "exact"):
-        super().__init__(program, model, optimizer, objective=objective)
+    def _init_compression(self, sparsity: float, warmup: int, rampup: int,
+                          clip: float | None, topk: str) -> None:
         check_optimizer(self.optimizer)
-        self.dgc_gm = bind_groups(dgc_program.gm, self.mesh.group_names) \
-            if self.mesh.group_names else dgc_program.gm
         self.final, self.warmup, self.rampup = sparsity, warmup, rampup
         self.clip, self.method = clip, topk
         self.compressed = [u.dtype == torch.float32 and dgc_compressed(u.numel(), 4)
                            for u in self.updated]
         self.group_of = {id(p): g for g in self.optimizer.param_groups for p in g["params"]}
         self._sparsity: float | None = None
-        self.stats = {"compressed_steps": 0, "sent_values": 0, "dense_values": 0,
-                      "whole_values": 0, "sampled_fallbacks": 0}
+        # momentum factor masking (the paper's); off only to compare with the dense sum
+        self.momentum_masking = True
+        self.stats = {"compressed_steps": 0, "sent_values": 0, "sent_bytes": 0,
+                      "dense_values": 0, "whole_values": 0, "sampled_fallbacks": 0}
 
     def sparsity(self, step: int | None = None) -> float | None:
         """The sparsity of step `step` (default: the next), None for a dense step."""
         return sparsity_at(self.steps if step is None else step, self.final, self.warmup,
                            self.rampup)
-
-    def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
-        self._sparsity = self.sparsity()
-        if self._sparsity is None:
-            return super().__call__(*args, **kwargs)
-        return self._run(self.dgc_gm, self.graph_inputs(*args, **kwargs))
-
-    def _update(self, grads: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
-        if self._sparsity is None:
-            return super()._update(grads, loss)
-        loss = self._exchange(grads, loss, self._sparsity)
-        self.optimizer.step()  # the dense tensors; the compressed ones have no .grad
-        return loss
 
     # -- the compressed exchange -------------------------------------------------------------
 
@@ -162,42 +170,46 @@ class DGCStep(DistributedStep):
         state = self.optimizer.state[u]
         if MOMENTUM not in state:
             buf = state.pop("momentum_buffer", None)
-            n = self.program.mesh_size("dp")
+            n = self.dp_size
             state[MOMENTUM] = buf / n if buf is not None else torch.zeros_like(u)
             state[RESIDUAL] = torch.zeros_like(u)
         return state[MOMENTUM], state[RESIDUAL]
 
-    def _share_scale(self, grads: list[torch.Tensor]) -> float:
-        """What turns this rank's gradients (those of its own mean loss: the ranks' mean
-        is the global gradient) into its share of the sum, 1/dp, times local clipping's
-        factor: the rank's whole gradient to `dgc_clip` / sqrt(dp)."""
-        n = self.program.mesh_size("dp")
+    def _share_scale(self, grads: list[torch.Tensor], shares: bool) -> float:
+        """What turns this rank's gradients into its share of the sum, times local
+        clipping's factor (the rank's whole gradient to `dgc_clip` / sqrt(dp)). `shares`:
+        the gradients are shares already (the pipeline's seed divided by dp), else those
+        of this rank's own mean loss (their mean over the ranks is the global one)."""
+        n = self.dp_size
+        base = 1.0 if shares else 1.0 / n
         if self.clip is None:
-            return 1.0 / n
+            return base
         norm = torch.linalg.vector_norm(
             torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])).item()
+        norm *= n * base  # the rank's whole gradient
         limit = self.clip / math.sqrt(n)
-        return (limit / norm if norm > limit else 1.0) / n
+        return (limit / norm if norm > limit else 1.0) * base
 
-    def _exchange(self, grads: list[torch.Tensor], loss: torch.Tensor,
-                  sparsity: float) -> torch.Tensor:
-        """The compressed step's exchange and the compressed tensors' update; the global
-        loss (the ranks' mean, carried in the fp32 dense all-reduce)."""
-        group, n = self.mesh.group("dp"), self.program.mesh_size("dp")
-        scale = self._share_scale(grads)
+    def _exchange(self, grads: list[torch.Tensor], loss: torch.Tensor | None,
+                  sparsity: float, shares: bool = False) -> torch.Tensor | None:
+        """The compressed step's exchange and the compressed tensors' update (`shares`:
+        as for _share_scale). With `loss` (this rank's own mean), the global loss, the
+        ranks' mean, carried in the fp32 dense all-reduce."""
+        group, n = self.mesh.group("dp"), self.dp_size
+        scale = self._share_scale(grads, shares)
         dense = [i for i, c in enumerate(self.compressed) if not c]
         dtypes = dict.fromkeys([torch.float32, *(self.updated[i].dtype for i in dense)])
         for dtype in dtypes:
             mine = [i for i in dense if self.updated[i].dtype == dtype]
             parts = [grads[i].reshape(-1) * scale for i in mine]
-            if dtype == torch.float32:
+            if dtype == torch.float32 and loss is not None:
                 parts.append(loss.detach().float().reshape(1) / n)
             flat = torch.cat(parts)
             dist.all_reduce(flat, group=group)
             sizes = [grads[i].numel() for i in mine]
             for i, part in zip(mine, flat[:sum(sizes)].split(sizes)):
                 self.updated[i].grad = part.view_as(grads[i])
-            if dtype == torch.float32:
+            if dtype == torch.float32 and loss is not None:
                 loss = flat[-1].to(loss.dtype)
             self.stats["dense_values"] += flat.numel()
         chosen = [i for i, c in enumerate(self.compressed) if c]
@@ -212,13 +224,11 @@ class DGCStep(DistributedStep):
             if group_opts["weight_decay"]:
                 g = g.add(w, alpha=group_opts["weight_decay"] / n)
             u, v = self._state(w)
-            u.mul_(group_opts["momentum"]).add_(g)
-            v.add_(u)
-            flat_v = v.view(-1)
-            idx, fell_back = top_k(flat_v.abs(), dgc_kept(v.numel(), sparsity), self.method,
-                                   generator)
+            idx, vals, fell_back = compress(g, u, v, group_opts["momentum"],
+                                            dgc_kept(v.numel(), sparsity), self.method,
+                                            generator, self.momentum_masking)
             self.stats["sampled_fallbacks"] += fell_back
-            values.append(flat_v[idx])
+            values.append(vals)
             indices.append(idx.to(torch.int32))
         # one all-gather: the values, then the int32 indices bit-cast to fp32
         packed = torch.cat([*values, torch.cat(indices).view(torch.float32)])
@@ -228,18 +238,16 @@ class DGCStep(DistributedStep):
         total = sum(sizes)
         parts = [(part[:total].split(sizes), part[total:].view(torch.int32).split(sizes))
                  for part in everyone.split(packed.numel())]
-        for j, (i, idx) in enumerate(zip(chosen, indices)):
+        for j, i in enumerate(chosen):
             w = self.updated[i]
             summed = torch.zeros_like(w).view(-1)
             for vals, idxs in parts:  # in rank order: every rank adds alike
                 summed.index_add_(0, idxs[j].long(), vals[j])
-            u, v = self._state(w)
-            u.view(-1).index_fill_(0, idx.long(), 0)  # momentum factor masking
-            v.view(-1).index_fill_(0, idx.long(), 0)
             w.add_(summed.view_as(w), alpha=-self.group_of[id(w)]["lr"])
             w.grad = None
         self.stats["compressed_steps"] += 1
         self.stats["sent_values"] += total
+        self.stats["sent_bytes"] += packed.numel() * packed.element_size()
         self.stats["whole_values"] += sum(self.updated[i].numel() for i in chosen)
         return loss
 
@@ -295,7 +303,7 @@ class DGCStep(DistributedStep):
         finally:
             self._extra_per_rank = {}
         same = bool(like["dgc.own"])
-        n = self.program.mesh_size("dp")
+        n = self.dp_size
         for i, c in enumerate(self.compressed):
             state = self.optimizer.state[self.updated[i]]
             if not (c and MOMENTUM in state):
@@ -304,3 +312,63 @@ class DGCStep(DistributedStep):
             for key in (MOMENTUM, RESIDUAL):
                 state[key] = like[f"dgc.{name}.{key}"].clone() if same else state[key] / n
         return extra
+
+
+class DGCStep(_Compression, DistributedStep):
+    """A DistributedStep whose gradient exchange after the dense warm-up is DGC's: the
+    compressed steps run `dgc_program` (no gradient all-reduce; module docstring)."""
+
+    def __init__(self, program: Program, dgc_program: Program, model: torch.nn.Module,
+                 optimizer, *, objective=None, sparsity: float, warmup: int = 0,
+                 rampup: int = 0, clip: float | None = None, topk: str = "exact"):
+        super().__init__(program, model, optimizer, objective=objective)
+        self.dgc_gm = bind_groups(dgc_program.gm, self.mesh.group_names) \
+            if self.mesh.group_names else dgc_program.gm
+        self._init_compression(sparsity, warmup, rampup, clip, topk)
+
+    @property
+    def dp_size(self) -> int:
+        return self.program.mesh_size("dp")
+
+    def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        self._sparsity = self.sparsity()
+        if self._sparsity is None:
+            return super().__call__(*args, **kwargs)
+        return self._run(self.dgc_gm, self.graph_inputs(*args, **kwargs))
+
+    def _update(self, grads: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
+        if self._sparsity is None:
+            return super()._update(grads, loss)
+        loss = self._exchange(grads, loss, self._sparsity)
+        self.optimizer.step()  # the dense tensors; the compressed ones have no .grad
+        return loss
+
+
+class DGCPipelineStep(_Compression, PipelineStep):
+    """DGC on the pipeline runtime (pp > 1 or micro-batches): the schedule runs as in a
+    synchronous step; after the dense warm-up the gradients are not summed over dp but
+    exchanged as DGC's (each rank's gradients are already its share: the seed divided
+    them by dp). The loss is the global one, as the pipeline's."""
+
+    def __init__(self, program, model: torch.nn.Module, optimizer, *, objective=None,
+                 sparsity: float, warmup: int = 0, rampup: int = 0,
+                 clip: float | None = None, topk: str = "exact"):
+        super().__init__(program, model, optimizer, objective=objective)
+        self._init_compression(sparsity, warmup, rampup, clip, topk)
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp
+
+    def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        self._sparsity = self.sparsity()
+        self.sum_over_dp = self._sparsity is None
+        return super().__call__(*args, **kwargs)
+
+    def _apply(self, grads: list[torch.Tensor]) -> None:
+        if self._sparsity is None:
+            return super()._apply(grads)
+        self._exchange(grads, None, self._sparsity, shares=True)
+        self.optimizer.step()  # the dense tensors; the compressed ones have no .grad
+        for u in self.updated:
+            u.grad = None

@@ -129,7 +129,8 @@ class DistributedStep(TrainingState):
         """Bytes of this rank's slice of the global batch."""
         return sum(x.numel() * x.element_size() for x in self.local_batch(global_batch))
 
-    def local_batch(self, global_batch: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def local_batch(self, global_batch: Sequence[torch.Tensor],
+                    divisors: bool = True) -> list[torch.Tensor]:
         """This rank's slice of the global batch along each input's batch dimension, and
         after it the divisor of each batch-decided count the loss divides by
         (global_loss_mean.py)."""
@@ -152,6 +153,8 @@ class DistributedStep(TrainingState):
                 raise BatchError(f"{entry.name}: shape {tuple(x.shape)} per rank, the program was "
                                  f"compiled for {entry.shape}")
             out.append(x)
+        if not divisors:  # a program without the global loss mean (Local SGD's)
+            return out
         return out + normalizer_means(self.program.normalizers, global_batch,
                                       self.program.batch_dims, dp)
 

@@ -13,8 +13,9 @@ divided by dp and copied back in place into the tensors the optimizer updates (t
 averager rebinds `p.data`, which would leave an optimizer holding the old tensors).
 Optimizer state (momentum, Adam's moments) stays each rank's own, as in Lin et al.'s
 local SGD and torch's PostLocalSGDOptimizer. Buffers are not averaged. A checkpoint is
-taken where the ranks agree (`save` refuses otherwise); `load` puts the schedule where
-the step count says (an adaptive period starts again from Layout.local_sgd). The
+taken where the ranks agree (`save` refuses otherwise) and keeps the schedule's state
+(an adaptive period's too) in its extra JSON; `load` restores it, or for a checkpoint
+of another schedule puts it where the step count says. The
 optimizer state a checkpoint keeps is one rank's (in Local SGD each rank's momentum is
 its own); after a load every rank starts from it.
 
@@ -39,8 +40,10 @@ import torch.distributed as dist
 
 from autopar.compiler.ir.program import Program, bind_groups
 from autopar.runtime.executor import DistributedStep
+from autopar.runtime.pipeline import PipelineStep
 
 MAX_PERIOD = 16  # the adaptive period's upper clamp (a rank drifts at most this far)
+SCHEDULE_KEY = "autopar.local_sgd"  # the schedule's state in a checkpoint's extra JSON
 
 
 def adaptive_period(period0: int, lr0: float, lr: float, loss0: float, loss: float) -> int:
@@ -87,6 +90,23 @@ class AveragingSchedule:
         self.averagings += 1
         self.next_local += self.period
 
+    def state(self) -> dict:
+        """What a checkpoint keeps of the schedule (JSON)."""
+        return {"period": self.period, "period0": self.period0, "warmup": self.warmup,
+                "adaptive": self.adaptive, "next_local": self.next_local, "lr0": self.lr0,
+                "loss0": self.loss0, "averagings": self.averagings}
+
+    def restore(self, state: dict | None, steps: int) -> None:
+        """Back to a saved `state` where it is this schedule's (same period, warm-up and
+        adaptivity: an adaptive period goes on from where it was), else `resume`."""
+        if state and all(state.get(k) == getattr(self, k)
+                         for k in ("period0", "warmup", "adaptive")):
+            self.period, self.next_local = state["period"], state["next_local"]
+            self.lr0, self.loss0 = state["lr0"], state["loss0"]
+            self.averagings = state["averagings"]
+        else:
+            self.resume(steps)
+
     def resume(self, steps: int) -> None:
         """After `steps` steps restored from a checkpoint: the next averaging where a run
         without the restart would have it (a fixed period), or after the next local step
@@ -99,17 +119,16 @@ class AveragingSchedule:
         self.averagings = -(-local // self.period) if not self.adaptive else 0
 
 
-class LocalSGDStep(DistributedStep):
-    """A DistributedStep that runs `local_program` (this rank's gradients only) after the
-    warm-up and averages the parameters over dp on its schedule (module docstring).
-    The loss it returns in a local step is this rank's own."""
+class _Averaging:
+    """What Local SGD adds to a step (DistributedStep or PipelineStep): the schedule, the
+    in-place parameter average over dp, and checkpoints only where the ranks agree. The
+    step provides `mesh`, `updated`, `optimizer`, `steps`, `dp_size` and TrainingState's
+    save / load."""
 
-    def __init__(self, program: Program, local_program: Program, model: torch.nn.Module,
-                 optimizer, *, objective=None, period: int, warmup: int = 0,
-                 adaptive: bool = False):
-        super().__init__(program, model, optimizer, objective=objective)
-        self.local_gm = bind_groups(local_program.gm, self.mesh.group_names) \
-            if self.mesh.group_names else local_program.gm
+    schedule: AveragingSchedule
+    synchronized: bool
+
+    def _init_averaging(self, period: int, warmup: int, adaptive: bool) -> None:
         self.schedule = AveragingSchedule(period, warmup, adaptive)
         # every dp rank holds the same parameters: from the start (the weights are
         # broadcast), in the warm-up, after an averaging and after a load
@@ -124,32 +143,25 @@ class LocalSGDStep(DistributedStep):
                 f"Local SGD: after step {self.steps} the ranks' parameters differ (the next "
                 f"average follows step {self.schedule.warmup + self.schedule.next_local + 1}); "
                 f"save right after an averaging, when step.synchronized is True")
+        extra = {**(extra or {}), SCHEDULE_KEY: self.schedule.state()}
         return super().save(path, extra, background=background)
 
     def load(self, path) -> dict:
-        """TrainingState.load, then the averaging schedule where the step count says."""
+        """TrainingState.load, then the averaging schedule: as saved (an adaptive period
+        included), or where the step count says for a checkpoint of another schedule."""
         extra = super().load(path)
-        self.schedule.resume(self.steps)
+        self.schedule.restore(extra.pop(SCHEDULE_KEY, None), self.steps)
         self.synchronized = True
         return extra
 
-    def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
-        step = self.steps
-        if self.schedule.synchronous(step):
-            return super().__call__(*args, **kwargs)
-        inputs = self.graph_inputs(*args, **kwargs)
-        scale = inputs[-1:] if self.loss_scaler is not None else []
-        batch = len(self.graph_params) + len(self.buffers)
-        local = inputs[batch:batch + self._n_user_inputs]  # no global-loss divisors
-        loss = self._run(self.local_gm, [*inputs[:batch], *local, *scale])
+    def _after_local_step(self, step: int, loss: torch.Tensor) -> None:
         self.synchronized = self.schedule.due(step)
         if self.synchronized:
             self._average(loss)
-        return loss
 
     def _average(self, loss: torch.Tensor) -> None:
         """Every parameter (and, adaptive, the loss) averaged over dp, in place."""
-        group, dp = self.mesh.group("dp"), self.program.mesh_size("dp")
+        group, dp = self.mesh.group("dp"), self.dp_size
         params = list(self.updated)
         with torch.no_grad():
             for dtype in dict.fromkeys(p.dtype for p in params):
@@ -165,3 +177,72 @@ class LocalSGDStep(DistributedStep):
                 dist.all_reduce(total, group=group)
                 mean_loss = float(total) / dp
         self.schedule.averaged(float(self.optimizer.param_groups[0]["lr"]), mean_loss)
+
+
+class LocalSGDStep(_Averaging, DistributedStep):
+    """A DistributedStep that runs `local_program` (this rank's gradients only) after the
+    warm-up and averages the parameters over dp on its schedule (module docstring).
+    The loss it returns in a local step is this rank's own."""
+
+    def __init__(self, program: Program, local_program: Program, model: torch.nn.Module,
+                 optimizer, *, objective=None, period: int, warmup: int = 0,
+                 adaptive: bool = False):
+        super().__init__(program, model, optimizer, objective=objective)
+        self.local_gm = bind_groups(local_program.gm, self.mesh.group_names) \
+            if self.mesh.group_names else local_program.gm
+        self._init_averaging(period, warmup, adaptive)
+
+    @property
+    def dp_size(self) -> int:
+        return self.program.mesh_size("dp")
+
+    def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        step = self.steps
+        if self.schedule.synchronous(step):
+            return super().__call__(*args, **kwargs)
+        # the local program takes no global-loss divisors: the batch slice alone
+        local = self.local_batch(self.objective.flatten(args, kwargs), divisors=False)
+        scale = [self.loss_scaler.scale_input()] if self.loss_scaler else []
+        loss = self._run(self.local_gm, [*self.graph_params, *self.buffers, *local, *scale])
+        self._after_local_step(step, loss)
+        return loss
+
+
+class LocalSGDPipelineStep(_Averaging, PipelineStep):
+    """Local SGD on the pipeline runtime (pp > 1 or micro-batches): after the warm-up
+    the schedule runs as in a synchronous step, but the gradients are not summed over
+    dp. The seed divided each rank's gradient by dp (its share of the global one), so
+    they are multiplied back: each rank steps on its own share's gradient (with the
+    loss's counts taken over the global batch, as the warm-up's). The loss a local step
+    returns is its own pipeline's (summed over pp only)."""
+
+    def __init__(self, program, model: torch.nn.Module, optimizer, *, objective=None,
+                 period: int, warmup: int = 0, adaptive: bool = False):
+        super().__init__(program, model, optimizer, objective=objective)
+        self._init_averaging(period, warmup, adaptive)
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp
+
+    def __call__(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor:
+        step = self.steps
+        self.sum_over_dp = self.schedule.synchronous(step)
+        loss = super().__call__(*args, **kwargs)
+        if not self.sum_over_dp:
+            self._after_local_step(step, loss)
+        return loss
+
+    def _sync_grads(self, parts: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        grads = super()._sync_grads(parts)
+        if not self.sum_over_dp:
+            for g in grads:
+                g.mul_(self.dp)
+        return grads
+
+    def _finish_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        if self.sum_over_dp or self.mesh.device_mesh is None:
+            return super()._finish_loss(losses)
+        total = torch.stack(losses).mean() if losses else torch.zeros(())
+        dist.all_reduce(total, group=self.mesh.group("pp"))  # the last stage's, on every stage
+        return total

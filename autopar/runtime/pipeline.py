@@ -91,6 +91,9 @@ class PipelineStep(TrainingState):
         wire = program.layout.get("grad_comm_dtype")
         self._wire_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(wire)
         self._releases = program.send_releases(self.pp_rank)
+        # whether the gradients are summed over dp after the schedule: Local SGD's local
+        # steps and DGC's compressed ones turn it off (runtime/local_sgd.py, dgc.py)
+        self.sum_over_dp = True
         # runs each stage program instead of calling it: (gm, args, schedule action) ->
         # outputs; autopar.bisect records every value of every micro-batch through it
         self.run_graph: Callable | None = None
@@ -310,7 +313,7 @@ class PipelineStep(TrainingState):
             if entry.name in self._groups:
                 dist.all_reduce(grad, group=self._groups[entry.name])
             grads.append(grad)
-        if self.dp == 1 or not grads:
+        if self.dp == 1 or not grads or not self.sum_over_dp:
             return grads
         scattered = [self.zero >= 2 and u is not p for u, p in zip(self.updated, self.params)]
         whole = [g for g, s in zip(grads, scattered) if not s]

@@ -3,7 +3,7 @@ data parallelism bit for bit; the compressed steps match a single-process simula
 of DGC over the same two shards in plain PyTorch (eager autograd, torch.optim.SGD for
 the dense tensors), both top-k methods; the ranks stay identical; a checkpoint resumes
 bit for bit in the same layout and reshards the residuals' sum into another; a GPT-2
-learns with DGC."""
+ends near data parallelism's loss; DGC composes with accumulation, pipelines and tp."""
 
 from __future__ import annotations
 
@@ -17,15 +17,16 @@ import torch.nn.functional as F
 from torch import nn
 
 import autopar
+from autopar.compiler.ir.batch import Objective
 from autopar.costs import DGC_DENSE_BELOW, dgc_kept
 from autopar.examples import gpt2
 from autopar.runtime import dgc
-from autopar.testing import LOSS_RTOL
-from tests.dist.cases_local_sgd import _learnable
+from autopar.testing import LOSS_RTOL, make_batches
+from tests.dist.cases_local_sgd import _learnable, held_out_loss
 from tests.dist.registry import case
 
 LR, MOMENTUM, WD = 0.1, 0.9, 1e-3
-LOSS_DROP = 0.25  # GPT-2's loss, first four steps' mean to the last four's (measured 0.5)
+LOSS_GAP = 0.05  # GPT-2's held-out loss after 200 steps, DGC against dp (measured 1.7%)
 BATCH, FEATURES, CLASSES = 16, 32, 8
 
 
@@ -54,12 +55,17 @@ def _compile(model, layout, optimizer=_sgd):
                            example_targets=(y,))
 
 
-def _reference_dgc(model, batches, layout, ranks=2, clip=None):
+def _mlp_loss(model, x, y):
+    return F.cross_entropy(model(x), y)
+
+
+def _reference_dgc(model, batches, layout, ranks=2, clip=None, loss_of=_mlp_loss):
     """DGC simulated in one process: each of `ranks` workers' share of the global loss's
     gradient by eager autograd, the paper's momentum correction, masking and exact
     top-k per worker, the sum applied as w -= lr * G; small tensors summed dense and
     stepped by torch.optim.SGD with its momentum. Dense steps: plain SGD on the sum.
-    `clip`: each worker's gradient (ranks times its share) clipped to clip / sqrt(ranks)."""
+    `clip`: each worker's gradient (ranks times its share) clipped to clip / sqrt(ranks).
+    `loss_of(model, *shard)`: the mean loss of a shard of the batch."""
     model = copy.deepcopy(model)
     params = list(model.parameters())
     opt = _sgd(params)
@@ -67,12 +73,12 @@ def _reference_dgc(model, batches, layout, ranks=2, clip=None):
     u = [[None] * len(params) for _ in range(ranks)]
     v = [[None] * len(params) for _ in range(ranks)]
     losses = []
-    for t, (x, y) in enumerate(batches):
+    for t, batch in enumerate(batches):
         shares = []
         total = 0.0
         for r in range(ranks):
-            xs, ys = x.chunk(ranks)[r], y.chunk(ranks)[r]
-            loss = F.cross_entropy(model(xs), ys) / ranks  # this worker's share
+            shard = [x.chunk(ranks)[r] for x in batch]
+            loss = loss_of(model, *shard) / ranks  # this worker's share
             grads = torch.autograd.grad(loss, params)
             norm = ranks * torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))
             if clip is not None and t >= layout.dgc_warmup and norm > clip / math.sqrt(ranks):
@@ -97,7 +103,7 @@ def _reference_dgc(model, batches, layout, ranks=2, clip=None):
                         g = shares[r][i] + WD / ranks * p
                         u[r][i] = MOMENTUM * u[r][i] + g
                         v[r][i] = v[r][i] + u[r][i]
-                        k = max(1, math.ceil(p.numel() * (1 - sparsity) - 1e-9))
+                        k = dgc_kept(p.numel(), sparsity)
                         idx = v[r][i].abs().flatten().topk(k).indices
                         summed.view(-1)[idx] += v[r][i].view(-1)[idx]
                         u[r][i].view(-1)[idx] = 0
@@ -114,6 +120,8 @@ def _check_close(step, losses, ref_losses, ref_state, what):
     assert rel <= LOSS_RTOL, f"{what}: losses {losses} vs reference {ref_losses}"
     got = step.full_state_dict()
     for name, want in ref_state.items():
+        if not want.is_floating_point():
+            continue
         err = (got[name] - want).abs().max().item()
         assert err <= 1e-5 * max(1.0, want.abs().max().item()), f"{what}: {name} off by {err:.2e}"
 
@@ -155,6 +163,33 @@ def dgc_matches_a_single_process_simulation_with_sgd_momentum():
         want = sum(dgc_kept(n, dgc.sparsity_at(t, 0.99, 2, 3)) for t in range(2, 8) for n in sizes)
         assert step.stats["sent_values"] == want and step.stats["compressed_steps"] == 6
         assert step.stats["whole_values"] == 6 * sum(sizes)
+        assert step.stats["sent_bytes"] == 8 * want  # fp32 values and int32 indices
+
+
+@case(world=2)
+def dgc_sending_everything_without_masking_is_the_dense_exchange():
+    """k = numel (a sparsity under one element) and momentum masking off: DGC's update is
+    SGD with momentum and weight decay on the summed gradient, as the dense step's."""
+    model = _mlp()
+    dense = _compile(model, autopar.Layout(dp=2))
+    everything = _compile(model, autopar.Layout(dp=2, dgc=1e-9))
+    everything.momentum_masking = False
+    for x, y in _batches(5):
+        a, b = dense(x, y), everything(x, y)
+        assert abs(float(a) - float(b)) <= LOSS_RTOL * abs(float(a)), (a, b)
+    assert everything.stats["sent_values"] == everything.stats["whole_values"] > 0
+    mine, want = everything.full_state_dict(), dense.full_state_dict()
+    for name in want:
+        torch.testing.assert_close(mine[name], want[name], rtol=1e-5, atol=1e-6)
+
+
+@case(world=2)
+def dgc_sends_500_times_fewer_bytes_at_99_9_percent():
+    step = _compile(_mlp(), autopar.Layout(dp=2, dgc=0.999))
+    for x, y in _batches(3):
+        step(x, y)
+    assert step.stats["sent_bytes"] == 8 * step.stats["sent_values"]
+    assert 4 * step.stats["whole_values"] >= 500 * step.stats["sent_bytes"], step.stats
 
 
 @case(world=2)
@@ -194,19 +229,80 @@ def dgc_checkpoint_resumes_bit_for_bit_and_reshards_the_residual_sums():
 
 
 @case(world=2)
-def dgc_gpt2_learns_while_sending_a_few_percent():
-    """GPT-2 (transformers, a small config) at 99% sparsity after a short ramp-up: the
-    loss falls and each rank sent under 4% of the compressed gradients' values. (DGC
-    lags data parallelism over so few steps: 4.68 against 2.46 after 48 steps here,
-    docs/communication.md; the residuals need time to be sent.)"""
+def dgc_gpt2_ends_near_data_parallel_loss():
+    """GPT-2 (transformers, a small config), SGD with momentum, 200 steps of learnable
+    sequences: DGC at 99% (8 dense steps, a ramp-up of 32) against data parallelism, the
+    final models compared on the same held-out batch. Measured first (2026-11-26, this
+    configuration, deterministic on CPU): held-out loss 5.55 at the start, data
+    parallelism 1.201, DGC 1.221 (+1.7%; at 99.9% 1.759, +46%: docs/communication.md).
+    Early on DGC lags (its residuals need time to be sent: 4.72 against 2.93 at step
+    40); LOSS_GAP bounds where it ends, with room for rounding across torch builds."""
     example = gpt2()
-    batches = _learnable(example, 40)
-    step = autopar.compile(copy.deepcopy(example.model), autopar.ClusterSpec.local(2),
-                           example.batch, example.loss_fn,
-                           optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
-                           layout=autopar.Layout(dp=2, dgc=0.99, dgc_warmup=2, dgc_rampup=8))
+    batches = _learnable(example, 200)
+    held_out = _learnable(example, 1, seed=99)[0]
+    finals = {}
+    for name, layout in (("dp", autopar.Layout(dp=2)),
+                         ("dgc", autopar.Layout(dp=2, dgc=0.99, dgc_warmup=8, dgc_rampup=32))):
+        finals[name], step = held_out_loss(
+            example, layout, batches, held_out,
+            lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9))
+    assert finals["dp"] < 0.5 * 5.5, finals  # it learnt
+    assert abs(finals["dgc"] - finals["dp"]) <= LOSS_GAP * finals["dp"], finals
+    # 160 steps at 0.99 past the ramp-up (whose stages send more)
+    assert step.stats["sent_values"] < 0.05 * step.stats["whole_values"], step.stats
+
+
+def _pipeline_parity(layout, world):
+    """GPT-2 on the pipeline runtime with DGC: against the simulation over dp shards."""
+    example = gpt2()
+    objective, flat = Objective.from_example(example.batch, None, example.loss_fn)
+    batches = make_batches(flat, 7)
+    ref_losses, ref_state = _reference_dgc(example.model, batches, layout,
+                                           loss_of=lambda m, *b: objective.loss(m, list(b)))
+    step = autopar.compile(copy.deepcopy(example.model), autopar.ClusterSpec.local(world),
+                           example.batch, example.loss_fn, optimizer=_sgd, layout=layout)
     losses = [float(step(*b)) for b in batches]
-    first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
-    assert last < first - LOSS_DROP, f"DGC did not learn: {losses}"
-    # 3.3% over the 38 compressed steps, the ramp-up's 25% and 6.25% stages included
-    assert step.stats["sent_values"] < 0.04 * step.stats["whole_values"], step.stats
+    _check_close(step, losses, ref_losses, ref_state, str(layout))
+    assert step.stats["compressed_steps"] == 7 - layout.dgc_warmup
+
+
+@case(world=2)
+def dgc_composes_with_gradient_accumulation():
+    _pipeline_parity(autopar.Layout(dp=2, microbatches=2, dgc=0.99, dgc_warmup=2,
+                                    dgc_rampup=3), 2)
+
+
+@case(world=4)
+def dgc_composes_with_pipeline_stages():
+    _pipeline_parity(autopar.Layout(dp=2, pp=2, microbatches=2, dgc=0.99, dgc_warmup=2,
+                                    dgc_rampup=3), 4)
+
+
+@case(world=4)
+def dgc_composes_with_tensor_parallelism():
+    """Each tp rank compresses its own block of a split weight, so the selection is not
+    the whole tensor's: with every value sent and masking off it is the dense dp x tp
+    step; its warm-up is that step bit for bit."""
+    example = gpt2()
+    _, flat = Objective.from_example(example.batch, None, example.loss_fn)
+    batches = make_batches(flat, 4)
+
+    def run(layout, masking=True):
+        step = autopar.compile(copy.deepcopy(example.model), autopar.ClusterSpec.local(4),
+                               example.batch, example.loss_fn, optimizer=_sgd, layout=layout)
+        if hasattr(step, "momentum_masking"):  # a DGC step
+            step.momentum_masking = masking
+        return [step(*b) for b in batches], step
+
+    dense_losses, dense = run(autopar.Layout(dp=2, tp=2))
+    warm_losses, warm = run(autopar.Layout(dp=2, tp=2, dgc=0.999, dgc_warmup=4))
+    assert all(torch.equal(a, b) for a, b in zip(dense_losses, warm_losses))
+    mine, want = warm.full_state_dict(), dense.full_state_dict()
+    assert all(torch.equal(mine[k], want[k]) for k in want)
+    all_losses, everything = run(autopar.Layout(dp=2, tp=2, dgc=1e-9), masking=False)
+    assert everything.stats["sent_values"] == everything.stats["whole_values"] > 0
+    for a, b in zip(dense_losses, all_losses):
+        assert abs(float(a) - float(b)) <= LOSS_RTOL * abs(float(a)), (a, b)
+    mine, want = everything.full_state_dict(), dense.full_state_dict()
+    for name in want:
+        torch.testing.assert_close(mine[name], want[name], rtol=1e-5, atol=1e-6)

@@ -63,7 +63,6 @@ def test_an_adaptive_period_on_a_scripted_trace():
     ({"dp": 2, "local_sgd": 2.5}, "must be an integer >= 1"),
     ({"local_sgd": 2}, "needs dp > 1"),
     ({"dp": 2, "local_sgd": 2, "zero": 1}, "use zero=0"),
-    ({"dp": 2, "local_sgd": 2, "pp": 2}, "without a pipeline"),
     ({"dp": 2, "local_sgd_warmup": 3}, "need Layout.local_sgd"),
     ({"dp": 2, "local_sgd": 2, "local_sgd_warmup": -1}, "local_sgd_warmup .* must be an integer >= 0"),
 ])
@@ -133,3 +132,22 @@ def test_local_sgd_carries_a_parameter_average_every_period():
                              ex.batch, ex.loss_fn, optimizer="sgd-momentum")
     params = sum(p.numel() * 4 for p in ex.model.parameters())
     assert local.comm_bytes == {AVERAGE_KEY: params // 4}
+
+
+def test_an_adaptive_schedule_goes_on_from_its_saved_state():
+    import json
+    loss = {2: 4.0, 6: 1.0, 8: 0.25}
+    lr = lambda s: 0.1
+    straight = AveragingSchedule(4, 2, adaptive=True)
+    first = _run(straight, 30, lambda s: loss.get(s, 0.25), lr)
+    saved = AveragingSchedule(4, 2, adaptive=True)
+    _run(saved, 9, lambda s: loss.get(s, 0.25), lr)  # stopped after step 8's average
+    resumed = AveragingSchedule(4, 2, adaptive=True)
+    resumed.restore(json.loads(json.dumps(saved.state())), 9)
+    later = [s for s in range(9, 30) if resumed.due(s)
+             and (resumed.averaged(lr(s), loss.get(s, 0.25)) or True)]
+    assert later == [s for s in first if s >= 9]
+    assert resumed.period == straight.period and resumed.averagings == straight.averagings
+    other = AveragingSchedule(3, 2)  # another schedule's state: placed by the step count
+    other.restore(saved.state(), 9)
+    assert other.next_local == 9 and other.period == 3

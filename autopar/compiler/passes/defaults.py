@@ -46,7 +46,8 @@ def default_passes(layout: Layout) -> list[GraphPass]:
     # decides must divide by the whole batch's count
     # Local SGD's steady state: each rank's own mean loss and gradients, nothing summed
     # over dp (its warm-up is the layout without local_sgd: runtime/local_sgd.py)
-    local = layout.local_sgd is not None
+    # (a pipeline's Local SGD runs the synchronous program: its runtime skips the dp sum)
+    local = layout.local_sgd is not None and not is_pipelined(layout)
     first += [GlobalLossMean()] if layout.dp * layout.microbatches > 1 and not local else []
     last = [FuseRegions()] if layout.fusion else []
     if is_pipelined(layout):

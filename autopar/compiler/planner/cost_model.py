@@ -174,6 +174,15 @@ def comm_bytes(summary: GraphSummary, layout: Layout) -> dict[str, int]:
     return out
 
 
+def uncompressed_bytes(summary: GraphSummary, layout: Layout) -> int:
+    """What a DGC or Local SGD step's gradient exchange would carry summed whole every
+    step (an all-reduce of every gradient over dp, as comm_bytes counts one); 0 for
+    other layouts."""
+    if layout.dgc is None and layout.local_sgd is None:
+        return 0
+    return summary.param_bytes
+
+
 # Prediction.comm_bytes' key for DGC's all-gather of values and indices (its dense sum of
 # the small gradients is under "dp")
 DGC_KEY = "dp sparse gradients (DGC)"

@@ -50,6 +50,9 @@ from autopar.costs import (
     DEFAULT_EFFICIENCY,
     Efficiency,
     collective_time,
+    dgc_compressed,
+    dgc_kept,
+    dgc_select_time,
     group_spans_nodes,
     optimizer_time,
 )
@@ -160,8 +163,9 @@ def grad_sync_time(summary: GraphSummary, stages: StageSummary, cluster: Cluster
                    by_rank: list[list[tuple[int, int]]] | None = None) -> list[float]:
     """Per pipeline rank, as runtime/pipeline.py sums gradients: tied-weight all-reduces
     over the ranks sharing them, then over dp (in Layout.grad_comm_dtype when set) one
-    flat all-reduce of the gradients it updates whole, and under ZeRO-2/3 a
-    reduce-scatter of each one it updates a block of. `by_rank`: rank_params, if known."""
+    flat all-reduce of the gradients it updates whole (Local SGD: the same bytes of
+    parameters averaged every H steps, amortised; DGC: dgc_rank_time), and under ZeRO-2/3 a reduce-scatter
+    of each one it updates a block of. `by_rank`: rank_params, if known."""
     out = [0.0] * layout.pp
     for i, readers in enumerate(stages.param_stages):
         ranks = {s % layout.pp for s in readers}
@@ -187,9 +191,34 @@ def grad_sync_time(summary: GraphSummary, stages: StageSummary, cluster: Cluster
                 out[rank] += count * scatter(block)
             else:
                 whole += count * summary.param_numel[i] * summary.param_itemsize[i]
-        out[rank] += collective_time("all_reduce", _wire(whole, summary, layout), layout.dp,
-                                     cluster, layout.tp, eff)
+        if layout.dgc is not None:
+            out[rank] += dgc_rank_time(summary, params, cluster, layout, eff)
+        elif layout.local_sgd is not None:  # the parameter average every H steps instead
+            out[rank] += collective_time("all_reduce", whole, layout.dp, cluster, layout.tp,
+                                         eff) / layout.local_sgd
+        else:
+            out[rank] += collective_time("all_reduce", _wire(whole, summary, layout),
+                                         layout.dp, cluster, layout.tp, eff)
     return out
+
+
+def dgc_rank_time(summary: GraphSummary, params: list[tuple[int, int]],
+                  cluster: ClusterSpec, layout: Layout,
+                  eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    """DGC on one pipeline rank (runtime/dgc.py, as cost_model prices a whole-graph
+    step): the dense all-reduce of its small gradients, the all-gather of k values and
+    k indices per compressed one, and the selection."""
+    dense = sparse = 0
+    select = 0.0
+    for i, count in params:
+        numel, size = summary.param_numel[i], summary.param_itemsize[i]
+        if dgc_compressed(numel, size):
+            sparse += count * 8 * dgc_kept(numel, layout.dgc) * layout.dp
+            select += count * dgc_select_time(numel, layout.dgc_topk, cluster, eff)
+        else:
+            dense += count * numel * size
+    return (collective_time("all_reduce", dense, layout.dp, cluster, layout.tp, eff)
+            + collective_time("all_gather", sparse, layout.dp, cluster, layout.tp, eff) + select)
 
 
 def param_gather_time(summary: GraphSummary, stages: StageSummary, cluster: ClusterSpec,
@@ -256,6 +285,11 @@ def after_schedule_floor(params: Sequence[tuple[tuple[int, ...], int]], cluster:
             gathered += piece
     wire = _wired(held, [size for _, size in params], layout)
     sync = collective_time("all_reduce", wire, layout.dp, cluster, layout.tp, eff)
+    if layout.dgc is not None:  # its exchange can be far below the all-reduce: nothing
+        sync = 0.0
+    elif layout.local_sgd is not None:  # as grad_sync_time: an average every H steps
+        sync = collective_time("all_reduce", held, layout.dp, cluster, layout.tp,
+                               eff) / layout.local_sgd
     if layout.zero >= 2:
         sync = min(sync, collective_time("reduce_scatter", wire, layout.dp, cluster, layout.tp, eff))
     gather = collective_time("all_gather", gathered, layout.dp, cluster, layout.tp, eff) \

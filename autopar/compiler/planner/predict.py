@@ -7,7 +7,7 @@ from __future__ import annotations
 from autopar.cluster import ClusterSpec
 from autopar.compiler.analysis.memory import MemoryPrediction, step_memory
 from autopar.compiler.analysis.summary import GraphSummary
-from autopar.compiler.planner.cost_model import comm_bytes, step_time
+from autopar.compiler.planner.cost_model import comm_bytes, step_time, uncompressed_bytes
 from autopar.compiler.planner.pipeline_cost import pipeline_time
 from autopar.compiler.planner.result import Prediction
 from autopar.costs import DEFAULT_EFFICIENCY, Efficiency
@@ -48,7 +48,8 @@ def predict(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
                    "exposed_comm": times.exposed_comm_s, "bubble": times.bubble_s,
                    "optimizer": times.optimizer_s},
         memory=memory.by_category,
-        comm_bytes=comm_bytes(summary, layout) if stages is None else {})
+        comm_bytes=comm_bytes(summary, layout) if stages is None else {},
+        uncompressed_bytes=uncompressed_bytes(summary, layout) if stages is None else 0)
 
 
 def step_times(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,

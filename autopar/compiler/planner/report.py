@@ -90,18 +90,17 @@ def headline(plan: Plan) -> list[str]:
 
 
 def _dgc_line(plan: Plan) -> str:
-    """What DGC saves against the layout it was derived from, summing whole gradients,
-    where that was costed."""
+    """What DGC saves: its bytes against summing every gradient whole, and the step of
+    the layout it was derived from, where that was costed."""
     layout, p = plan.layout, plan.predicted
     sent = sum(p.comm_bytes.values())
     line = (f"DGC: each rank sends {1 - layout.dgc:.2%} of each large gradient as values and "
-            f"indices, {sent / 1e6:.4g} MB per step")
-    dense = layout.replace(dgc=None, dgc_warmup=0, dgc_rampup=0, dgc_clip=None,
-                           dgc_topk="exact")
+            f"indices, {sent / 1e6:.4g} MB per step against {p.uncompressed_bytes / 1e6:.4g} "
+            f"MB summing every gradient whole")
+    dense = layout.synchronous()
     for lay, q, _ in plan.alternatives:  # the layout it was derived from (search.py)
         if lay.dgc is None and lay.replace(zero=0, allreduce="flat") == dense:
-            line += (f" against {sum(q.comm_bytes.values()) / 1e6:.4g} MB and "
-                     f"{_ms(q.step_time_s)} ms per step summing them whole")
+            line += f" ({lay}: {_ms(q.step_time_s)} ms per step)"
             break
     return (line + ". The prediction is the steady state's (final sparsity, after the dense "
             "warm-up and the ramp-up). What it does to the loss curve is not modelled: "
@@ -111,7 +110,11 @@ def _dgc_line(plan: Plan) -> str:
 def comm_rows(plan: Plan) -> list[list[str]]:
     """The Communication table's rows: Prediction.comm_bytes, or why there are none."""
     if plan.predicted.comm_bytes:
-        return [[group, f"{nbytes / 1e6:.4g}"] for group, nbytes in plan.predicted.comm_bytes.items()]
+        rows = [[group, f"{nbytes / 1e6:.4g}"] for group, nbytes in plan.predicted.comm_bytes.items()]
+        if plan.predicted.uncompressed_bytes:
+            rows.append(["dp, summed whole every step (without DGC or Local SGD)",
+                         f"{plan.predicted.uncompressed_bytes / 1e6:.4g}"])
+        return rows
     if plan.layout.pp > 1 or plan.layout.microbatches > 1:
         why = ("not computed for a pipelined step (its gradient sums run after the schedule, "
                "outside the stage programs)")

@@ -32,6 +32,9 @@ class Prediction:
     # bytes one rank's collectives carry per step, by group (cost_model.comm_bytes); empty
     # for a pipelined step, whose gradient sums run outside its stage programs
     comm_bytes: dict[str, int] = field(default_factory=dict)
+    # DGC and Local SGD: the bytes the same step would carry summing every gradient whole
+    # each step (cost_model.uncompressed_bytes), to set against comm_bytes; else 0
+    uncompressed_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

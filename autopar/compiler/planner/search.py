@@ -319,15 +319,14 @@ def refinements(fixed: dict[str, Any], recompute: bool = True,
     if "local_sgd" in allow and "local_sgd" not in fixed:
         def local(costed, capacity):
             fits = [lay for lay, _ in rank(costed, capacity)[0] if lay.local_sgd is None
-                    and lay.dp > 1 and lay.pp == 1 and lay.microbatches == 1]
-            return [lay.replace(local_sgd=LOCAL_SGD_PERIOD, zero=0)
+                    and lay.dgc is None and lay.dp > 1]
+            return [lay.replace(local_sgd=LOCAL_SGD_PERIOD, zero=0, allreduce="flat")
                     for lay in fits[:HIERARCHICAL_TRIED]]
         rounds.append(local)
     if "dgc" in allow and "dgc" not in fixed:
         def compressed(costed, capacity):
             fits = [lay for lay, _ in rank(costed, capacity)[0] if lay.dgc is None
-                    and lay.local_sgd is None and lay.dp > 1 and lay.pp == 1
-                    and lay.microbatches == 1 and lay.amp != "fp16"]
+                    and lay.local_sgd is None and lay.dp > 1 and lay.amp != "fp16"]
             return [lay.replace(dgc=DGC_SPARSITY, zero=0, allreduce="flat")
                     for lay in fits[:HIERARCHICAL_TRIED]]
         rounds.append(compressed)
