@@ -26,6 +26,7 @@ from autopar.compiler.passes.amp_policy import parse_amp_lists
 from autopar.compiler.passes.base import GraphPass, PassOptions
 from autopar.compiler.passes.defaults import is_pipelined, run_passes
 from autopar.compiler.planner.result import Plan
+from autopar.costs import dp_node_split
 from autopar.layout import Layout, LayoutError
 from autopar.logs import configure_from_env
 from autopar.runtime.dgc import DGCPipelineStep, DGCStep
@@ -137,7 +138,8 @@ def build_step(model: torch.nn.Module, cluster: ClusterSpec | None, example_inpu
                                     warmup=layout.local_sgd_warmup,
                                     adaptive=layout.local_sgd_adaptive)
     elif is_pipelined(layout):
-        step = PipelineStep(lower_pipeline(tg, layout), model, optimizer, objective=objective)
+        step = PipelineStep(lower_pipeline(tg, layout), model, optimizer, objective=objective,
+                            **_pipeline_levels(layout, cluster, options))
     elif layout.dgc is not None:
         own = _local_program(traced, layout, cluster, passes, options)
         _check_collectives_across_ranks(own)
@@ -156,6 +158,22 @@ def build_step(model: torch.nn.Module, cluster: ClusterSpec | None, example_inpu
     step.pass_results = results
     step.train_graph = tg  # the rewritten graph the step runs (to inspect, or cost)
     return step
+
+
+def _pipeline_levels(layout: Layout, cluster: ClusterSpec | None,
+                     options: PassOptions) -> dict[str, Any]:
+    """PipelineStep's node split and form for Layout.allreduce="hierarchical" (the
+    pipeline runtime sums the gradients after the schedule, outside the graph)."""
+    if layout.allreduce != "hierarchical":
+        return {}
+    if cluster is None:
+        raise LayoutError("Layout.allreduce='hierarchical' sums inside each node first and "
+                          "needs the cluster's devices per node: pass "
+                          "cluster=ClusterSpec(...) to compile")
+    form = options.hierarchy_form
+    if form == "auto":
+        form = "shards" if cluster.backend == "nccl" else "leaders"
+    return {"node_split": dp_node_split(layout, cluster)[0], "hierarchy_form": form}
 
 
 def _local_program(traced: TrainGraph, layout: Layout, cluster: ClusterSpec | None,
@@ -206,7 +224,7 @@ def _rank_options(rank: int, layout: Layout) -> tuple[int, int]:
     only where programs differ by it (ZeRO-2/3's blocks, a hierarchical all-reduce's
     node leaders)."""
     reads_dp = layout.zero >= 2 or layout.allreduce == "hierarchical"
-    dp_rank = rank // (layout.tp * layout.pp) % layout.dp if reads_dp else 0
+    dp_rank = rank // layout.tp % layout.dp if reads_dp else 0  # mesh (pp, dp, tp)
     return rank % layout.tp, dp_rank
 
 

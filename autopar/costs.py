@@ -196,9 +196,10 @@ def mesh_dim_sizes(layout: Layout, cluster: ClusterSpec | None = None
 
 def dp_node_split(layout: Layout, cluster: ClusterSpec) -> tuple[int, int]:
     """(ranks of each data-parallel group on one node, nodes it spans): the two levels of
-    `Layout.allreduce="hierarchical"`. Ranks are numbered node-major with tp innermost,
-    so a node holds devices_per_node / tp consecutive ranks of a dp group. LayoutError
-    when that does not cut the group into whole nodes, or leaves one level empty."""
+    `Layout.allreduce="hierarchical"`. Ranks are numbered node-major over the mesh (pp,
+    dp, tp), tp innermost, so a node holds devices_per_node / tp consecutive ranks of a
+    dp group. LayoutError when that does not cut the group into whole nodes, or leaves
+    one level empty."""
     per_node, where = cluster.devices_per_node, (
         f"Layout.allreduce='hierarchical' on cluster {cluster.name!r} ({cluster.nodes} "
         f"node(s) x {cluster.devices_per_node} devices)")
@@ -211,11 +212,15 @@ def dp_node_split(layout: Layout, cluster: ClusterSpec) -> tuple[int, int]:
         raise LayoutError(f"{where}: tp={layout.tp} does not divide the {per_node} devices "
                           f"per node, so a node's ranks are not whole tensor-parallel groups; "
                           f"use allreduce='flat' or a tp dividing {per_node}")
-    # world = dp * tp (no pipeline: Layout) and per_node divides it, so local divides dp
+    span = layout.dp * layout.tp  # the consecutive ranks of one pipeline stage's dp groups
+    if span > per_node and span % per_node:
+        raise LayoutError(f"{where}: a pipeline stage's dp x tp = {span} ranks do not fill "
+                          f"whole nodes of {per_node}; use allreduce='flat' or a dp*tp that "
+                          f"is a multiple of {per_node}")
     local = per_node // layout.tp
     nodes = layout.dp // local
-    if nodes == 1 or local == 1:
-        where_not = "within one node" if nodes == 1 else "at one rank per node"
+    if nodes <= 1 or local == 1:
+        where_not = "within one node" if nodes <= 1 else "at one rank per node"
         raise LayoutError(f"{where}: each data-parallel group of dp={layout.dp} lies "
                           f"{where_not}, so there is no second level to sum over; use "
                           f"allreduce='flat'")

@@ -98,11 +98,6 @@ class Layout:
                               "ranks and needs dp > 1")
         self._validate_local_sgd()
         self._validate_dgc()
-        if self.allreduce == "hierarchical" and (self.pp > 1 or self.microbatches > 1):
-            raise LayoutError(
-                f"Layout.allreduce='hierarchical' is built for steps without a pipeline or "
-                f"accumulation (pp={self.pp}, microbatches={self.microbatches}): the pipeline "
-                f"runtime sums gradients flat over dp; use allreduce='flat'")
 
     def _validate_local_sgd(self) -> None:
         period, warmup = self.local_sgd, self.local_sgd_warmup

@@ -47,12 +47,19 @@ class PipelineStep(TrainingState):
 
     def __init__(self, program: PipelineProgram, model: torch.nn.Module,
                  optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
-                 *, mesh: Mesh | None = None, objective: Objective | None = None):
+                 *, mesh: Mesh | None = None, objective: Objective | None = None,
+                 node_split: int = 1, hierarchy_form: str = "leaders"):
+        """`node_split` > 1: Layout.allreduce="hierarchical", that many ranks of a dp
+        group on each node (costs.dp_node_split); `hierarchy_form`: "leaders" (reduce to
+        the node's first rank, all-reduce among those, broadcast: gloo) or "shards"
+        (reduce-scatter, all-reduce of each shard, all-gather: NCCL)."""
         self.program = program
+        self.node_split, self.hierarchy_form = node_split, hierarchy_form
         # how a call's arguments make the flat batch (default: the tensors positionally)
         self.objective = objective or Objective(
             None, len(program.inputs) - program.loss_scaled - len(program.normalizers))
-        self.mesh = mesh or build_mesh(program.mesh)
+        self.mesh = mesh or build_mesh(program.mesh, node_split)
+        self.mesh.split_dp(node_split)  # a mesh passed in: its two levels, if needed
         self.pp, self.dp = dict(program.mesh)["pp"], dict(program.mesh)["dp"]
         self.tp = dict(program.mesh).get("tp", 1)
         self.pp_rank, self.dp_rank = self.mesh.rank_in("pp"), self.mesh.rank_in("dp")
@@ -319,13 +326,36 @@ class PipelineStep(TrainingState):
         whole = [g for g, s in zip(grads, scattered) if not s]
         if whole:
             flat = self._on_wire(torch.cat([g.reshape(-1) for g in whole]))
-            dist.all_reduce(flat, group=self.mesh.group("dp"))
+            self._sum_over_dp(flat)
             flat = flat.to(whole[0].dtype)
             reduced = iter(chunk.view_as(g) for chunk, g in
                            zip(flat.split([g.numel() for g in whole]), whole))
         # ZeRO-2: each rank receives only the sum of its own block
         return [self._reduce_scatter(g, u) if s else next(reduced)
                 for g, u, s in zip(grads, self.updated, scattered)]
+
+    def _sum_over_dp(self, flat: torch.Tensor) -> None:
+        """`flat` summed over the dp group in place: one all-reduce, or with a node split
+        in three levels (inside the node, among the nodes, back; docs/communication.md)."""
+        if self.node_split <= 1:
+            dist.all_reduce(flat, group=self.mesh.group("dp"))
+            return
+        local, inner, outer = self.node_split, self.mesh.group("dp.local"), \
+            self.mesh.group("dp.node")
+        if self.hierarchy_form == "leaders":
+            leader = self.mesh.global_rank(dp=self.dp_rank - self.dp_rank % local)
+            dist.reduce(flat, dst=leader, group=inner)
+            if self.dp_rank % local == 0:
+                dist.all_reduce(flat, group=outer)
+            dist.broadcast(flat, src=leader, group=inner)
+            return
+        padded = flat.new_zeros(-(-flat.numel() // local) * local)
+        padded[:flat.numel()] = flat
+        shard = padded.new_empty(padded.numel() // local)
+        dist.reduce_scatter_tensor(shard, padded, group=inner)
+        dist.all_reduce(shard, group=outer)
+        dist.all_gather_into_tensor(padded, shard, group=inner)
+        flat.copy_(padded[:flat.numel()])
 
     def _on_wire(self, t: torch.Tensor) -> torch.Tensor:
         """Layout.grad_comm_dtype: gradients cross the network in half precision."""

@@ -64,11 +64,13 @@ def _integer_grads(layout, form):
 def hierarchical_integer_gradients_equal_flat_both_forms():
     flat = _integer_grads(autopar.Layout(dp=4, bucket_mb=0.0), "auto")
     for form in ("leaders", "shards"):
-        for bucket_mb in (0.0, 25.0):  # a bucket per gradient (3 elements: padded), one bucket
-            layout = autopar.Layout(dp=4, bucket_mb=bucket_mb, allreduce="hierarchical")
+        # a bucket per gradient (3 elements: padded), one bucket; and without overlap
+        for bucket_mb, overlap in ((0.0, True), (25.0, True), (25.0, False)):
+            layout = autopar.Layout(dp=4, bucket_mb=bucket_mb, allreduce="hierarchical",
+                                    overlap_comm=overlap)
             got = _integer_grads(layout, form)
             for name, value in flat.items():
-                assert torch.equal(got[name], value), (form, bucket_mb, name, got[name], value)
+                assert torch.equal(got[name], value), (form, bucket_mb, overlap, name)
             assert not torch.equal(flat["fc.weight"], _IntegerLinear().fc.weight.detach())
 
 
@@ -135,3 +137,28 @@ def hierarchical_only_node_leaders_use_the_inter_node_group():
     assert members == ([0, 2] if leader else [1, 3]), members
     assert dist.get_process_group_ranks(step.mesh.group("dp.local")) == \
         ([0, 1] if dist.get_rank() < 2 else [2, 3])
+
+
+@case(world=4)
+def hierarchical_on_the_pipeline_runtime_both_forms():
+    """Gradient accumulation (the pipeline runtime, which sums over dp after the
+    schedule): integer gradients equal the flat sum bitwise in both forms, and GPT-2
+    keeps parity with one process."""
+    flat = _integer_grads(autopar.Layout(dp=4, microbatches=2), "auto")
+    for form in ("leaders", "shards"):
+        got = _integer_grads(autopar.Layout(dp=4, microbatches=2, allreduce="hierarchical"),
+                             form)
+        for name, value in flat.items():
+            assert torch.equal(got[name], value), (form, name, got[name], value)
+    example = gpt2()
+    objective, flat_batch = Objective.from_example(example.batch, None, example.loss_fn)
+    init = {k: v.clone() for k, v in example.model.state_dict().items()}
+    batches = make_batches(flat_batch, 6)
+    ref_losses, ref_state = reference_train(example.model, batches, objective, sgd)
+    step, objective = step_of(copy.deepcopy(example.model), example.batch, example.loss_fn,
+                              sgd, autopar.Layout(dp=4, microbatches=2,
+                                                  allreduce="hierarchical"), "leaders")
+    assert step.node_split == 2 and step.mesh.group("dp.node") is not None
+    losses = [step(*objective.unflatten(b)[0]).item() for b in batches]
+    report = compare(losses, ref_losses, step.full_state_dict(), ref_state, init, adam=False)
+    assert report.ok, str(report)

@@ -13,6 +13,7 @@ import argparse
 import datetime
 import json
 import os
+import sys
 import traceback
 
 import torch
@@ -32,7 +33,10 @@ def main() -> None:
     cases = load_cases()
     names = args.cases or [n for n, (w, _) in cases.items() if w == world]
     results = {}
+    verbose = os.environ.get("AUTOPAR_DIST_VERBOSE") == "1"  # which case a crash was in
     for name in names:
+        if verbose and rank == 0:
+            print(f"[case] {name}", file=sys.stderr, flush=True)
         error = ""
         try:
             cases[name][1]()

@@ -179,9 +179,7 @@ def test_the_plan_uses_dgc_only_when_allowed_and_with_sgd_momentum():
 @pytest.mark.parametrize("fields", [{"dgc": 0.999}, {"local_sgd": 4}])
 def test_a_pipeline_prices_dgc_and_local_sgd_in_place_of_its_dp_all_reduce(fields):
     ex = gpt2(layers=2, hidden=128, vocab=1024, batch=8, seq=64)
-    spec = _slow_cluster().to_dict()  # 100 Mbit/s between the nodes: dp crosses it
-    spec["inter_node"] = {"bandwidth": 12.5e6, "latency_s": 1e-4}
-    cluster = autopar.ClusterSpec.from_dict(spec)
+    cluster = _slow_cluster(12.5e6)  # 100 Mbit/s between the nodes: dp crosses it
     kw = {"optimizer": "sgd-momentum"}
     layout = autopar.Layout(dp=4, microbatches=2)  # the pipeline runtime: accumulation
     sync = autopar.estimate(ex.model, cluster, layout, ex.batch, ex.loss_fn, **kw)

@@ -12,6 +12,7 @@ from autopar.compiler.planner.plan import PlanArgumentError
 from autopar.examples import gpt2
 from autopar.layout import LayoutError
 from autopar.runtime.local_sgd import MAX_PERIOD, AveragingSchedule, adaptive_period
+from tests.unit.test_hierarchical import cluster
 
 
 def test_adaptive_period_follows_the_loss_and_the_learning_rate_with_its_clamp():
@@ -78,11 +79,9 @@ def test_the_steady_state_program_sums_nothing_over_dp():
     assert "insert_allreduce" in sync and "global_loss_mean" in sync
 
 
-def _slow_cluster():
-    spec = autopar.ClusterSpec.local(4).to_dict()
-    spec.update(name="slow", nodes=2, devices_per_node=2,
-                inter_node={"bandwidth": 125e6, "latency_s": 1e-4})
-    return autopar.ClusterSpec.from_dict(spec)
+def _slow_cluster(bandwidth=125e6):
+    """2 nodes x 2 joined by a 1 Gbit/s link (test_hierarchical.cluster)."""
+    return cluster(inter_bw=bandwidth, name="slow")
 
 
 def test_the_cost_amortises_the_average_and_the_plan_uses_local_sgd_only_when_allowed():

@@ -81,7 +81,9 @@ def lower_pipeline(tg: TrainGraph, layout: Layout) -> PipelineProgram:
         grad_parts=grad_parts,
         loss_key=tg.loss_node().name,
         values=specs,
-        mesh=(("dp", layout.dp), ("pp", layout.pp)) + ((("tp", layout.tp),) if layout.tp > 1 else ()),
+        # pp outermost, tp innermost (as Megatron-LM and the cost model order them): a
+        # node's consecutive ranks hold whole tp groups, then dp neighbours
+        mesh=(("pp", layout.pp), ("dp", layout.dp)) + ((("tp", layout.tp),) if layout.tp > 1 else ()),
         grad_divisor=grad_divisor,
         normalizers=tg.loss_normalizers,
         layout=layout.to_dict(),

@@ -51,6 +51,7 @@ from autopar.costs import (
     Efficiency,
     collective_time,
     dgc_compressed,
+    dp_node_split,
     dgc_kept,
     dgc_select_time,
     group_spans_nodes,
@@ -197,9 +198,27 @@ def grad_sync_time(summary: GraphSummary, stages: StageSummary, cluster: Cluster
             out[rank] += collective_time("all_reduce", whole, layout.dp, cluster, layout.tp,
                                          eff) / layout.local_sgd
         else:
-            out[rank] += collective_time("all_reduce", _wire(whole, summary, layout),
-                                         layout.dp, cluster, layout.tp, eff)
+            out[rank] += dp_sum_time(_wire(whole, summary, layout), cluster, layout, eff)
     return out
+
+
+def dp_sum_time(nbytes: float, cluster: ClusterSpec, layout: Layout,
+                eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    """The pipeline runtime's sum of `nbytes` over dp (runtime/pipeline.py
+    `_sum_over_dp`): one all-reduce, or Layout.allreduce="hierarchical"'s three levels
+    in the cluster's form (reduce, all-reduce among the node leaders, broadcast on gloo;
+    reduce-scatter, all-reduce of the shards, all-gather on NCCL)."""
+    if layout.allreduce != "hierarchical":
+        return collective_time("all_reduce", nbytes, layout.dp, cluster, layout.tp, eff)
+    local, nodes = dp_node_split(layout, cluster)
+    among = layout.tp * local  # one rank of each node's run
+    if cluster.backend == "nccl":
+        return (collective_time("reduce_scatter", nbytes, local, cluster, layout.tp, eff)
+                + collective_time("all_reduce", nbytes / local, nodes, cluster, among, eff)
+                + collective_time("all_gather", nbytes, local, cluster, layout.tp, eff))
+    return (collective_time("reduce", nbytes, local, cluster, layout.tp, eff)
+            + collective_time("all_reduce", nbytes, nodes, cluster, among, eff)
+            + collective_time("broadcast", nbytes, local, cluster, layout.tp, eff))
 
 
 def dgc_rank_time(summary: GraphSummary, params: list[tuple[int, int]],
@@ -285,6 +304,8 @@ def after_schedule_floor(params: Sequence[tuple[tuple[int, ...], int]], cluster:
             gathered += piece
     wire = _wired(held, [size for _, size in params], layout)
     sync = collective_time("all_reduce", wire, layout.dp, cluster, layout.tp, eff)
+    if layout.allreduce == "hierarchical":  # its levels over the summed bytes, if less
+        sync = min(sync, dp_sum_time(wire, cluster, layout, eff))
     if layout.dgc is not None:  # its exchange can be far below the all-reduce: nothing
         sync = 0.0
     elif layout.local_sgd is not None:  # as grad_sync_time: an average every H steps

@@ -217,8 +217,8 @@ HIERARCHICAL_TRIED = 3
 
 def _two_levels(layout: Layout, cluster: ClusterSpec) -> bool:
     """Whether `layout` could sum its gradients in two levels on `cluster` (a flat
-    unpipelined data-parallel layout whose dp groups span whole nodes, several ranks each)."""
-    if layout.allreduce != "flat" or layout.dp == 1 or layout.pp > 1 or layout.microbatches > 1:
+    data-parallel layout whose dp groups span whole nodes, several ranks each)."""
+    if layout.allreduce != "flat" or layout.dp == 1 or layout.dgc is not None:
         return False
     try:
         dp_node_split(layout, cluster)
