@@ -256,9 +256,11 @@ def calibrate_gpu(nprocs: int = 2) -> Measurements:
     all-reduces over GPUs 0 .. nprocs-1."""
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count < max(nprocs, 2):
+        instead = (f"use --nproc {count}" if count >= 2 else
+                   "a machine of one GPU cannot be calibrated yet (its NCCL link needs two); "
+                   "use --device cpu to calibrate its CPU")
         raise RuntimeError(f"calibrating NCCL needs {max(nprocs, 2)} GPUs on this machine "
-                           f"(--nproc {nprocs}); it has {count}. Use --device cpu to calibrate "
-                           f"its CPU, or --nproc {count} if it has two or more")
+                           f"(--nproc {nprocs}); it has {count}: {instead}")
     flops = {dtype: measure_gpu_matmul(dtype) for dtype in GPU_DTYPES
              if dtype != "bf16" or torch.cuda.is_bf16_supported()}
     samples = measure_all_reduce(nprocs, NCCL_SIZES, backend="nccl")
