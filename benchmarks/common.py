@@ -27,7 +27,16 @@ def parser(description: str, steps: int) -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--model", default="gpt2-small4",
                    help="a built-in example or module:factory (the benchmark folder is on the path)")
+    p.add_argument("--layers", type=int, help="override the example's layer count")
+    p.add_argument("--hidden", type=int, help="override the example's hidden size")
+    p.add_argument("--vocab", type=int, help="override the example's vocabulary")
     return p
+
+
+def shape_overrides(args: argparse.Namespace) -> dict[str, int]:
+    """The example's shape as the command line overrides it (--layers/--hidden/--vocab)."""
+    return {name: getattr(args, name) for name in ("layers", "hidden", "vocab")
+            if getattr(args, name, None) is not None}
 
 
 def time_steps(step: Callable, batch: tuple, steps: int) -> list[float]:
@@ -89,7 +98,8 @@ def start(args: argparse.Namespace):
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    return dist.get_rank(), dist.get_world_size(), load_model_spec(args.model)
+    return dist.get_rank(), dist.get_world_size(), load_model_spec(args.model,
+                                                                   **shape_overrides(args))
 
 
 def compile_timed(example, layout, optimizer):

@@ -48,7 +48,7 @@ def tx_bytes() -> int:
 
 def main() -> None:
     parser = common.parser(__doc__.splitlines()[0], steps=3)
-    parser.add_argument("--vocab", type=int, default=4096)
+    parser.set_defaults(vocab=4096)
     parser.add_argument("--rate-bytes", type=float, default=125e6,
                         help="the link's rate, for the ClusterSpec the planner costs")
     args = parser.parse_args()

@@ -191,10 +191,22 @@ def test_zero2_reduce_scatters_gradients_into_dim0_blocks(gpt2_graph):
         "transformer.wte.weight" not in result.stats["embedding_grads_gathered"]
 
 
-def test_zero3_takes_blocks_and_gathers_each_parameter_for_forward_and_backward(gpt2_graph):
+def _gathered_blocks(job) -> list:
+    """The parameter blocks one gather carries: its input, or a group's views under a cat."""
+    source = job.args[0]
+    if source.op == "placeholder":
+        return [source]
+    assert source.target == torch.ops.aten.cat.default, source.format_node()
+    return [view.args[0] for view in source.args[0]]
+
+
+@pytest.mark.parametrize("bucket_mb", [25.0, 0.0])
+def test_zero3_takes_blocks_and_gathers_each_parameter_for_forward_and_backward(gpt2_graph,
+                                                                              bucket_mb):
+    """bucket_mb caps a gather group: 0 gathers each parameter alone."""
     from autopar.compiler.passes.shard_parameters import ShardParameters
 
-    ctx = PassContext(Layout(dp=2, zero=3))
+    ctx = PassContext(Layout(dp=2, zero=3, bucket_mb=bucket_mb))
     synced, _ = InsertAllReduce().run(gpt2_graph, ctx)
     tg, result = ShardParameters().run(synced, ctx)
     verify(tg)
@@ -203,36 +215,59 @@ def test_zero3_takes_blocks_and_gathers_each_parameter_for_forward_and_backward(
     assert len(blocked) == result.stats["params_sharded"] > 0
     gathers = [n for n in tg.call_nodes() if n.target == c10d.all_gather_into_tensor.default
                and n.meta.get(M.COMM_KIND) == "param_gather"]
+    carried = {job: _gathered_blocks(job) for job in gathers}
     placeholders = tg.placeholders()
     for i in blocked:
         ph = placeholders[i]
         whole = synced.signature.params[i].shape
         assert tuple(ph.meta[M.VAL].shape) == (whole[0] // 2, *whole[1:])
-        mine = [g for g in gathers if g.args[0] is ph]
+        mine = [g for g in gathers if ph in carried[g]]
         # one gather for the forward uses, one for the backward uses (if any)
         assert 1 <= len(mine) <= 2, (ph.name, len(mine))
-        # no op reads the block except the gathers: every use sees the whole parameter
-        assert all(u in mine for u in ph.users), ph.name
+        # no op reads the block except the gathers (or a group's flattening view)
+        assert all(u in mine or (u.target == torch.ops.aten.view.default
+                                 and any(u in g.args[0].args[0] for g in mine
+                                         if g.args[0].op != "placeholder"))
+                   for u in ph.users), ph.name
     assert result.stats["all_gathers"] == len(gathers)
-    # the forward's gathered copy dies with the forward: no gather (or a view of it, such
-    # as a linear layer's transposed weight) is read by both forward and backward ops
+    assert result.stats["params_gathered"] == sum(len(b) for b in carried.values())
+    if bucket_mb == 0:
+        assert all(len(b) == 1 for b in carried.values())
+    else:  # a GPT-2 block's parameters travel together, one repeated block per group
+        assert len(gathers) < result.stats["params_gathered"]
+    # the first ops reading a gather's parameters are in one repeated block (or none)
+    order = list(tg.graph.nodes)
     for job in gathers:
-        roles, frontier = set(), [job]
-        while frontier:
-            for user in frontier.pop().users:
-                if _aliases(user):
-                    frontier.append(user)
-                else:
-                    roles.add(user.meta[M.ROLE])
+        lead = min(_readers(job), key=order.index)
+        assert lead.meta.get(M.LAYER) == job.meta.get(M.LAYER), job.name
+    # the forward's gathered copy dies with the forward: no gather (or a view or copy-out
+    # of it, such as a linear layer's transposed weight) is read by both forward and
+    # backward ops
+    for job in gathers:
+        roles = {user.meta[M.ROLE] for user in _readers(job)}
         assert not {M.Role.FORWARD, M.Role.BACKWARD} <= roles, job.name
     assert result.stats["weight_views_remade"] > 0
 
 
+def _readers(job) -> set:
+    """The ops that read what a gather brought, through waits, views and copy-outs."""
+    readers, frontier = set(), [job]
+    while frontier:
+        for user in frontier.pop().users:
+            if _aliases(user):
+                frontier.append(user)
+            else:
+                readers.add(user)
+    return readers
+
+
 def _aliases(node) -> bool:
-    """A node whose value is its input's storage (a wait, a view)."""
+    """A node whose value is its input's storage (a wait, a view), or a gather group's
+    copy-out of one parameter."""
     target = node.target
     return target == c10d.wait_tensor.default or (
-        isinstance(target, torch._ops.OpOverload) and target.is_view)
+        isinstance(target, torch._ops.OpOverload) and target.is_view) or (
+        node.meta.get(M.CREATED_BY) == "shard_parameters")
 
 
 @pytest.mark.parametrize("zero", [2, 3])
