@@ -23,7 +23,7 @@ from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline
 
 import autopar
 import common  # benchmarks/common.py (the script's own folder is on sys.path)
-from autopar.examples import causal_lm_loss, load_example
+from autopar.examples import causal_lm_loss
 from autopar.compiler.ir.schedule import simulate
 
 MICROBATCHES = 4
@@ -88,10 +88,7 @@ def measured_vs_simulated_bubble(step) -> dict:
 def main() -> None:
     parser = common.parser(__doc__.splitlines()[0], steps=4)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    example = load_example(args.model)
+    rank, _, example = common.start(args)
     batch = example.batch
     start = time.perf_counter()
     ours = autopar.compile(copy.deepcopy(example.model), None, batch, example.loss_fn,
@@ -110,7 +107,8 @@ def main() -> None:
                           "autopar_compile_s": compile_s,
                           "bubble_per_rank_measured_vs_simulated": bubble,
                           "bubble_1f1b_equal_stages": (2 - 1) / (MICROBATCHES + 2 - 1),
-                          "first_block_of_stage": ours.pass_results[0].stats["first_block_of_stage"]},
+                          "first_block_of_stage": {r.name: r.stats for r in ours.pass_results}[
+                              "assign_stages"]["first_block_of_stage"]},
                          indent=1))
     dist.destroy_process_group()
 

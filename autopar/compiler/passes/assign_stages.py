@@ -133,17 +133,26 @@ class AssignStages(GraphPass):
     def _cut(self, tg, layers, stages, cluster, options):
         by_layer = {layer: 0.0 for layer in layers}
         head = tail = 0.0
-        first_layer_seen = False
+        forward_seen = backward_seen = False  # a block's forward op, a block's backward op
         for n in tg.call_nodes():
-            layer = n.meta.get(M.LAYER)
+            layer, seconds = n.meta.get(M.LAYER), node_time(n, cluster)
+            backward = n.meta[M.ROLE] == M.Role.BACKWARD
             if layer is not None:
-                by_layer[layer] += node_time(n, cluster)
-                first_layer_seen = True
-            elif n.meta[M.ROLE] != M.Role.BACKWARD:
-                if first_layer_seen:
-                    tail += node_time(n, cluster)
+                by_layer[layer] += seconds
+                forward_seen |= not backward
+                backward_seen |= backward
+            elif backward:
+                # outside the blocks, the backward of the head and the loss runs before
+                # the blocks' backward, on the last stage; the embeddings' after it, on
+                # the first (a stage's time is its forward and backward: both weigh)
+                if backward_seen:
+                    head += seconds
                 else:
-                    head += node_time(n, cluster)
+                    tail += seconds
+            elif forward_seen:
+                tail += seconds
+            else:
+                head += seconds
         costs = [by_layer[layer] for layer in layers]
         pinned = options.pipeline_cuts
         if pinned:

@@ -148,7 +148,7 @@ def template_of(tg: TrainGraph, blocks: int, cluster: ClusterSpec) -> Template:
         layer = n.meta.get(M.LAYER)
         if layer == 1:
             block += node_time(n, cluster)
-        elif layer is None and n.meta[M.ROLE] != M.Role.BACKWARD:
+        elif layer is None:  # forward and backward, each on its stage
             if n.meta.get(M.STAGE) == 0:
                 head += node_time(n, cluster)
             else:
