@@ -17,16 +17,34 @@ CASES = load_cases()
 TIMEOUT_S = 1200
 
 
+# cases per torchrun job: every case builds its own process groups (a DeviceMesh per
+# step), and gloo keeps each group's sockets until the job ends; in one job of all 203
+# world-2 cases, creating a group failed with "Broken pipe" in the 199th-202nd case once
+# (each of those passed in a job of its own). A job per this many cases starts afresh.
+CASES_PER_JOB = 70
+
+
 def _run_world(world: int, tmp_dir: Path) -> dict:
-    out = tmp_dir / f"results_{world}.json"
+    names = [n for n, (w, _) in CASES.items() if w == world]
+    results: dict = {}
+    for first in range(0, len(names), CASES_PER_JOB):
+        chunk = names[first:first + CASES_PER_JOB]
+        results.update(_run_job(world, chunk, tmp_dir / f"results_{world}_{first}.json"))
+    return results
+
+
+def _run_job(world: int, names: list[str], out: Path) -> dict:
+    """One torchrun job running `names`: {case: verdict}, or each case marked crashed."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={world}", "-m", "tests.dist.runner", "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+           f"--nproc-per-node={world}", "-m", "tests.dist.runner", "--out", str(out), *names]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=TIMEOUT_S)
     if not out.exists():  # the job died before rank 0 wrote the verdicts
-        return {"__crash__": f"exit code {proc.returncode}\n" + proc.stdout[-4000:]
-                + proc.stderr[-8000:]}
+        crash = (f"exit code {proc.returncode}\n" + proc.stdout[-4000:]
+                 + proc.stderr[-8000:])
+        return {name: {"ok": False, "error": f"the torchrun job of its {len(names)} cases "
+                       f"crashed:\n{crash}"} for name in names}
     return json.loads(out.read_text())
 
 
@@ -46,7 +64,5 @@ def world_results(tmp_path_factory):
 def test_case(name, world_results):
     world, _ = CASES[name]
     results = world_results(world)
-    if "__crash__" in results:
-        pytest.fail(f"the torchrun job for world size {world} crashed:\n{results['__crash__']}")
     assert name in results, f"case {name} did not run"
     assert results[name]["ok"], results[name]["error"]
