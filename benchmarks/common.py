@@ -30,6 +30,7 @@ def parser(description: str, steps: int) -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, help="override the example's layer count")
     p.add_argument("--hidden", type=int, help="override the example's hidden size")
     p.add_argument("--vocab", type=int, help="override the example's vocabulary")
+    p.add_argument("--out", help="also write the result (JSON) to this file")
     return p
 
 
@@ -81,6 +82,50 @@ def held(tensors, nbytes: bool = False) -> int:
         local = t.to_local() if hasattr(t, "to_local") else t
         total += local.numel() * (local.element_size() if nbytes else 1)
     return total
+
+
+def local_tensors(tensors) -> list:
+    """The tensors as this rank stores them: a DTensor's local shard, a tensor whole."""
+    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+
+
+def peak_bytes(step: Callable, batch: tuple, held_tensors, extra_bytes: int = 0) -> dict:
+    """Peak bytes of one step on this rank, counted the same way for every side:
+
+    - held: the distinct storages the side keeps between steps (`held_tensors`: its
+      parameters, their gradients if it keeps them, its optimizer state), plus
+      `extra_bytes` it holds where no tensor reaches it (DDP's buckets);
+    - the step's own: the most storage created inside the step alive at once, counted
+      as ops run by autopar's LiveBytes (the counter autopar's memory model is judged
+      against), gradients included.
+
+    Call it after the side's own zero_grad(set_to_none=True), so that the old
+    gradients are not counted twice."""
+    from autopar.compiler.analysis.live_bytes import LiveBytes, held_bytes
+
+    held = held_bytes(local_tensors(held_tensors)) + extra_bytes
+    with LiveBytes() as live:
+        step(*batch)
+    return {"held": held, "step": live.peak_bytes, "peak": held + live.peak_bytes,
+            "peak_op": live.peak_op}
+
+
+def autopar_peak(step, batch: tuple) -> dict:
+    """`peak_bytes` of an autopar step (a DistributedStep or a PipelineStep): it keeps
+    its parameters, the blocks its optimizer updates, buffers and optimizer state;
+    its gradients live only inside the step."""
+    return peak_bytes(step, batch, [*step.held_tensors(), *optimizer_state(step.optimizer)])
+
+
+def report(args: argparse.Namespace, result: dict) -> None:
+    """Print the result (rank 0 calls it) and write it to --out if given."""
+    import json
+
+    text = json.dumps(result, indent=1)
+    print(text)
+    if getattr(args, "out", None):
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
 
 
 def optimizer_state(opt) -> list:

@@ -13,7 +13,6 @@ the median step time of each and the ratio autopar / pipelining (target <= 0.95)
 from __future__ import annotations
 
 import copy
-import json
 import statistics
 import time
 
@@ -61,6 +60,7 @@ def pipelining_step_fn(model, batch, rank):
         else:
             schedule.step(target=ids, losses=[])
         opt.step()
+    step.stage, step.opt = stage, opt  # for the memory count
     return step
 
 
@@ -99,17 +99,29 @@ def main() -> None:
     medians = common.alternate({"autopar": ours, "pipelining": theirs}, batch, args.rounds,
                                args.steps, args.warmup)
     bubble = measured_vs_simulated_bubble(ours)
+    theirs.opt.zero_grad(set_to_none=True)
+    peaks = {"autopar": common.autopar_peak(ours, batch),
+             "pipelining": common.peak_bytes(theirs, batch, [
+                 *theirs.stage.submod.parameters(), *theirs.stage.submod.buffers(),
+                 *common.optimizer_state(theirs.opt)])}
+    every = [None] * dist.get_world_size()  # each stage holds its own: compare per rank
+    dist.all_gather_object(every, peaks)
     if rank == 0:
-        print(json.dumps({"benchmark": "pp_vs_pipelining", "model": args.model,
-                          "microbatches": MICROBATCHES, "rounds": args.rounds,
-                          "steps_per_round": args.steps, "median_step_s": medians,
-                          "ratio_autopar_over_pipelining": medians["autopar"] / medians["pipelining"],
-                          "autopar_compile_s": compile_s,
-                          "bubble_per_rank_measured_vs_simulated": bubble,
-                          "bubble_1f1b_equal_stages": (2 - 1) / (MICROBATCHES + 2 - 1),
-                          "first_block_of_stage": {r.name: r.stats for r in ours.pass_results}[
-                              "assign_stages"]["first_block_of_stage"]},
-                         indent=1))
+        common.report(args, {
+            "benchmark": "pp_vs_pipelining", "model": args.model,
+            "shape": common.shape_overrides(args),
+            "microbatches": MICROBATCHES, "rounds": args.rounds,
+            "steps_per_round": args.steps, "median_step_s": medians,
+            "ratio": medians["autopar"] / medians["pipelining"],
+            "autopar_compile_s": compile_s,
+            "bubble_per_rank_measured_vs_simulated": bubble,
+            "bubble_1f1b_equal_stages": (2 - 1) / (MICROBATCHES + 2 - 1),
+            "first_block_of_stage": {r.name: r.stats for r in ours.pass_results}[
+                "assign_stages"]["first_block_of_stage"],
+            "peak_bytes_per_rank": every,
+            # the peak of the busiest rank on each side
+            "peak_ratio": max(p["autopar"]["peak"] for p in every)
+            / max(p["pipelining"]["peak"] for p in every)})
     dist.destroy_process_group()
 
 

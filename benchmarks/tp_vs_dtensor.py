@@ -19,7 +19,6 @@ rank holds against the unsharded model's (target <= 0.55).
 from __future__ import annotations
 
 import copy
-import json
 
 import torch
 import torch.distributed as dist
@@ -67,17 +66,24 @@ def main() -> None:
     whole = sum(p.numel() for p in example.model.parameters())
     ours_held = common.held(ours.params) + common.held(common.optimizer_state(ours.optimizer))
     theirs_held = common.held(dt_model.parameters()) + common.held(common.optimizer_state(dt_opt))
+    dt_opt.zero_grad(set_to_none=True)
+    peaks = {"autopar": common.autopar_peak(ours, batch),
+             "dtensor": common.peak_bytes(theirs, batch, [
+                 *dt_model.parameters(), *dt_model.buffers(), *common.optimizer_state(dt_opt)])}
     if rank == 0:
-        result = {"benchmark": "tp_vs_dtensor", "model": args.model, "world": world,
-                  "rounds": args.rounds, "steps_per_round": args.steps,
-                  "median_step_s": medians,
-                  "ratio_autopar_over_dtensor": medians["autopar"] / medians["dtensor"],
-                  "params_and_adam_state_per_rank_over_unsharded": {
-                      "autopar": ours_held / (3 * whole), "dtensor": theirs_held / (3 * whole)},
-                  "autopar_compile_s": compile_s,
-                  "autopar_params": ours.pass_results[0].stats["params"],
-                  "torch": torch.__version__}
-        print(json.dumps(result, indent=1))
+        common.report(args, {
+            "benchmark": "tp_vs_dtensor", "model": args.model, "world": world,
+            "shape": common.shape_overrides(args),
+            "rounds": args.rounds, "steps_per_round": args.steps,
+            "median_step_s": medians,
+            "ratio": medians["autopar"] / medians["dtensor"],
+            "params_and_adam_state_per_rank_over_unsharded": {
+                "autopar": ours_held / (3 * whole), "dtensor": theirs_held / (3 * whole)},
+            "peak_bytes_rank0": peaks,
+            "peak_ratio": peaks["autopar"]["peak"] / peaks["dtensor"]["peak"],
+            "autopar_compile_s": compile_s,
+            "autopar_params": ours.pass_results[0].stats["params"],
+            "torch": torch.__version__})
     dist.destroy_process_group()
 
 

@@ -19,7 +19,6 @@ autopar's buckets of 1 MiB: where the peak is the gradient buckets a ZeRO step h
 from __future__ import annotations
 
 import copy
-import json
 
 import torch
 import torch.distributed as dist
@@ -27,7 +26,6 @@ from torch.distributed.fsdp import fully_shard
 
 import autopar
 from autopar.examples import Example, gpt2
-from autopar.compiler.analysis.live_bytes import LiveBytes
 import common  # benchmarks/common.py (the script's own folder is on sys.path)
 
 
@@ -49,12 +47,6 @@ def held_bytes(tensors) -> int:
 
 def state_bytes(opt) -> int:
     return held_bytes(common.optimizer_state(opt))
-
-
-def step_peak(step, batch) -> int:
-    with LiveBytes() as live:
-        step(*batch)
-    return live.peak_bytes
 
 
 def gradient_heavy() -> Example:
@@ -88,25 +80,23 @@ def main() -> None:
                     "grads": held_bytes(p.grad for p in fsdp_params if p.grad is not None),
                     "optimizer": state_bytes(fsdp_opt)}
     # the peak of a step: what is held before it plus the most storage the step itself
-    # had alive at once (counted as ops run: autopar.compiler.analysis.live_bytes)
-    # FSDP2's old gradients are dropped (zero_grad) before its backward, so they are
-    # released first: what it holds is then counted without them, and the new ones as
-    # the step makes them
+    # had alive at once. FSDP2's old gradients are dropped (zero_grad) before its
+    # backward, so they are released first and the new ones counted as the step makes them
     fsdp_opt.zero_grad(set_to_none=True)
-    peaks = {"autopar": sum(ours_bytes.values()) + step_peak(ours, batch),
-             "fsdp2": theirs_bytes["params"] + theirs_bytes["optimizer"] + step_peak(theirs, batch)}
+    peaks = {"autopar": common.autopar_peak(ours, batch),
+             "fsdp2": common.peak_bytes(theirs, batch, [
+                 *fsdp_params, *fsdp_model.buffers(), *common.optimizer_state(fsdp_opt)])}
     if rank == 0:
-        result = {"benchmark": "zero3_vs_fsdp2", "model": args.model, "world": world,
-                  "bucket_mb": args.bucket_mb,
-                  "rounds": args.rounds, "steps_per_round": args.steps,
-                  "median_step_s": medians,
-                  "ratio_autopar_over_fsdp2": medians["autopar"] / medians["fsdp2"],
-                  "bytes_held_between_steps_rank0": {"autopar": ours_bytes,
-                                                     "fsdp2": theirs_bytes},
-                  "peak_step_bytes_rank0": peaks,
-                  "peak_ratio_autopar_over_fsdp2": peaks["autopar"] / peaks["fsdp2"],
-                  "autopar_compile_s": compile_s, "torch": torch.__version__}
-        print(json.dumps(result, indent=1))
+        common.report(args, {
+            "benchmark": "zero3_vs_fsdp2", "model": args.model, "world": world,
+            "shape": common.shape_overrides(args), "bucket_mb": args.bucket_mb,
+            "rounds": args.rounds, "steps_per_round": args.steps,
+            "median_step_s": medians,
+            "ratio": medians["autopar"] / medians["fsdp2"],
+            "bytes_held_between_steps_rank0": {"autopar": ours_bytes, "fsdp2": theirs_bytes},
+            "peak_bytes_rank0": peaks,
+            "peak_ratio": peaks["autopar"]["peak"] / peaks["fsdp2"]["peak"],
+            "autopar_compile_s": compile_s, "torch": torch.__version__})
     dist.destroy_process_group()
 
 

@@ -308,3 +308,42 @@ def test_zero_reduce_scatters_are_waited_for_two_buckets_later(monkeypatch, zero
     # four blocks of 12 * 128^2 fp32 weights: about 3 MB of gradient, 1.5 MB of it
     # returned as this rank's blocks; held whole in buckets, all of it stayed too
     assert held_peak - peak > 1_000_000, (held_peak, peak)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([None, 0, 1, 2]),  # M.LAYER of the first user
+                          st.sampled_from([torch.float32, torch.bfloat16]),
+                          st.integers(1, 40)),  # the block's elements
+                min_size=0, max_size=30),
+       st.integers(0, 300), st.sampled_from([1, 2, 4]))
+def test_gather_groups_are_consecutive_uniform_capped_and_maximal(params, cap, dp):
+    """ZeRO-3's gather groups: the members in order, each group of one block and dtype,
+    within the cap unless a single parameter outweighs it, and no two neighbouring
+    groups that could have been one."""
+    from torch import fx
+
+    from autopar.compiler.passes.shard_parameters import _Member, gather_groups
+
+    graph = fx.Graph()
+    members = []
+    for i, (layer, dtype, numel) in enumerate(params):
+        block = graph.placeholder(f"p{i}")
+        block.meta[M.VAL] = torch.empty(numel, dtype=dtype, device="meta")
+        user = graph.call_function(torch.ops.aten.neg.default, (block,))
+        user.meta[M.LAYER] = layer
+        members.append(_Member(block, [user], numel))
+    groups = gather_groups(members, cap, dp)
+
+    def key(m):
+        return (m.users[0].meta[M.LAYER], m.block.meta[M.VAL].dtype)
+
+    def gathered(group):
+        return sum(m.block.meta[M.VAL].numel() * m.block.meta[M.VAL].element_size() * dp
+                   for m in group)
+
+    assert [m for g in groups for m in g] == members
+    for g in groups:
+        assert g and len({key(m) for m in g}) == 1
+        assert len(g) == 1 or gathered(g) <= cap
+    for a, b in zip(groups, groups[1:]):
+        assert key(a[-1]) != key(b[0]) or gathered(a) + gathered(b[:1]) > cap

@@ -77,19 +77,18 @@ def gather_groups(members: list[_Member], cap_bytes: float, dp: int) -> list[lis
     (a parameter larger than that is a group of its own)."""
     groups: list[list[_Member]] = []
     size = 0.0
+    prev_key = None
     for m in members:
         val = m.block.meta[M.VAL]
         nbytes = val.numel() * val.element_size() * dp
         key = (m.users[0].meta.get(M.LAYER), val.dtype)
-        prev = groups[-1][-1] if groups else None
-        if prev is not None and key == (prev.users[0].meta.get(M.LAYER),
-                                        prev.block.meta[M.VAL].dtype) \
-                and size + nbytes <= cap_bytes:
+        if groups and key == prev_key and size + nbytes <= cap_bytes:
             groups[-1].append(m)
             size += nbytes
         else:
             groups.append([m])
             size = nbytes
+        prev_key = key
     return groups
 
 
