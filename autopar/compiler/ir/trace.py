@@ -39,6 +39,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.compiler.ir.annotate import annotate, repeated_block_container
 from autopar.compiler.ir.batch import BatchError, LossFn, Objective, as_objective
+from autopar.compiler.ir.causal_mask import Recovered, recover_causal_masks
 from autopar.compiler.ir.eager_attention import Fused, fuse_eager_attention
 from autopar.compiler.ir.graph import GraphSignature, TensorSpec, TrainGraph
 from autopar.compiler.ir.program import LOSS_SCALE_INPUT
@@ -175,6 +176,10 @@ def _trace_from(source: TraceSource) -> TrainGraph:
     if _fuses_attention(source):
         fused = gpu_forward(source.exported.graph_module)[1]
         tg.attrs["eager_attention"] = {"fused": fused.rewritten, "left": list(fused.left)}
+    exported = source.exported.graph_module
+    causal = causal_forward(gpu_forward(exported)[0] if _fuses_attention(source) else exported)[1]
+    if causal.causal or causal.left:
+        tg.attrs["causal_masks"] = {"recovered": causal.causal, "left": list(causal.left)}
     return annotate(tg, source.blocks)
 
 
@@ -184,10 +189,18 @@ def _fuses_attention(source: TraceSource) -> bool:
 
 def forward_module(source: TraceSource) -> fx.GraphModule:
     """The exported forward a trace of `source` runs, node for node: what a pass that
-    plans per exported node (tensor parallelism) must read."""
-    if _fuses_attention(source):
-        return gpu_forward(source.exported.graph_module)[0]
-    return source.exported.graph_module
+    plans per exported node (tensor parallelism) must read. Constant causal masks are
+    given back to attention as `is_causal` (causal_mask.py), as eager runs it."""
+    exported = source.exported.graph_module
+    return causal_forward(gpu_forward(exported)[0] if _fuses_attention(source) else exported)[0]
+
+
+def causal_forward(gm: fx.GraphModule) -> tuple[fx.GraphModule, Recovered]:
+    """`recover_causal_masks` of an exported forward, kept per graph: every re-trace of a
+    trace (AMP, tensor parallelism) runs the same one."""
+    if gm not in _CAUSAL_FORWARDS:
+        _CAUSAL_FORWARDS[gm] = recover_causal_masks(gm)
+    return _CAUSAL_FORWARDS[gm]
 
 
 class GpuKernels:
@@ -275,6 +288,7 @@ _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 GPU_KERNELS = GpuKernels()
 GPU_KERNELS_UNFUSED = GpuKernels(fused=False)
 _GPU_FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_CAUSAL_FORWARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def gpu_forward(gm: fx.GraphModule) -> tuple[fx.GraphModule, Fused]:

@@ -1,0 +1,194 @@
+"""A causal mask the model builds from constants, given back to attention as `is_causal`.
+
+Run eagerly, a transformers model with no padding mask calls
+
+    scaled_dot_product_attention(q, k, v, attn_mask=None, is_causal=True)
+
+and the CPU's flash kernel (and a GPU's) skips the blocks above the diagonal. Traced
+(torch.export), the same model cannot take that shortcut: the library cannot tell
+whether a traced mask is all-causal, so it builds the mask (arange, comparisons,
+cumsum, index, where: batch x 1 x s x s) and passes it to every attention with
+`is_causal=False`. The traced step then does more than eager does: it computes the
+mask, runs attention over the masked half, and keeps the mask alive for the backward
+(4 bytes an element of batch x s x s in fp32).
+
+`recover_causal_masks` finds each attention whose mask depends on nothing but constants
+(no input of the step, no parameter or buffer: it is the same tensor every step),
+evaluates that mask once at trace time, and where its value is exactly the causal
+pattern (True / 0 on and below the diagonal, False / -inf or the dtype's lowest value
+above it, broadcast over batch and heads) replaces it by `attn_mask=None, is_causal=True`. That is the same
+function, computed as eager computes it. A mask that depends on the batch (a padding
+mask), one that is not causal (a sliding window, a prefix), or one too large to
+evaluate at trace time is left as it is, and the result says which and why.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+# elements of the largest value of a mask's computation evaluated at trace time (the
+# mask of a batch of 16 sequences of 2,048 tokens is 2^26)
+EVALUATION_BUDGET = 1 << 26
+# ops that only check a value's traced metadata: they go with the value they check
+_ASSERTS = frozenset({torch.ops.aten._assert_tensor_metadata.default})
+
+
+@dataclass
+class Recovered:
+    """What `recover_causal_masks` did: attentions given `is_causal`, and for every other
+    attention with a mask, (its node, why its mask stays)."""
+
+    causal: int = 0
+    left: list[tuple[str, str]] = field(default_factory=list)
+
+
+def recover_causal_masks(gm: fx.GraphModule) -> tuple[fx.GraphModule, Recovered]:
+    """`gm` (an exported forward graph) with each constant causal mask given back as
+    `is_causal=True` (module docstring): a copy if anything changed, `gm` itself if not;
+    `gm` is never changed."""
+    result = Recovered()
+    causal = []
+    evaluated: dict[fx.Node, Any] = {}  # a mask shared by every layer is evaluated once
+    for node in gm.graph.nodes:
+        if node.target is not SDPA:
+            continue
+        q, k, _, mask, _, is_causal, _, _ = bound(node)
+        if not isinstance(mask, fx.Node) or is_causal:
+            continue
+        value = _evaluate(gm, mask, evaluated)
+        why = value if isinstance(value, str) else _not_causal(value, q, k)
+        if why:
+            result.left.append((node.name, why))
+        else:
+            causal.append(node)
+    if not causal:
+        return gm, result
+    graph = fx.Graph()
+    remap: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, remap))
+    masks = set()
+    for node in causal:
+        new = remap[node]
+        q, k, v, mask, dropout, _, scale, gqa = bound(new)
+        new.args = (q, k, v)
+        new.kwargs = {"attn_mask": None, "dropout_p": dropout, "is_causal": True,
+                      "scale": scale, "enable_gqa": gqa}
+        masks.add(mask)
+        result.causal += 1
+    for mask in masks:
+        _erase_if_dead(graph, mask)
+    graph.lint()
+    return fx.GraphModule(gm, graph), result
+
+
+def bound(node: fx.Node) -> list[Any]:
+    """The node's arguments by its op's schema order, defaults filled in."""
+    out = []
+    for i, arg in enumerate(node.target._schema.arguments):
+        if i < len(node.args):
+            out.append(node.args[i])
+        elif arg.name in node.kwargs:
+            out.append(node.kwargs[arg.name])
+        else:
+            out.append(arg.default_value)
+    return out
+
+
+def _evaluate(gm: fx.GraphModule, mask: fx.Node, evaluated: dict) -> Any:
+    """The mask's value, computed from the graph's constants on the CPU, or why it
+    cannot be (a str)."""
+    if mask in evaluated:
+        return evaluated[mask]
+    order: list[fx.Node] = []
+    seen: set[fx.Node] = set()
+
+    def visit(node: fx.Node) -> str | None:
+        if node in seen:
+            return None
+        seen.add(node)
+        if node.op == "placeholder":
+            return f"it depends on the step's input or state {node.name!r}"
+        if node.op not in ("call_function", "get_attr"):
+            return f"it is computed by {node.op} {node.name!r}"
+        if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+            return f"it draws random numbers ({node.name!r})"
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.numel() > EVALUATION_BUDGET:
+            return (f"evaluating it at trace time takes {node.name!r} of {val.numel():,} "
+                    f"elements (more than {EVALUATION_BUDGET:,})")
+        for parent in node.all_input_nodes:
+            why = visit(parent)
+            if why:
+                return why
+        order.append(node)
+        return None
+
+    why = visit(mask)
+    if why:
+        evaluated[mask] = why
+        return why
+    values: dict[fx.Node, Any] = {}
+    for node in order:
+        if node.op == "get_attr":
+            value = getattr(gm, node.target)
+        else:
+            args = fx.node.map_arg(node.args, values.__getitem__)
+            kwargs = fx.node.map_arg(node.kwargs, values.__getitem__)
+            value = node.target(*_on_cpu(args), **_on_cpu(kwargs))
+        if isinstance(value, torch.Tensor) and value.device.type == "meta":
+            evaluated[mask] = why = f"{node.name!r} has no value (a meta tensor)"
+            return why
+        values[node] = value
+    evaluated[mask] = values[mask]
+    return values[mask]
+
+
+def _on_cpu(value: Any) -> Any:
+    """Device arguments (a model built on the meta device names it) as the CPU."""
+    if isinstance(value, torch.device) and value.type == "meta":
+        return torch.device("cpu")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_on_cpu(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    return value
+
+
+def _not_causal(mask: torch.Tensor, q: fx.Node, k: fx.Node) -> str | None:
+    """None if `mask` is the causal mask of attention from q to k, else why not."""
+    lq, lk = q.meta["val"].shape[-2], k.meta["val"].shape[-2]
+    if lq != lk:
+        return f"queries ({lq}) and keys ({lk}) differ in length"
+    if mask.dim() < 2 or mask.shape[-2:] != (lq, lk):
+        return f"its shape {tuple(mask.shape)} is not broadcast over ... x {lq} x {lk}"
+    keep = torch.ones(lq, lk, dtype=torch.bool).tril()
+    if mask.dtype == torch.bool:
+        causal = bool((mask == keep).all())
+    elif mask.is_floating_point():
+        # -inf, or the dtype's lowest value as transformers' additive masks fill: added to
+        # a finite score either is a score whose exp() is exactly 0, as is_causal's
+        masked = (mask == -math.inf) | (mask == torch.finfo(mask.dtype).min)
+        causal = bool(torch.where(keep, mask == 0, masked).all())
+    else:
+        return f"it is of dtype {mask.dtype}"
+    return None if causal else "its value is not the causal pattern"
+
+
+def _erase_if_dead(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase `node` and then its inputs while nothing but metadata checks reads them."""
+    if node.op != "call_function" or any(u.target not in _ASSERTS for u in node.users):
+        return
+    if node.target in _ASSERTS or node.is_impure():
+        return
+    for user in list(node.users):
+        graph.erase_node(user)
+    inputs = node.all_input_nodes
+    graph.erase_node(node)
+    for parent in inputs:
+        _erase_if_dead(graph, parent)
