@@ -89,12 +89,17 @@ def recover_causal_masks(gm: fx.GraphModule) -> tuple[fx.GraphModule, Recovered]
 
 def bound(node: fx.Node) -> list[Any]:
     """The node's arguments by its op's schema order, defaults filled in."""
+    return bound_args(node.target, node.args, node.kwargs)
+
+
+def bound_args(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[Any]:
+    """An op's arguments by its schema's order, defaults filled in."""
     out = []
-    for i, arg in enumerate(node.target._schema.arguments):
-        if i < len(node.args):
-            out.append(node.args[i])
-        elif arg.name in node.kwargs:
-            out.append(node.kwargs[arg.name])
+    for i, arg in enumerate(op._schema.arguments):
+        if i < len(args):
+            out.append(args[i])
+        elif arg.name in kwargs:
+            out.append(kwargs[arg.name])
         else:
             out.append(arg.default_value)
     return out

@@ -40,6 +40,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from autopar.compiler.ir.annotate import annotate, repeated_block_container
 from autopar.compiler.ir.batch import BatchError, LossFn, Objective, as_objective
 from autopar.compiler.ir.causal_mask import Recovered, recover_causal_masks
+from autopar.compiler.ir.causal_mask import bound_args as _bound
 from autopar.compiler.ir.eager_attention import Fused, fuse_eager_attention
 from autopar.compiler.ir.graph import GraphSignature, TensorSpec, TrainGraph
 from autopar.compiler.ir.program import LOSS_SCALE_INPUT
@@ -176,8 +177,7 @@ def _trace_from(source: TraceSource) -> TrainGraph:
     if _fuses_attention(source):
         fused = gpu_forward(source.exported.graph_module)[1]
         tg.attrs["eager_attention"] = {"fused": fused.rewritten, "left": list(fused.left)}
-    exported = source.exported.graph_module
-    causal = causal_forward(gpu_forward(exported)[0] if _fuses_attention(source) else exported)[1]
+    causal = causal_forward(source)[1]
     if causal.causal or causal.left:
         tg.attrs["causal_masks"] = {"recovered": causal.causal, "left": list(causal.left)}
     return annotate(tg, source.blocks)
@@ -191,13 +191,15 @@ def forward_module(source: TraceSource) -> fx.GraphModule:
     """The exported forward a trace of `source` runs, node for node: what a pass that
     plans per exported node (tensor parallelism) must read. Constant causal masks are
     given back to attention as `is_causal` (causal_mask.py), as eager runs it."""
+    return causal_forward(source)[0]
+
+
+def causal_forward(source: TraceSource) -> tuple[fx.GraphModule, Recovered]:
+    """`recover_causal_masks` of the exported forward (a GPU trace's: with its attention
+    fused first), kept per graph: every re-trace of a trace (AMP, tensor parallelism)
+    runs the same one."""
     exported = source.exported.graph_module
-    return causal_forward(gpu_forward(exported)[0] if _fuses_attention(source) else exported)[0]
-
-
-def causal_forward(gm: fx.GraphModule) -> tuple[fx.GraphModule, Recovered]:
-    """`recover_causal_masks` of an exported forward, kept per graph: every re-trace of a
-    trace (AMP, tensor parallelism) runs the same one."""
+    gm = gpu_forward(exported)[0] if _fuses_attention(source) else exported
     if gm not in _CAUSAL_FORWARDS:
         _CAUSAL_FORWARDS[gm] = recover_causal_masks(gm)
     return _CAUSAL_FORWARDS[gm]
@@ -299,19 +301,6 @@ def gpu_forward(gm: fx.GraphModule) -> tuple[fx.GraphModule, Fused]:
     if gm not in _GPU_FORWARDS:
         _GPU_FORWARDS[gm] = fuse_eager_attention(gm)
     return _GPU_FORWARDS[gm]
-
-
-def _bound(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[Any]:
-    """The op's arguments by its schema's order, defaults filled in."""
-    out = []
-    for i, arg in enumerate(op._schema.arguments):
-        if i < len(args):
-            out.append(args[i])
-        elif arg.name in kwargs:
-            out.append(kwargs[arg.name])
-        else:
-            out.append(arg.default_value)
-    return out
 
 
 class _HookedInterpreter(fx.Interpreter):
