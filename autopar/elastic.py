@@ -139,8 +139,9 @@ PROGRESS_FILE = "progress.json"
 
 
 def _write_progress(directory: Path, progress: dict) -> None:
-    """Rank 0, before each step: the steps done and the blocks of the step under way, so
-    that a restart can say what it redoes (written by rename: never half a file)."""
+    """Rank 0, before each step and after it: the steps done and the blocks of the step
+    under way (none once it is done), so that a restart can say what it redoes (written
+    by rename: never half a file)."""
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / (PROGRESS_FILE + ".tmp")
     tmp.write_text(json.dumps(progress))
@@ -251,6 +252,8 @@ def run(args: argparse.Namespace) -> None:
             if refused:
                 raise ElasticError(f"leases {refused} expired during their step: raise "
                                    f"--lease-timeout above the step time")
+            # before the history line: whoever sees the step committed sees it counted
+            _write_progress(directory, {"reached": step.steps, "in_flight": []})
             if history is not None:
                 with open(history, "a") as f:
                     f.write(json.dumps({"step": step.steps, "restart": restart,

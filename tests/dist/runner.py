@@ -4,13 +4,17 @@
 
 Each case is a function registered with `@case(world=N)` in a tests/dist/cases_*.py
 module (tests/dist/registry.py); it raises AssertionError on failure. Every rank runs every case; rank 0
-writes {case: {"ok": bool, "error": str}} with the errors of all ranks.
+writes {case: {"ok": bool, "error": str}} with the errors of all ranks. Rank 0 also appends
+each verdict to OUT.partial as it comes (one JSON line per case), so that when the job dies
+in a case (a native crash kills the process, not the case), the cases before it keep their
+verdicts and the one that crashed is known; a crash prints every thread's Python stack.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
 import sys
@@ -20,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist.registry import load_cases
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -33,9 +38,9 @@ def main() -> None:
     cases = load_cases()
     names = args.cases or [n for n, (w, _) in cases.items() if w == world]
     results = {}
-    verbose = os.environ.get("AUTOPAR_DIST_VERBOSE") == "1"  # which case a crash was in
+    partial = open(args.out + ".partial", "w") if rank == 0 else None  # noqa: SIM115
     for name in names:
-        if verbose and rank == 0:
+        if rank == 0:
             print(f"[case] {name}", file=sys.stderr, flush=True)
         error = ""
         try:
@@ -46,8 +51,12 @@ def main() -> None:
         dist.all_gather_object(errors, error)
         bad = [f"[rank {r}] {e}" for r, e in enumerate(errors) if e]
         results[name] = {"ok": not bad, "error": "\n".join(bad)}
+        if partial is not None:
+            partial.write(json.dumps({name: results[name]}) + "\n")
+            partial.flush()
         dist.barrier()
     if rank == 0:
+        partial.close()
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
     # NOTE: a rank that tears its gloo group down while a peer is still in it can abort
@@ -58,4 +67,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    faulthandler.enable(all_threads=True)
     main()

@@ -34,18 +34,35 @@ def _run_world(world: int, tmp_dir: Path) -> dict:
 
 
 def _run_job(world: int, names: list[str], out: Path) -> dict:
-    """One torchrun job running `names`: {case: verdict}, or each case marked crashed."""
+    """One torchrun job running `names`: {case: verdict}. When the job dies in a case, the
+    cases before it keep their verdicts (OUT.partial), the case it died in fails with the
+    job's output, and the cases after it run in a new job."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={world}", "-m", "tests.dist.runner", "--out", str(out), *names]
     proc = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=TIMEOUT_S)
-    if not out.exists():  # the job died before rank 0 wrote the verdicts
-        crash = (f"exit code {proc.returncode}\n" + proc.stdout[-4000:]
-                 + proc.stderr[-8000:])
-        return {name: {"ok": False, "error": f"the torchrun job of its {len(names)} cases "
-                       f"crashed:\n{crash}"} for name in names}
-    return json.loads(out.read_text())
+    if out.exists():
+        return json.loads(out.read_text())
+    partial = Path(str(out) + ".partial")
+    done: dict = {}
+    if partial.exists():
+        for line in partial.read_text().splitlines():
+            try:
+                done.update(json.loads(line))
+            except ValueError:  # the line the crash cut short
+                break
+    crash = f"exit code {proc.returncode}\n" + proc.stdout[-4000:] + proc.stderr[-12000:]
+    if len(done) == len(names):  # every case ran: the job died leaving; the last one fails
+        done[names[-1]] = {"ok": False, "error": f"the torchrun job died after its last "
+                           f"case:\n{crash}"}
+        return done
+    crashed, rest = names[len(done)], names[len(done) + 1:]
+    done[crashed] = {"ok": False, "error": f"the torchrun job died in this case (after "
+                     f"{len(done)} of its {len(names)} cases had passed or failed):\n{crash}"}
+    if rest:
+        done.update(_run_job(world, rest, out.with_name(out.stem + "_rest.json")))
+    return done
 
 
 @pytest.fixture(scope="session")
