@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.compiler.ir.batch import BatchError, Objective, normalizer_means
-from autopar.compiler.ir.program import LOSS_SCALE_INPUT, Program, bind_groups
+from autopar.compiler.ir.program import LOSS_SCALE_INPUT, Program, bind_groups, runnable
 from autopar.runtime.loss_scaler import LossScaler
 from autopar.runtime.mesh import Mesh, build_mesh
 from autopar.runtime.shards import (
@@ -86,7 +86,7 @@ class DistributedStep(TrainingState):
         """Run `gm` on `inputs`, step the optimizer on the gradients it returns, write
         its mutated buffers back; the loss."""
         with torch.no_grad():
-            outs = gm(*inputs)
+            outs = runnable(gm, inputs)(*inputs)  # on a CPU: the fused regions' ops inline
             loss, rest = outs[0], outs[1:]
             grads, new_buffers = rest[:len(self.params)], rest[len(self.params):]
             grads = [self._grad_of_updated(u, g) for u, g in zip(self.updated, grads)]

@@ -28,7 +28,7 @@ import torch.fx as fx
 
 from autopar.compiler.ir.batch import BatchError, Objective, normalizer_means
 from autopar.compiler.ir.pipeline_program import PipelineProgram, StageProgram
-from autopar.compiler.ir.program import TensorEntry, bind_groups
+from autopar.compiler.ir.program import TensorEntry, bind_groups, runnable
 from autopar.runtime.loss_scaler import LossScaler
 from autopar.runtime.mesh import Mesh, build_mesh
 from autopar.runtime.shards import (
@@ -246,7 +246,10 @@ class PipelineStep(TrainingState):
     def _run(self, gm: fx.GraphModule, inputs: tuple[str, ...], outputs: tuple[str, ...],
              env: dict[str, torch.Tensor], action) -> None:
         args = [env[k] for k in inputs]
-        results = gm(*args) if self.run_graph is None else self.run_graph(gm, args, action)
+        # on a CPU the fused regions' ops run inline (codegen/kernels.py's run rule); autopar.bisect's
+        # run_graph records the values of the program as compiled, region by region
+        results = (runnable(gm, args)(*args) if self.run_graph is None
+                   else self.run_graph(gm, args, action))
         env.update(zip(outputs, results))
 
     def held_tensors(self) -> list[torch.Tensor]:

@@ -24,13 +24,13 @@ def check_memory_model(step, example, layout, optimizer) -> float:
     # the count does not depend on when gloo's worker thread frees a collective's tensors
     again, _ = measure_step(step, *example.batch)
     assert again == measured, f"rank {dist.get_rank()}: measured {measured} B, then {again} B"
-    # fused regions run their eager fallback on this CPU (memory.md)
+    # on this CPU the fused regions' ops run inline (memory.md)
     if hasattr(step, "pp_rank"):  # a pipelined step: its rank's schedule replayed
         pred = pipeline_memory(step.program, step.pp_rank, profile_optimizer(optimizer),
-                               fallbacks=True)
+                               regions_inline=True)
     else:
         pred = step_memory(summarize(step.train_graph), layout, profile_optimizer(optimizer),
-                           fallbacks=True)
+                           regions_inline=True)
     error = pred.peak_bytes / measured - 1
     print(f"[memory] {layout} rank {dist.get_rank()}: predicted {pred.peak_bytes} B, "
           f"measured {measured} B, error {error:+.2%}", flush=True)

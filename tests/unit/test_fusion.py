@@ -13,10 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import autopar
-from autopar.compiler.passes.defaults import run_passes
 from autopar.compiler.codegen.kernels import FUSED_OP, backend, region
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.printing import graph_text
+from autopar.compiler.ir.program import runnable
+from autopar.compiler.passes.defaults import run_passes
 from autopar.compiler.passes.fuse_regions import FUSED_OPS, FuseRegions
 from autopar.examples import causal_lm_loss, gpt2, llama
 from autopar.testing import compare, reference_train
@@ -223,17 +224,71 @@ def _train(ex, layout, mode="eager"):
     return losses, step.full_state_dict(), step
 
 
+@pytest.mark.parametrize("mode", ["eager", "auto"], ids=["per-region", "inline"])
 @pytest.mark.parametrize("layout", [dict(), dict(amp="bf16"), dict(microbatches=2)],
                          ids=["fp32", "amp-bf16", "accumulation"])
-def test_fused_step_on_cpu_is_bit_identical_to_unfused(layout):
-    """Without a GPU the fused graph runs the regions' own aten ops: nothing changes."""
+def test_fused_step_on_cpu_is_bit_identical_to_unfused(layout, mode):
+    """Without a GPU the fused graph runs the regions' own aten ops: nothing changes,
+    whether each region runs its fallback ("eager") or the runtime runs the regions'
+    ops inline ("auto" on a CPU)."""
     ex = llama(layers=1, batch=4, seq=8)
     plain_losses, plain_state, plain = _train(ex, autopar.Layout(fusion=False, **layout))
-    losses, state, step = _train(ex, autopar.Layout(fusion=True, **layout))
+    losses, state, step = _train(ex, autopar.Layout(fusion=True, **layout), mode)
     assert [r for r in step.pass_results if r.name == "fusion"][0].stats["kernels"] > 0
     assert "fusion" not in [r.name for r in plain.pass_results]  # the reference is unfused
     assert losses == plain_losses
     assert all(torch.equal(state[k], plain_state[k]) for k in plain_state)
+
+
+@pytest.mark.parametrize("factory, layout", [
+    (gpt2, autopar.Layout()), (llama, autopar.Layout()),
+    (llama, autopar.Layout(amp="bf16")), (gpt2, autopar.Layout(recompute="full"))],
+    ids=["gpt2", "llama", "llama-amp", "gpt2-recompute"])
+def test_each_region_output_is_its_own_storage(factory, layout):
+    """No two outputs of a region are (views of) one value and none views an input: a
+    view that only the rest of the graph reads is left outside, viewing the one output
+    (a kernel would write the elements twice; inline, the memory model would count one
+    storage twice)."""
+    from autopar.compiler.codegen.ops import moves_no_data
+
+    ex = factory(layers=2, batch=2, seq=16)
+    tg, _ = run_passes(autopar.trace(ex.model, ex.batch, ex.loss_fn), layout)
+    fused = [n for n in tg.graph.nodes if n.target is FUSED_OP]
+    assert fused
+    for node in fused:
+        body = region(node.args[0]).gm.graph
+        outs = body.output_node().args[0]
+        roots = []
+        for out in outs if isinstance(outs, (list, tuple)) else [outs]:
+            while out.op == "call_function" and moves_no_data(out) and not (
+                    out.target is operator.getitem and not moves_no_data(out.args[0])):
+                out = out.all_input_nodes[0]  # to the op that made it (a getitem's own)
+            assert out.op != "placeholder", f"{node.name} returns a view of its input {out}"
+            roots.append(out)
+        assert len(roots) == len(set(roots)), f"{node.name}: outputs share storage {roots}"
+
+
+def test_regions_run_inline_on_cpu_under_auto_and_compute_the_same():
+    """On CPU tensors under the backend "auto" the runtime runs the fused graph with each
+    region's ops inline (no region call keeps its inputs alive to its end); "eager" and
+    "triton" keep the region calls. The inline graph's values are the fallback's, bit for
+    bit."""
+    ex = gpt2(layers=2, batch=4, seq=16)
+    tg = autopar.trace(ex.model, ex.batch, ex.loss_fn)
+    out, _ = FuseRegions().run(tg, autopar.compiler.passes.base.PassContext())
+    params = [dict(ex.model.named_parameters())[p.name].detach() for p in tg.signature.params]
+    inputs = [*params, *ex.batch]
+    inline = runnable(out.gm, inputs)
+    assert inline is not out.gm and runnable(out.gm, inputs) is inline  # made once
+    assert FUSED_OP in {n.target for n in out.gm.graph.nodes}
+    assert FUSED_OP not in {n.target for n in inline.graph.nodes}
+    with backend("eager"):
+        assert runnable(out.gm, inputs) is out.gm
+        want = out.gm(*inputs)
+    with backend("triton"):
+        assert runnable(out.gm, inputs) is out.gm
+    got = inline(*inputs)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 def test_dropout_draws_its_mask_in_the_kernel_that_applies_it():

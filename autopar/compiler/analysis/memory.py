@@ -142,15 +142,22 @@ class GraphLiveness:
     outputs_bytes: int  # alive when the program ends (what it returns)
 
 
-def graph_liveness(summary: GraphSummary, fallbacks: bool = False) -> GraphLiveness:
+def graph_liveness(summary: GraphSummary, regions_inline: bool = False) -> GraphLiveness:
     """Walk the ops in order, adding each new storage and dropping it after its last use.
-    `fallbacks`: fused regions run their eager fallback (a CPU), which holds its
-    intermediates and outputs (`OpRecord.scratch`) while it runs."""
+    `regions_inline`: fused regions run as their ops inline (a CPU, where no kernel runs:
+    codegen/kernels.py's run rule), so a region's values come and go op by op inside it
+    and an input it reads last is freed after the op that reads it last
+    (`OpRecord.inline`); otherwise a region is one kernel."""
     ops = summary.ops
     last_use = last_uses(summary)
     freed_after: dict[int, list[int]] = {}
     for s, last in last_use.items():
         freed_after.setdefault(last, []).append(s)
+
+    def freeable(s: int) -> bool:
+        return bool(ops[s].allocates) and s not in summary.output_storages \
+            and ops[s].role != "input"
+
     live = dict.fromkeys(CATEGORIES, 0)
     peak, peak_op, at_peak, saved = 0, "", dict(live), None
     for i, op in enumerate(ops):
@@ -160,13 +167,39 @@ def graph_liveness(summary: GraphSummary, fallbacks: bool = False) -> GraphLiven
             live[_category(summary, i)] += op.allocates
         if sum(live.values()) > peak:
             peak, peak_op, at_peak = sum(live.values()), op.name, dict(live)
-        if fallbacks and op.scratch and sum(live.values()) + op.scratch > peak:
-            peak, peak_op = sum(live.values()) + op.scratch, op.name
-            at_peak = {**live, "temporaries": live["temporaries"] + op.scratch}
+        if regions_inline and op.inline:
+            peak, peak_op, at_peak = _replay_inline(summary, i, live, set(freed_after.get(i, ())),
+                                                    freeable, (peak, peak_op, at_peak))
         for s in freed_after.get(i, ()):
-            if ops[s].allocates and s not in summary.output_storages and ops[s].role != "input":
+            if freeable(s):
                 live[_category(summary, s)] -= ops[s].allocates
     return GraphLiveness(peak, peak_op, at_peak, saved or 0, live["gradients"])
+
+
+def _replay_inline(summary: GraphSummary, i: int, live: dict[str, int], dying: set[int],
+                   freeable, best: tuple[int, str, dict[str, int]]):
+    """The peak (bytes, op, by category) of `best` and of fused region i run op by op on
+    top of `live`: its values as OpRecord.inline makes and frees them (the outputs stay:
+    the getitems after it count them), and each input storage that dies with the region
+    (`dying`) freed after the region's last read of it."""
+    ops, op = summary.ops, summary.ops[i]
+    last_read: dict[int, int] = {}
+    for k, (_, _, reads) in enumerate(op.inline):
+        for j in reads:
+            s = ops[op.uses[j]].storage
+            if s is not None and s in dying and freeable(s):
+                last_read[s] = k
+    now, made = dict(live), 0
+    peak, peak_op, at_peak = best
+    for k, (makes, frees, _) in enumerate(op.inline):
+        made += makes
+        if sum(now.values()) + made > peak:
+            peak, peak_op = sum(now.values()) + made, op.name
+            at_peak = {**now, "temporaries": now["temporaries"] + made}
+        made -= frees
+        for s in [s for s, at in last_read.items() if at == k]:
+            now[_category(summary, s)] -= ops[s].allocates
+    return peak, peak_op, at_peak
 
 
 def last_uses(summary: GraphSummary) -> dict[int, int]:
@@ -231,9 +264,9 @@ def outside_graph_blocks(summary: GraphSummary, layout: Layout) -> list[int]:
 
 def step_memory(summary: GraphSummary, layout: Layout,
                 optimizer: str | OptimizerMemory = "adamw",
-                fallbacks: bool = False) -> MemoryPrediction:
+                regions_inline: bool = False) -> MemoryPrediction:
     """The predicted peak of one rank's (non-pipelined) step under `layout`;
-    `fallbacks` as for graph_liveness (True on a CPU device)."""
+    `regions_inline` as for graph_liveness (True on a CPU device)."""
     opt = optimizer_memory(optimizer)
     params, updated = held_parameter_bytes(summary, layout)
     inputs = sum(op.allocates for op in summary.ops if op.role == "input")
@@ -246,7 +279,7 @@ def step_memory(summary: GraphSummary, layout: Layout,
                                                         summary.param_itemsize, copies)
                          if dgc_compressed(n // k, size))
         static["optimizer_states"] += int((2 - opt.states) * compressed)
-    graph = graph_liveness(summary, fallbacks)
+    graph = graph_liveness(summary, regions_inline)
     in_graph = graph.at_peak
     in_graph_total = graph.peak_bytes
     optim_temps = int(opt.temporaries * max(updated, default=0))

@@ -78,7 +78,9 @@ class OpRecord:
     # a fused region: (op, flops, bytes, bytes allocated) of each op its eager fallback
     # runs (on a CPU)
     members: tuple[tuple[str, int, int, int], ...] = ()
-    scratch: int = 0  # a fused region: most bytes its eager fallback holds while it runs
+    # a fused region whose ops run inline (a CPU): per op, (bytes made, bytes freed after
+    # it, positions in `uses` of the inputs it reads last; passes/fuse_regions.inline_timeline)
+    inline: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
     layer: int | None = None  # the repeated block it belongs to (M.LAYER), None outside
 
 
@@ -197,7 +199,7 @@ def _record(node: fx.Node, index: dict[fx.Node, int], earlier: list[OpRecord]) -
     record = OpRecord(
         name=node.name, role=node.meta[M.ROLE].value, flops=flops, target=op_name(node),
         members=tuple(node.meta.get(M.FUSED_MEMBERS, ())),
-        scratch=node.meta.get(M.FUSED_SCRATCH, 0),
+        inline=_inline(node, index),
         model_flops=0 if node.meta.get(M.RECOMPUTED) else flops - attention_recompute_flops(node),
         bytes=node.meta.get(M.BYTES, 0), dtype=_dtype_of(node), uses=uses,
         collective=kind, comm_bytes=_comm_bytes(node, kind),
@@ -215,6 +217,19 @@ def _record(node: fx.Node, index: dict[fx.Node, int], earlier: list[OpRecord]) -
              if u.target is operator.getitem}  # owned by those getitems
     return replace(record, storage=len(earlier),
                    allocates=tensor_bytes(node.meta.get(M.VAL)) - sum(taken.values()))
+
+
+def _inline(node: fx.Node, index: dict[fx.Node, int]) -> tuple:
+    """A fused region's inline timeline with its inputs' positions in the region's input
+    list (M.FUSED_INLINE) turned into positions in the record's `uses` (inputs outside
+    the summary, parameters, drop out: the model never frees them)."""
+    timeline = node.meta.get(M.FUSED_INLINE, ())
+    if not timeline:
+        return ()
+    inputs = node.args[1]
+    at = {a: j for j, a in enumerate(a for a in node.all_input_nodes if a in index)}
+    return tuple((made, freed, tuple(at[inputs[p]] for p in reads if inputs[p] in at))
+                 for made, freed, reads in timeline)
 
 
 def _allocates(earlier: list[OpRecord], i: int | None) -> bool:

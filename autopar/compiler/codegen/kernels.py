@@ -21,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import operator
 import tempfile
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +36,7 @@ from autopar.compiler.codegen.triton_gen import (
     TensorArg,
     generate,
 )
+from autopar.compiler.ir.program import register_run_rule
 
 BACKENDS = ("auto", "triton", "eager")
 _state = {"backend": "auto", "dir": Path(tempfile.gettempdir()) / "autopar-kernels"}
@@ -153,3 +156,56 @@ def _fused_fake(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 FUSED_OP = torch.ops.autopar.fused.default
+
+
+# -- where no kernel runs: the regions' ops inline ------------------------------------------
+
+_INLINED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def inline_on_cpu(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> fx.GraphModule:
+    """The module the runtime runs on `inputs` (program.runnable's rule): `gm` itself, or
+    where its fused regions would all run their eager fallback under the backend "auto"
+    (CPU tensors), `gm` with each region's ops inline (`inline_regions`). The backend
+    "eager" keeps the region calls (the fallback region by region, as tests of the fused
+    graph ask for)."""
+    if _state["backend"] != "auto" or not inputs or inputs[0].is_cuda:
+        return gm
+    if gm not in _INLINED:
+        _INLINED[gm] = inline_regions(gm)
+    return _INLINED[gm]
+
+
+register_run_rule(inline_on_cpu)
+
+
+def inline_regions(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of `gm` with each fused region's call replaced by the region's own aten ops
+    (`gm` itself if it has none). The values are the fallback's (the same ops on the same
+    inputs); what changes is the call boundary: a region's inputs and intermediates are
+    freed after their last use inside it, as the unfused graph frees them, not when the
+    whole region returns, and no custom-op dispatch runs per region."""
+    calls = [n for n in gm.graph.nodes if n.target is FUSED_OP]
+    if not calls:
+        return gm
+    graph = fx.Graph()
+    remap: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, remap))
+    for call in calls:
+        node = remap[call]
+        key, inputs = node.args
+        body = region(key).gm.graph
+        places = [p for p in body.nodes if p.op == "placeholder"]
+        with graph.inserting_before(node):
+            outs = graph.graph_copy(body, dict(zip(places, inputs)))
+        outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+        for user in list(node.users):
+            if user.target is operator.getitem:
+                user.replace_all_uses_with(outs[user.args[1]])
+                graph.erase_node(user)
+            else:  # the list itself (a pipeline program returns it whole): the same values
+                user.args, user.kwargs = fx.node.map_aggregate(
+                    (user.args, user.kwargs), lambda a: list(outs) if a is node else a)
+        graph.erase_node(node)
+    graph.lint()
+    return fx.GraphModule(gm, graph)

@@ -48,7 +48,7 @@ FUSED_PROVENANCE = "autopar.fused_provenance"
 RECOMPUTED = "autopar.recomputed"  # str: the forward node a backward copy recomputes
 # tuple[(op name, flops, bytes, bytes allocated)]: the ops a fused region's fallback runs
 FUSED_MEMBERS = "autopar.fused_members"
-FUSED_SCRATCH = "autopar.fused_scratch"  # int: most bytes that fallback holds at once
+FUSED_INLINE = "autopar.fused_inline"  # its ops run inline: fusion.inline_timeline's steps
 
 REQUIRED_CALL_KEYS = (VAL, ROLE, MODULE_PATH)
 

@@ -9,6 +9,7 @@ dimension through the `group_name` argument, `mesh_group_tag("dp")` ==
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -105,3 +106,22 @@ def _bind(arg, group_names: dict[str, str]):
                                f"but the runtime mesh has only {sorted(group_names)}")
         return group_names[dim]
     return arg
+
+
+# The module the runtime runs for given inputs: a program as compiled, unless a code
+# generator whose ops a program holds registers a rule for it (codegen/kernels.py: fused
+# regions inline where no kernel would run). A rule maps (module, inputs) to a module.
+_RUN_RULES: list[Callable[[fx.GraphModule, list[torch.Tensor]], fx.GraphModule]] = []
+
+
+def register_run_rule(rule: Callable[[fx.GraphModule, list[torch.Tensor]],
+                                     fx.GraphModule]) -> None:
+    if rule not in _RUN_RULES:
+        _RUN_RULES.append(rule)
+
+
+def runnable(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> fx.GraphModule:
+    """What the runtime runs for `gm` on `inputs` (the registered rules, in order)."""
+    for rule in _RUN_RULES:
+        gm = rule(gm, inputs)
+    return gm

@@ -164,18 +164,59 @@ def _trim_views(nodes: list[fx.Node]) -> list[fx.Node]:
         nodes = [n for n in nodes if n not in edge]
 
 
+def _storage_roots(nodes: list[fx.Node]) -> dict[fx.Node, fx.Node]:
+    """Each node's storage owner as eager runs the ops: itself, for a view the owner of
+    what it views (a node outside the region when it views an input); a getitem of an op
+    that computes several outputs owns its output (a layer norm's mean dies apart from
+    its result), a getitem of a view op's list (split) views what that op views."""
+    root: dict[fx.Node, fx.Node] = {}
+    for n in nodes:
+        first = n.all_input_nodes[0] if n.all_input_nodes else n
+        computed = n.target is operator.getitem and not moves_no_data(first)
+        root[n] = root.get(first, first) if moves_no_data(n) and not computed else n
+    return root
+
+
+def _distinct_outputs(nodes: list[fx.Node], outputs: list[fx.Node]):
+    """The region's outputs with no two of one storage: where several outputs are (views
+    of) one value of the region, that value is the output and the views are made again
+    outside from it (a kernel would write the elements twice; inline, one storage would
+    stand for two in the cost model). Returns (outputs, [(value, [view, ...])]): each
+    re-made view with the chain of views from its value to it, in order."""
+    inside = set(nodes)
+    root = _storage_roots(nodes)
+    by_root: dict[fx.Node, list[fx.Node]] = {}
+    for o in outputs:
+        by_root.setdefault(root[o], []).append(o)
+    kept, views = [], []
+    for o in outputs:
+        r = root[o]
+        if r not in inside or len(by_root[r]) == 1:  # its own storage (or an input's view)
+            kept.append(o)
+            continue
+        if r not in kept:
+            kept.append(r)
+        if o is not r:
+            chain = [o]
+            while chain[-1].all_input_nodes[0] is not r:
+                chain.append(chain[-1].all_input_nodes[0])
+            views.append((r, chain[::-1]))
+    return kept, views
+
+
 class _Region:
     """One candidate partition, its generated kernel and its byte accounting."""
 
     def __init__(self, nodes: list[fx.Node]):
         self.nodes = nodes
-        self.inputs, self.outputs = _region_io(nodes)
+        self.inputs, outputs = _region_io(nodes)
+        self.outputs, self.views = _distinct_outputs(nodes, outputs)
         self.args = [TensorArg(tuple(a.meta[M.VAL].shape), tuple(a.meta[M.VAL].stride()),
                                a.meta[M.VAL].dtype) for a in self.inputs]
         self.bytes_before = _bytes_unfused(nodes)
         self.bytes_after = sum(map(_bytes_read, self.inputs, [set(nodes)] * len(self.inputs))) \
             + sum(tensor_bytes(n.meta.get(M.VAL)) for n in self.outputs)
-        self.fallback_peak = _fallback_peak(nodes, set(self.outputs))
+        self.inline = inline_timeline(nodes, self.inputs, self.outputs)
 
     @functools.cached_property
     def gm(self) -> fx.GraphModule:
@@ -203,22 +244,41 @@ def _bytes_read(value: fx.Node, inside: set[fx.Node]) -> int:
     return whole
 
 
-def _fallback_peak(nodes: list[fx.Node], outputs: set[fx.Node]) -> int:
-    """Most bytes the eager fallback holds at once while it runs the region: the values
-    it makes (views and getitems make none), each until its last reader in the region,
-    the region's outputs until the end."""
-    inside = set(nodes)
-    last = {n: max((i for i, u in enumerate(nodes) if u in n.users), default=len(nodes))
-            for n in nodes}
-    live, peak = {}, 0
-    for i, n in enumerate(nodes):
-        if not moves_no_data(n):
-            live[n] = tensor_bytes(n.meta.get(M.VAL))
-        peak = max(peak, sum(live.values()))
-        for v in [v for v in live if v not in outputs and last[v] <= i
-                  and all(u in inside for u in v.users)]:
-            del live[v]
-    return peak
+def inline_timeline(nodes: list[fx.Node], inputs: list[fx.Node],
+                    outputs: list[fx.Node]) -> tuple[tuple[int, int, tuple[int, ...]], ...]:
+    """The region's memory when its ops run inline, as the runtime runs them where no
+    kernel does (a CPU: codegen/kernels.py's run rule): per op, (bytes it makes, bytes
+    of region values freed after it, the positions in `inputs` whose last read in the
+    region it is). Storage as `_storage_roots` has it: views make nothing and keep what
+    they view alive; a value lives until the last op reading it or a view of it, the
+    outputs to the end. The memory model replays it (analysis/memory.graph_liveness)."""
+    root = _storage_roots(nodes)
+    last: dict[fx.Node, int] = {}
+    for k, n in enumerate(nodes):
+        for a in n.all_input_nodes:
+            last[root.get(a, a)] = k
+    kept = {root[o] for o in outputs}
+    index = {n: k for k, n in enumerate(nodes)}
+    made = [0] * len(nodes)
+    freed = [0] * len(nodes)
+    for k, n in enumerate(nodes):
+        if root[n] is not n:
+            continue
+        nbytes = tensor_bytes(n.meta.get(M.VAL))
+        # a getitem's output is made by the op it takes it from, which keeps the
+        # outputs nobody takes until its last getitem
+        maker = index.get(n.args[0], k) if n.target is operator.getitem else k
+        if n.target is not operator.getitem:
+            nbytes -= sum(tensor_bytes(u.meta.get(M.VAL)) for u in n.users
+                          if u.target is operator.getitem and root.get(u) is u)
+        made[maker] += nbytes
+        if n not in kept:  # freed after its last reader (at once when nothing reads it)
+            freed[max(last.get(n, maker), maker)] += nbytes
+    dying: dict[int, list[int]] = {}
+    for p, a in enumerate(inputs):
+        if a in last:
+            dying.setdefault(last[a], []).append(p)
+    return tuple((made[k], freed[k], tuple(dying.get(k, ()))) for k in range(len(nodes)))
 
 
 def _candidates(tg: TrainGraph, rejected: dict[fx.Node, str]) -> list[list[fx.Node]]:
@@ -246,8 +306,8 @@ def _replace(tg: TrainGraph, region: _Region, key: str, name: str) -> list[fx.No
                   M.BYTES: region.bytes_after, FUSED_KEY: key,
                   FUSED_OPS: [n.name for n in region.nodes],
                   M.FUSED_PROVENANCE: tuple(M.Provenance(n) for n in region.nodes),
-                  # what the eager fallback runs (a CPU step): costed op by op
-                  M.FUSED_SCRATCH: region.fallback_peak,
+                  # what runs where no kernel does (a CPU step): costed op by op
+                  M.FUSED_INLINE: region.inline,
                   M.FUSED_MEMBERS: tuple(
                       (op_name(n), n.meta.get(M.FLOPS, 0), n.meta.get(M.BYTES, 0),
                        0 if moves_no_data(n) else tensor_bytes(n.meta.get(M.VAL)))
@@ -259,8 +319,17 @@ def _replace(tg: TrainGraph, region: _Region, key: str, name: str) -> list[fx.No
             item = graph.call_function(operator.getitem, (fused, index))
         item.meta = {**old.meta, M.CREATED_BY: "fusion", M.BYTES: 0, M.FLOPS: 0,
                      M.COMPUTES: old.meta.get(M.COMPUTES, (old.name, M.op_key(old)))}
-        old.replace_all_uses_with(item)
         items.append(item)
+    remade = []
+    for value, chain in region.views:  # outputs that view another one: viewed outside
+        made = {value: items[region.outputs.index(value)]}
+        for view in chain:
+            with graph.inserting_after(made[view.all_input_nodes[0]]):
+                made[view] = graph.node_copy(view, lambda a: made.get(a, a))
+            made[view].meta[M.CREATED_BY] = "fusion"
+        remade.append((chain[-1], made[chain[-1]]))
+    for old, new in [*zip(region.outputs, items), *remade]:
+        old.replace_all_uses_with(new)
     for old in reversed(region.nodes):
         graph.erase_node(old)
     return items

@@ -327,7 +327,7 @@ class Estimator:
                                                  programs, replays)
         elif entry.graph is not None:
             ranks = pipeline_memory_per_rank(entry.graph, layout, self.optimizer,
-                                             fallbacks=self.cluster.device.kind == "cpu")
+                                             regions_inline=self.cluster.device.kind == "cpu")
         else:
             return None
         return max(ranks, key=lambda m: m.peak_bytes)

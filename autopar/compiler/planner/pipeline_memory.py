@@ -80,9 +80,9 @@ class SentBuffers:
 class _Replay:
     """Bytes alive on one rank while its actions run."""
 
-    def __init__(self, program: PipelineProgram, pp_rank: int, fallbacks: bool = False):
+    def __init__(self, program: PipelineProgram, pp_rank: int, regions_inline: bool = False):
         self.program, self.pp = program, program.schedule.pp
-        self.fallbacks = fallbacks
+        self.regions_inline = regions_inline
         self.stages = {p.stage: p for p in program.stages if p.stage % self.pp == pp_rank}
         self.part_keys = {k for parts in program.grad_parts for k in parts}
         self.live = dict.fromkeys(CATEGORIES, 0)
@@ -98,7 +98,7 @@ class _Replay:
             gm, outputs = {"F": (p.forward, p.f_outputs), "B": (p.backward, p.b_outputs),
                            "I": p.input_grad[::2] if p.input_grad else None,
                            "W": p.weight_grad[::2] if p.weight_grad else None}[kind]
-            self._programs[stage, kind] = (graph_liveness(summarize_program(gm), self.fallbacks),
+            self._programs[stage, kind] = (graph_liveness(summarize_program(gm), self.regions_inline),
                                           outputs)
         return self._programs[stage, kind]
 
@@ -179,8 +179,8 @@ def held_parameter_bytes(program: PipelineProgram, pp_rank: int) -> tuple[int, l
 
 def pipeline_memory(program: PipelineProgram, pp_rank: int,
                     optimizer: str | OptimizerMemory = "adamw",
-                    fallbacks: bool = False) -> MemoryPrediction:
-    """The predicted peak of pipeline rank `pp_rank`'s step (`fallbacks`: fused regions
+                    regions_inline: bool = False) -> MemoryPrediction:
+    """The predicted peak of pipeline rank `pp_rank`'s step (`regions_inline`: fused regions
     run their eager fallback, as on a CPU: memory.graph_liveness)."""
     opt = optimizer_memory(optimizer)
     params, updated, gathered = held_parameter_bytes(program, pp_rank)
@@ -189,7 +189,7 @@ def pipeline_memory(program: PipelineProgram, pp_rank: int,
               "buffers": sum(math.prod(b.shape) * b.dtype.itemsize for b in program.buffers),
               "optimizer_states": int(opt.states * sum(updated) + opt.counter_bytes * len(updated)),
               "inputs": m * sum(math.prod(e.shape) * e.dtype.itemsize for e in program.inputs)}
-    replay = _Replay(program, pp_rank, fallbacks)
+    replay = _Replay(program, pp_rank, regions_inline)
     replay.live.update(static)
     replay.live["parameters"] += gathered  # ZeRO-3: gathered for the schedule
     actions = program.schedule.ranks[pp_rank]
@@ -208,9 +208,9 @@ def pipeline_memory(program: PipelineProgram, pp_rank: int,
 
 
 def pipeline_memory_per_rank(tg, layout, optimizer: str | OptimizerMemory = "adamw",
-                             fallbacks: bool = False) -> list[MemoryPrediction]:
+                             regions_inline: bool = False) -> list[MemoryPrediction]:
     """Each pipeline rank's predicted peak for a stage-assigned TrainGraph under `layout`."""
     from autopar.compiler.lowering.lower_pipeline import lower_pipeline
 
     program = lower_pipeline(tg, layout)
-    return [pipeline_memory(program, rank, optimizer, fallbacks) for rank in range(layout.pp)]
+    return [pipeline_memory(program, rank, optimizer, regions_inline) for rank in range(layout.pp)]

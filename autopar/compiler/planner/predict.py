@@ -39,7 +39,7 @@ def predict(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
     per_device = flops / devices / seconds if seconds > 0 else 0.0
     peak = cluster.peak_flops_for(compute_dtype or summary.compute_dtype())
     if memory is None:
-        memory = step_memory(summary, layout, optimizer, fallbacks=cluster.device.kind == "cpu")
+        memory = step_memory(summary, layout, optimizer, regions_inline=cluster.device.kind == "cpu")
     return Prediction(
         step_time_s=seconds, flops_per_step=flops, tflops_per_device=per_device / 1e12,
         mfu=per_device / peak, peak_memory_bytes=memory.peak_bytes,
