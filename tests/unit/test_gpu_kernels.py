@@ -78,11 +78,14 @@ def test_dropout_fuses_with_the_kernels_around_it():
 
 def test_dropout_costs_its_one_byte_masks_on_a_gpu_cluster():
     """GPT-2 (2 blocks, hidden 64, 4 heads, 8 x 256 tokens) on 8 GPUs: with dropout a rank
-    keeps at most its 5 bool masks of 1 x 256 x 64 more, under every recompute policy.
-    (The CPU's trace kept 4.0-6.3 MB more, 2.0-2.6x the peak: fp32 masks, and 4 x 256^2
-    attention probabilities, their mask and the dropped ones per block.)"""
+    keeps at most its 5 bool masks of 1 x 256 x 64 more, and one fp32 gradient of that
+    size (the gradient through a dropout is a tensor of its own, beside the residual's;
+    without dropout the block's output gradient is the residual's, one storage), under
+    every recompute policy. (The CPU's trace kept 4.0-6.3 MB more, 2.0-2.6x the peak:
+    fp32 masks, and 4 x 256^2 attention probabilities, their mask and the dropped ones
+    per block.)"""
     cluster = autopar.ClusterSpec.preset("dgx-a100-80gb")
-    masks = 5 * 1 * 256 * 64
+    masks = 5 * 1 * 256 * 64 + 1 * 256 * 64 * 4
     for recompute in ("none", "selective", "full"):
         layout = autopar.Layout(dp=8, recompute=recompute)
         peaks = [autopar.estimate(ex.model, cluster, layout, ex.batch, ex.loss_fn).peak_memory_bytes
