@@ -18,16 +18,18 @@ from autopar.compiler.planner.plan import plan
 from autopar.compiler.planner.result import Plan, Prediction
 from autopar.compiler.planner.search import PlanArgumentError, PlanError
 from autopar.costs import Efficiency
-from autopar.layout import Layout, LayoutError
+from autopar.compiler.lowering.lower_ps import PSSplitError
+from autopar.layout import Layout, LayoutError, PSLayout
 from autopar.runtime.checkpoint import CheckpointError
 from autopar.runtime.mesh import WorldSizeError
+from autopar.runtime.ps import PSError, TokenError
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BisectError", "BisectReport", "CheckpointError", "ClusterSpec", "CollectiveMismatch", "Efficiency", "GraphPass", "Layout", "LayoutError",
     "PassContext", "PassManager", "PassOptions", "PassResult", "Plan", "PlanArgumentError",
-    "PlanError",
+    "PlanError", "PSError", "PSLayout", "PSSplitError", "TokenError",
     "Prediction", "TraceError", "TrainGraph", "WorldSizeError", "bisect", "check", "compile", "default_passes",
     "estimate", "plan", "register_pass", "run_passes", "trace",
 ]

@@ -22,19 +22,23 @@ from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.ir.trace import local_example, trace_train_step
 from autopar.compiler.lowering.lower import to_program
 from autopar.compiler.lowering.lower_pipeline import lower_pipeline
+from autopar.compiler.lowering.lower_ps import split_for_ps
 from autopar.compiler.passes.amp_policy import parse_amp_lists
 from autopar.compiler.passes.base import GraphPass, PassOptions
 from autopar.compiler.passes.defaults import is_pipelined, run_passes
+from autopar.compiler.planner.ps_cost import compare_ps
 from autopar.compiler.planner.result import Plan
 from autopar.costs import dp_node_split
 from autopar.layout import Layout, LayoutError
 from autopar.logs import configure_from_env
+from autopar.runtime import ps as ps_runtime
 from autopar.runtime.dgc import DGCPipelineStep, DGCStep
 from autopar.runtime.dgc import check_optimizer as check_dgc_optimizer
 from autopar.runtime.executor import DistributedStep, OptimizerFactory
 from autopar.runtime.local_sgd import LocalSGDPipelineStep, LocalSGDStep
 from autopar.runtime.mesh import launched_rank, launched_world_size
 from autopar.runtime.pipeline import PipelineStep
+from autopar.runtime.ps import PSServer, PSTrainer
 
 log = logging.getLogger("autopar")
 
@@ -85,6 +89,8 @@ def compile(model: torch.nn.Module,
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be an autopar.Layout or Plan, got {type(layout).__name__}")
     layout.check_world_size(world)
+    if layout.ps is not None:
+        return build_ps(model, cluster, example_inputs, objective, optimizer, layout)
     step = build_step(model, cluster, example_inputs, objective, optimizer, layout, passes,
                       amp_lists)
     step.plan = plan  # the Plan it came from (layout=None or a Plan), else None
@@ -158,6 +164,79 @@ def build_step(model: torch.nn.Module, cluster: ClusterSpec | None, example_inpu
     step.pass_results = results
     step.train_graph = tg  # the rewritten graph the step runs (to inspect, or cost)
     return step
+
+
+def build_ps(model: torch.nn.Module, cluster: ClusterSpec | None, example_inputs: tuple,
+             objective: Objective, optimizer: OptimizerFactory,
+             layout: Layout) -> PSServer | PSTrainer:
+    """This rank's part of a parameter-server job (runtime/ps.py): the first
+    `layout.ps.servers` ranks serve the tables, the others train. Both carry
+    `comparison`: the tables' traffic priced against all-reducing their gradients."""
+    ps = layout.ps
+    if not example_inputs:
+        raise ValueError("compile needs example_inputs: one global batch, as passed to the step")
+    local = local_example(example_inputs, layout)
+    program = split_for_ps(trace_train_step(model, local, objective), ps.tables)
+    for table in program.tables:
+        if ps.servers > table.rows:
+            raise LayoutError(f"Layout.ps.servers={ps.servers} is more than the {table.rows} "
+                              f"rows of table {table.name!r}: a server would hold no row; use "
+                              f"at most {table.rows} servers")
+    if ps.mode == "geo":
+        ps_runtime.geo_learning_rate(optimizer)
+    else:
+        ps_runtime.table_optimizer(optimizer)  # an optimizer the servers lack fails here
+    comparison = compare_ps(program, _unique_per_pull(program, model, local), layout,
+                            cluster or ClusterSpec.local(layout.world_size))
+    log.info("parameter servers: %s", comparison)
+    token = ps_runtime.job_token()
+    world, rank = layout.world_size, launched_rank()
+    trainers = range(ps.servers, world)
+    group = None
+    if ps.dense_policy == "allreduce" and layout.dp > 1:
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        group = dist.new_group(list(trainers))
+    named = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    if rank < ps.servers:
+        dense = [(e.name, named[e.name]) for i, e in enumerate(program.dense)
+                 if ps.dense_policy == "servers" and i % ps.servers == rank]
+        init = [None if named[t.name].is_meta else named[t.name] for t in program.tables]
+        server = PSServer(rank, ps, layout.dp, program.tables, init, dense, optimizer, token)
+        server.transport_factory = lambda: ps_runtime.RpcTransport(
+            ps_runtime.server_name(rank), rank, world, token)
+        server.program, server.comparison = program, comparison
+        return server
+    transport = ps_runtime.RpcTransport(ps_runtime.trainer_name(rank - ps.servers), rank,
+                                        world, token)
+    trainer = PSTrainer(program, ps, rank - ps.servers, layout.dp, named, buffers, optimizer,
+                        transport, group)
+    trainer.objective, trainer.comparison = objective, comparison
+    return trainer
+
+
+def _unique_per_pull(program, model: torch.nn.Module, local: tuple) -> list[int]:
+    """Distinct ids of each pull on one trainer's example batch: the program run once
+    with zero rows for every pull; it returns each pull's ids (then -1s)."""
+    from autopar.compiler.ir import ps_ops
+
+    named = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+    def value(entry) -> torch.Tensor:
+        t = named[entry.name]
+        return torch.zeros(entry.shape, dtype=entry.dtype) if t.is_meta else t.detach()
+
+    ps_ops.bind_reader(lambda table, ids: torch.zeros(ids.numel(), program.tables[table].dim,
+                                                      dtype=program.tables[table].dtype))
+    try:
+        with torch.no_grad():
+            outs = program.gm(*[value(e) for e in program.dense],
+                              *[value(b) for b in program.buffers], *local)
+    finally:
+        ps_ops.bind_reader(None)
+    first = 1 + len(program.dense)
+    return [int((outs[first + 2 * k + 1] >= 0).sum()) for k in range(len(program.pulls))]
 
 
 def _pipeline_levels(layout: Layout, cluster: ClusterSpec | None,

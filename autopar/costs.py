@@ -138,6 +138,19 @@ def hierarchical_all_gather(nbytes: float, per_node: int, nodes: int, intra: Lin
             + ring_all_gather(nbytes, per_node, intra, eff))
 
 
+def ps_exchange_time(pull_bytes: float, push_bytes: float, trainers: int, servers: int,
+                     link: LinkSpec, eff: float = 1.0) -> float:
+    """One step's pull and push of a parameter-server trainer, every trainer at once:
+    each trainer's bytes go out through its own port, split over the servers; each
+    server's port takes 1/servers of every trainer's bytes. The slower port decides,
+    plus one round trip per direction (the servers are asked in parallel)."""
+    if trainers < 1 or servers < 1:
+        raise ValueError(f"trainers and servers must be >= 1, got {trainers}, {servers}")
+    total = pull_bytes + push_bytes
+    port = max(total, trainers * total / servers)
+    return port / (link.bandwidth * eff) + 2 * link.latency_s
+
+
 def collective_time(kind: str, nbytes: float, group_size: int, cluster: ClusterSpec,
                     stride: int = 1, eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
     """Seconds for one collective over `group_size` ranks `stride` apart (the product of

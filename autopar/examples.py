@@ -143,6 +143,58 @@ def mlp(batch: int = 16, seed: int = 0) -> Example:
                                              generator=torch.Generator().manual_seed(seed + 1 + step)),))
 
 
+class CTR(torch.nn.Module):
+    """A DLRM-style click-through-rate model: each sparse field's multi-hot ids through
+    its own EmbeddingBag (sum), the dense features through a bottom MLP, all of them
+    concatenated into a top MLP that gives one logit per example."""
+
+    def __init__(self, fields: int = 4, rows: int = 10_000, dim: int = 16, dense: int = 13,
+                 hidden: int = 64):
+        super().__init__()
+        self.tables = torch.nn.ModuleList(torch.nn.EmbeddingBag(rows, dim, mode="sum")
+                                          for _ in range(fields))
+        self.bottom = torch.nn.Sequential(torch.nn.Linear(dense, dim), torch.nn.ReLU())
+        self.top = torch.nn.Sequential(torch.nn.Linear(dim * (fields + 1), hidden),
+                                       torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
+
+    def forward(self, sparse: torch.Tensor, dense: torch.Tensor,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        pooled = [table(sparse[:, f]) for f, table in enumerate(self.tables)]
+        return self.top(torch.cat(pooled + [self.bottom(dense)], 1)).squeeze(1)
+
+
+def ctr_loss(logits: torch.Tensor, sparse: torch.Tensor, dense: torch.Tensor,
+             labels: torch.Tensor) -> torch.Tensor:
+    return F.binary_cross_entropy_with_logits(logits, labels)
+
+
+def criteo_like(batch: int, fields: int, rows: int, hot: int, seed: int,
+                dense: int = 13) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A synthetic Criteo-like batch: per field `hot` ids with a power-law frequency
+    (id rank r drawn with probability ~ 1/r, then hashed over the table as Criteo's
+    features are), 13 dense features, and labels from a planted per-id score, so a
+    model that learns its rows lowers the loss."""
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.rand(batch, fields, hot, generator=gen, dtype=torch.float64)
+    rank = torch.floor(torch.pow(float(rows), u)).long() - 1  # log-uniform: P(r) ~ 1/r
+    field = torch.arange(fields).view(1, fields, 1)
+    ids = (rank * 2654435761 + field * 97_003) % rows
+    x = torch.randn(batch, dense, generator=gen)
+    score = torch.sin(ids.double() * 12.9898).float().sum((1, 2)) + x[:, 0]
+    labels = torch.bernoulli(torch.sigmoid(score), generator=gen)
+    return ids, x, labels
+
+
+def ctr(fields: int = 4, rows: int = 10_000, dim: int = 16, hot: int = 3, batch: int = 64,
+        seed: int = 0) -> Example:
+    torch.manual_seed(seed)
+    model = CTR(fields, rows, dim)
+    return Example(model, criteo_like(batch, fields, rows, hot, seed), ctr_loss,
+                   f"CTR model: {fields} EmbeddingBag tables of {rows:,} x {dim}, an MLP; "
+                   f"synthetic Criteo-like batches of {batch}",
+                   lambda step: criteo_like(batch, fields, rows, hot, seed + 1 + step))
+
+
 # Small sizes for any transformers architecture; configs map these standard names to
 # their own (GPT-2's n_embd, ...) through `attribute_map`. Dropout off for exact parity.
 _TINY_HF = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -191,6 +243,7 @@ EXAMPLES: dict[str, Callable[..., Example]] = {
     "neox-small4": lambda **kw: neox(**{"layers": 4, "hidden": 256, "heads": 8, "vocab": 32000,
                                         "batch": 16, "seq": 128, **kw}),
     "mlp": mlp,
+    "ctr": ctr,
 }
 
 

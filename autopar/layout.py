@@ -17,10 +17,73 @@ AMP = ("off", "bf16", "fp16")
 COMM_DTYPES = (None, "fp32", "bf16", "fp16")
 ALLREDUCE = ("flat", "hierarchical")
 DGC_TOPK = ("exact", "sampled")
+PS_MODES = ("sync", "async", "half-async", "geo")
+PS_DENSE = ("allreduce", "servers")
 
 
 class LayoutError(ValueError):
     """A Layout that cannot be used: the message names the field and what would work."""
+
+
+@dataclass(frozen=True)
+class PSLayout:
+    """Parameter-server training (docs/parameter_server.md): `servers` processes hold
+    the embedding tables, sharded by row id; the other `Layout.dp` processes train.
+
+    mode: "sync" (a server applies once every trainer has pushed), "async" (on each
+    push), "half-async" (once `fraction` of the trainers have pushed) or "geo" (trainers
+    train their rows locally and push the change every `geo_k` steps). dense: where the
+    other parameters live: "allreduce" (on every trainer, gradients averaged every step)
+    or "servers" (held and updated there too, so no trainer waits for another); None
+    chooses "allreduce" in sync mode and "servers" otherwise. tables: the parameters the
+    servers hold; None: every parameter read only by embedding lookups.
+    """
+
+    servers: int = 1
+    mode: str = "sync"
+    fraction: float | None = None
+    geo_k: int | None = None
+    dense: str | None = None
+    tables: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tables, list):
+            object.__setattr__(self, "tables", tuple(self.tables))
+        self.validate()
+
+    @property
+    def dense_policy(self) -> str:
+        if self.dense is not None:
+            return self.dense
+        return "allreduce" if self.mode == "sync" else "servers"
+
+    def validate(self) -> None:
+        if not isinstance(self.servers, int) or isinstance(self.servers, bool) or self.servers < 1:
+            raise LayoutError(f"Layout.ps.servers must be a positive integer, got {self.servers!r}")
+        if self.mode not in PS_MODES:
+            raise LayoutError(f"Layout.ps.mode must be one of {list(PS_MODES)}, got {self.mode!r}")
+        if self.dense is not None and self.dense not in PS_DENSE:
+            raise LayoutError(f"Layout.ps.dense must be one of {list(PS_DENSE)} or None, got "
+                              f"{self.dense!r}")
+        if self.mode == "half-async":
+            f = self.fraction
+            if not (isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f <= 1):
+                raise LayoutError(f"Layout.ps.mode='half-async' waits for a fraction of the "
+                                  f"trainers: Layout.ps.fraction must be a number in (0, 1], "
+                                  f"got {f!r}")
+        elif self.fraction is not None:
+            raise LayoutError(f"Layout.ps.fraction is for mode='half-async', not {self.mode!r}")
+        if self.mode == "geo":
+            k = self.geo_k
+            if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+                raise LayoutError(f"Layout.ps.mode='geo' pushes every k steps: Layout.ps.geo_k "
+                                  f"must be an integer >= 1, got {k!r}")
+        elif self.geo_k is not None:
+            raise LayoutError(f"Layout.ps.geo_k is for mode='geo', not {self.mode!r}")
+        if self.mode != "sync" and self.dense == "allreduce":
+            raise LayoutError(f"Layout.ps.dense='allreduce' makes every trainer wait for every "
+                              f"other each step, which mode={self.mode!r} exists to avoid; use "
+                              f"dense='servers' (or mode='sync')")
 
 
 @dataclass(frozen=True)
@@ -62,13 +125,17 @@ class Layout:
     dgc_rampup: int = 0
     dgc_clip: float | None = None
     dgc_topk: str = "exact"
+    # parameter-server training: the servers and how trainers use them (None: no servers)
+    ps: PSLayout | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.ps, dict):
+            object.__setattr__(self, "ps", PSLayout(**self.ps))
         self.validate()
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp + (self.ps.servers if self.ps else 0)
 
     def validate(self) -> None:
         for name in ("dp", "tp", "pp", "microbatches", "virtual_stages"):
@@ -98,6 +165,21 @@ class Layout:
                               "ranks and needs dp > 1")
         self._validate_local_sgd()
         self._validate_dgc()
+        self._validate_ps()
+
+    def _validate_ps(self) -> None:
+        if self.ps is None:
+            return
+        if not isinstance(self.ps, PSLayout):
+            raise LayoutError(f"Layout.ps must be a PSLayout (or its fields as a dict), got "
+                              f"{self.ps!r}")
+        others = {name: getattr(self, name) for name in
+                  ("tp", "pp", "zero", "microbatches", "local_sgd", "dgc", "amp", "recompute")
+                  if getattr(self, name) != _DEFAULTS[name]}
+        if others:
+            raise LayoutError(f"Layout.ps trains data-parallel trainers against parameter "
+                              f"servers; it does not combine with {others} yet: leave those "
+                              f"at their defaults")
 
     def _validate_local_sgd(self) -> None:
         period, warmup = self.local_sgd, self.local_sgd_warmup
@@ -167,7 +249,13 @@ class Layout:
                               f"not built there); use dgc_clip=None, or tp=pp=1")
 
     def check_world_size(self, world_size: int) -> None:
-        """Refuse a layout whose dp*tp*pp is not the number of processes."""
+        """Refuse a layout whose dp*tp*pp (+ servers) is not the number of processes."""
+        if self.ps is not None and self.world_size != world_size:
+            raise LayoutError(
+                f"{self} needs {self.ps.servers} server(s) + dp={self.dp} trainer(s) = "
+                f"{self.world_size} processes, but the world size is {world_size}: start it "
+                f"with `torchrun --nproc-per-node {self.world_size}` or use "
+                f"dp={world_size - self.ps.servers}")
         if self.world_size != world_size:
             raise LayoutError(
                 f"{self} needs dp*tp*pp = {self.world_size} processes, but the world size is "
@@ -237,3 +325,4 @@ def _check_choice(name: str, value: Any, choices: tuple) -> None:
 
 
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(Layout))
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(Layout)}

@@ -104,6 +104,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     from autopar.layout import LayoutError
     from autopar.train_worker import EVENT_PREFIX
 
+    if args.ps_servers is not None:
+        return _train_ps(args)
+    args.optimizer = args.optimizer or "adamw"
+    args.lr = 1e-3 if args.lr is None else args.lr
+    if args.optimizer not in ("adamw", "sgd"):
+        raise SystemExit(f"autopar train: --optimizer {args.optimizer} is for --ps-servers; "
+                         f"collective layouts train with adamw or sgd")
     try:
         layout = _train_layout(args)
     except LayoutError as exc:
@@ -148,6 +155,63 @@ def cmd_train(args: argparse.Namespace) -> int:
         console.print(f"[red]training failed[/red] (torchrun exit code {code})")
         return code
     return 0 if parity_ok else 3
+
+
+def _train_ps(args: argparse.Namespace) -> int:
+    """`autopar train MODEL --ps-servers S`: S servers and --nproc trainers on this
+    machine (autopar/ps_worker.py), with the lead trainer's progress."""
+    from autopar.layout import Layout, LayoutError, PSLayout
+    from autopar.ps_worker import PSJob
+
+    trainers = args.nproc or 2
+    try:
+        Layout(dp=trainers, ps=PSLayout(servers=args.ps_servers, mode=args.mode,
+                                        fraction=args.fraction, geo_k=args.geo_k,
+                                        dense=args.dense))
+    except LayoutError as exc:
+        raise SystemExit(f"autopar train: {exc}") from exc
+    if args.elastic or args.plan or args.parity or args.save:
+        raise SystemExit("autopar train: --ps-servers runs its own launcher; --elastic, "
+                         "--plan, --parity and --save are for collective layouts")
+    worker = [args.model, "--mode", args.mode, "--steps", str(args.steps),
+              "--lr", str(0.05 if args.lr is None else args.lr),
+              "--optimizer", args.optimizer or "adagrad"]
+    for flag, value in (("--fraction", args.fraction), ("--geo-k", args.geo_k),
+                        ("--dense", args.dense), ("--slow", args.slow_trainer)):
+        if value is not None:
+            worker += [flag, str(value)]
+    job = PSJob(worker, servers=args.ps_servers, trainers=trainers, mode=args.mode).start()
+    show = _Progress(args.steps, fancy=sys.stdout.isatty())
+    dead: set[int] = set()
+    failed = None
+    pushed = {}
+    for event in job.events():
+        kind = event["event"]
+        lead = min(set(range(trainers)) - dead, default=None)
+        if kind == "trainer_died":
+            dead.add(event["trainer"])
+            show._say(f"[yellow]trainer {event['trainer']} died[/yellow] (exit code "
+                      f"{event['code']}); mode={args.mode}: the servers stop waiting for it "
+                      f"and the other trainers go on")
+        elif kind == "failed":
+            failed = event["why"]
+        elif kind == "server":
+            show._say(f"server {event['server']}: {event['pushes']} pushes, "
+                      f"{event['applied']} updates")
+        elif kind == "trainer_done":
+            pushed[event["trainer"]] = event
+        elif kind in ("compiled", "step") and event.get("trainer") == lead:
+            show.handle(event)
+            if kind == "compiled":
+                show._say(f"cost model: {event['comparison']}")
+    show.close()
+    for j, event in sorted(pushed.items()):
+        console.print(f"trainer {j}: {event['pushed_bytes'] / 2**20:.2f} MiB of rows pushed, "
+                      f"{event['pulled_bytes'] / 2**20:.2f} MiB pulled")
+    if failed:
+        console.print(f"[red]training failed[/red]: {failed}")
+        return 1
+    return 0
 
 
 def _elastic_command(args: argparse.Namespace, nproc: int, layout_arg: str) -> list[str]:
@@ -573,8 +637,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "(compile(layout=None))")
     train.add_argument("--bucket-mb", type=float, default=25.0, help="all-reduce bucket size")
     train.add_argument("--steps", type=int, default=10)
-    train.add_argument("--lr", type=float, default=1e-3)
-    train.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    train.add_argument("--lr", type=float, default=None,
+                       help="learning rate (default 1e-3; 0.05 with --ps-servers)")
+    train.add_argument("--optimizer", choices=("adamw", "sgd", "adagrad", "adam"), default=None,
+                       help="default adamw; adagrad with --ps-servers (the servers apply "
+                            "sgd, adagrad and adam lazily to the rows a batch touched)")
     train.add_argument("--parity", action="store_true",
                        help="also train single-process PyTorch and compare loss and weights")
     train.add_argument("--save", metavar="DIR", help="save a checkpoint at the end")
@@ -596,6 +663,20 @@ def build_parser() -> argparse.ArgumentParser:
     elastic.add_argument("--rdzv-endpoint", default=None,
                          help="host:port of the c10d rendezvous (several nodes)")
     elastic.add_argument("--rdzv-id", default="autopar")
+    ps = train.add_argument_group(
+        "parameter servers", "--ps-servers S: S processes hold the model's embedding tables, "
+        "sharded by row id, and --nproc trainer processes (default 2) pull the rows of "
+        "their batch and push the rows' gradients (docs/parameter_server.md)")
+    ps.add_argument("--ps-servers", type=int, default=None, metavar="S")
+    ps.add_argument("--mode", choices=("sync", "async", "half-async", "geo"), default="sync")
+    ps.add_argument("--fraction", type=float, default=None,
+                    help="half-async: the fraction of trainers a server waits for")
+    ps.add_argument("--geo-k", type=int, default=None, help="geo: push every K steps")
+    ps.add_argument("--dense", choices=("allreduce", "servers"), default=None,
+                    help="where dense parameters live (default: allreduce in sync mode, "
+                         "servers otherwise)")
+    ps.add_argument("--slow-trainer", type=int, default=None, metavar="J",
+                    help="slow trainer J down 2x on purpose (to see async keep going)")
     train.set_defaults(func=cmd_train)
 
     k8s = sub.add_parser("k8s", help="Kubernetes: a Kubeflow PyTorchJob for an elastic job, "
