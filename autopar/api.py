@@ -6,6 +6,7 @@ the IR after each pass), AUTOPAR_LOGS (see autopar.logs).
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections.abc import Sequence
@@ -176,7 +177,20 @@ def build_ps(model: torch.nn.Module, cluster: ClusterSpec | None, example_inputs
     if not example_inputs:
         raise ValueError("compile needs example_inputs: one global batch, as passed to the step")
     local = local_example(example_inputs, layout)
-    program = split_for_ps(trace_train_step(model, local, objective), ps.tables)
+    if any(p.is_meta for p in model.parameters()):
+        # tables on the meta device exist only on the servers (which make their rows):
+        # trace a meta copy, as the planner traces meta models; the graph runs on CPU
+        traced = trace_train_step(copy.deepcopy(model).to("meta"),
+                                  tuple(x.to("meta") if isinstance(x, torch.Tensor) else x
+                                        for x in local), objective)
+    else:
+        traced = trace_train_step(model, local, objective)
+    program = split_for_ps(traced, ps.tables)
+    on_meta = [e.name for e in program.dense if dict(model.named_parameters())[e.name].is_meta]
+    if on_meta:
+        raise ValueError(f"parameters {on_meta} are on the meta device, but they are not "
+                         f"parameter-server tables: only tables may be (the servers make "
+                         f"their rows); build the rest of the model on the CPU")
     for table in program.tables:
         if ps.servers > table.rows:
             raise LayoutError(f"Layout.ps.servers={ps.servers} is more than the {table.rows} "

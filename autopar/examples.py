@@ -149,10 +149,12 @@ class CTR(torch.nn.Module):
     concatenated into a top MLP that gives one logit per example."""
 
     def __init__(self, fields: int = 4, rows: int = 10_000, dim: int = 16, dense: int = 13,
-                 hidden: int = 64):
+                 hidden: int = 64, tables_on: str = "cpu"):
         super().__init__()
-        self.tables = torch.nn.ModuleList(torch.nn.EmbeddingBag(rows, dim, mode="sum")
-                                          for _ in range(fields))
+        # tables_on="meta": the tables exist only on parameter servers, which make them
+        self.tables = torch.nn.ModuleList(
+            torch.nn.EmbeddingBag(rows, dim, mode="sum", device=tables_on)
+            for _ in range(fields))
         self.bottom = torch.nn.Sequential(torch.nn.Linear(dense, dim), torch.nn.ReLU())
         self.top = torch.nn.Sequential(torch.nn.Linear(dim * (fields + 1), hidden),
                                        torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
@@ -186,9 +188,9 @@ def criteo_like(batch: int, fields: int, rows: int, hot: int, seed: int,
 
 
 def ctr(fields: int = 4, rows: int = 10_000, dim: int = 16, hot: int = 3, batch: int = 64,
-        seed: int = 0) -> Example:
+        seed: int = 0, tables_on: str = "cpu") -> Example:
     torch.manual_seed(seed)
-    model = CTR(fields, rows, dim)
+    model = CTR(fields, rows, dim, tables_on=tables_on)
     return Example(model, criteo_like(batch, fields, rows, hot, seed), ctr_loss,
                    f"CTR model: {fields} EmbeddingBag tables of {rows:,} x {dim}, an MLP; "
                    f"synthetic Criteo-like batches of {batch}",

@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     if step.role == "server":
         stats = step.serve()
         emit("server", server=step.server, pushes=stats.pushes, applied=stats.applied,
-             dead=stats.dead, refused=stats.refused)
+             dead=stats.dead, refused=stats.refused, rss_mib=_peak_rss_mib(),
+             shard_rows=[int(p.shape[0]) for p in step.shards])
         return 0
     j = step.trainer
     emit("compiled", trainer=j, description=ex.description, layout=str(layout),
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     for k in range(args.steps):
         tick = time.perf_counter()
-        loss = step(*ex.data(k * step.trainers + j))
+        loss = step(*ex.data(k))  # the global batch; the step takes this trainer's slice
         took = time.perf_counter() - tick
         if args.slow == j:
             time.sleep(took)
@@ -91,8 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     step.done()
     emit("trainer_done", trainer=j, seconds=time.perf_counter() - t0,
          pushed_bytes=step.stats.pushed_bytes, pulled_bytes=step.stats.pulled_bytes,
-         pushed_rows=step.stats.pushed_rows)
+         pushed_rows=step.stats.pushed_rows, rss_mib=_peak_rss_mib())
     return 0
+
+
+def _peak_rss_mib() -> float:
+    """This process's peak resident memory (Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 @dataclass
@@ -122,6 +130,8 @@ class PSJob:
                    "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
                    # TensorPipe warns of every pipe a process closes when the job ends
                    "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
+                   # the job is this machine's: TensorPipe listens on loopback only
+                   "TP_SOCKET_IFNAME": "lo",
                    **self.env}
             proc = subprocess.Popen([sys.executable, "-m", self.module,
                                      *self.worker_args, "--servers", str(self.servers)],

@@ -157,7 +157,7 @@ def _serve_request(method: str, caller: str, seq: int, mac: str, args: tuple):
     return fut
 
 
-_METHODS = ("pull", "pull_dense", "push", "done", "state", "save")
+_METHODS = ("pull", "pull_many", "pull_dense", "push", "done", "state", "save")
 
 
 class RpcTransport(Transport):
@@ -285,6 +285,11 @@ class PSServer:
         with self._lock:
             return self.shards[table].detach()[rows].clone()
 
+    def on_pull_many(self, caller: str, request: list) -> list[torch.Tensor]:
+        """Rows of several tables in one request: [(table, local rows)] -> [rows]."""
+        with self._lock:
+            return [self.shards[t].detach()[rows].clone() for t, rows in request]
+
     def on_pull_dense(self, caller: str) -> list[torch.Tensor]:
         with self._lock:
             return [p.detach().clone() for p in self.dense]
@@ -320,7 +325,7 @@ class PSServer:
         with self._lock:
             return {"shards": [s.detach().clone() for s in self.shards],
                     "dense": [p.detach().clone() for p in self.dense],
-                    "stats": dataclasses_asdict(self.stats)}
+                    "stats": _stats_dict(self.stats)}
 
     def on_save(self, caller: str, path: str) -> str:
         """Write this server's shard, its dense parameters and their optimizer state to
@@ -499,7 +504,7 @@ def _reshard_optimizer(current: dict, old: list[dict | None], params: list, S_ol
     return {**current, "state": state}
 
 
-def dataclasses_asdict(stats: ServerStats) -> dict:
+def _stats_dict(stats: ServerStats) -> dict:
     return {"pushes": stats.pushes, "applied": stats.applied,
             "window_sizes": list(stats.window_sizes),
             "window_needed": list(stats.window_needed), "refused": stats.refused,
@@ -545,6 +550,39 @@ class PSTrainer:
         self._geo_dense_base: list[torch.Tensor] | None = None
 
     # ---- rows
+    def _prefetch(self, inputs: list) -> None:
+        """Fetch every row the step's pulls will read: the ids from the program's
+        prefetch graph, then one request per server for all tables' rows."""
+        prog = self.program
+        flat = prog.prefetch(*self.params, *self.buffers, *inputs)
+        wanted: list[list[torch.Tensor]] = [[] for _ in prog.tables]
+        for pull, ids in zip(prog.pulls, flat):
+            pad = prog.tables[pull.table].padding_idx
+            wanted[pull.table].append(ids if pad < 0 else
+                                      torch.cat([ids[ids != pad], torch.tensor([pad])]))
+        uniq = [torch.cat(w).unique(sorted=True) if w else torch.zeros(0, dtype=torch.int64)
+                for w in wanted]
+        S = self.layout.servers
+        asks = []
+        for s in range(S):
+            masks = [shard_of(u, S) == s for u in uniq]
+            request = [(t, local_row(u[m], S)) for t, (u, m) in enumerate(zip(uniq, masks))
+                       if m.any()]
+            if request:
+                asks.append((s, masks, request, self.transport.call(s, "pull_many", request)))
+        self._rows = []
+        for t, (u, spec) in enumerate(zip(uniq, prog.tables)):
+            self._rows.append((u, torch.empty(len(u), spec.dim, dtype=spec.dtype)))
+        for s, masks, request, fut in asks:
+            for (t, _), rows in zip(request, fut.wait()):
+                self._rows[t][1][masks[t]] = rows
+                self.stats.pulled_rows += rows.shape[0]
+                self.stats.pulled_bytes += rows.numel() * rows.element_size()
+
+    def _read_prefetched(self, table: int, ids: torch.Tensor) -> torch.Tensor:
+        known, rows = self._rows[table]
+        return rows[torch.searchsorted(known, ids)]
+
     def _read(self, table: int, ids: torch.Tensor) -> torch.Tensor:
         S = self.layout.servers
         spec = self.program.tables[table]
@@ -584,7 +622,12 @@ class PSTrainer:
         # geo trains its own copy between pushes, and pulls after each push instead
         if self.on_servers and (self.layout.mode != "geo" or self._geo_dense_base is None):
             self._pull_dense()
-        ps_ops.bind_reader(self._read)
+        if self.layout.mode == "geo" or prog.prefetch is None:
+            reader = self._read  # geo reads its own copies first
+        else:
+            self._prefetch(inputs)
+            reader = self._read_prefetched
+        ps_ops.bind_reader(reader)
         try:
             with torch.no_grad():
                 outs = prog.gm(*self.params, *self.buffers, *inputs)

@@ -92,13 +92,38 @@ def test_a_checkpoint_of_two_servers_loads_onto_three(tmp_path):
     assert max(loaded["max_diff"].values()) <= 1e-6, loaded["max_diff"]
 
 
+def _listening(pid: int) -> list[str]:
+    """The addresses a process listens on over TCP (its socket inodes matched against
+    the kernel's LISTEN table)."""
+    import os
+
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                    out.append(cols[1])
+    return out
+
+
 def test_async_survives_a_trainer_killed_mid_run():
     steps = 40
     job = PSJob(["ctr", "--steps", str(steps), "--mode", "async", "--slow", "1",
                  "--model-args", json.dumps({"fields": 2, "rows": 1000, "batch": 16})],
                 servers=2, trainers=2, mode="async").start()
-    killed_at, last_step, died, servers = None, {}, [], []
+    killed_at, last_step, died, servers, listening = None, {}, [], [], []
     for event in job.events():
+        if event["event"] == "step" and not listening:  # every process is up
+            listening = [_listening(p.pid) for p in job.procs]
         if event["event"] == "step":
             last_step[event["trainer"]] = event["step"]
             if event["trainer"] == 1 and event["step"] == 3 and killed_at is None:
@@ -115,3 +140,28 @@ def test_async_survives_a_trainer_killed_mid_run():
     assert [p.returncode for p in job.procs] == [0, 0, 0, -9]
     assert sorted(s["server"] for s in servers) == [0, 1]
     assert all(s["dead"] == ["trainer1"] for s in servers)
+    # the servers listen on the job's own address (loopback: a one-machine job) only
+    assert all(listening[:2]), listening
+    assert {addr.split(":")[0] for addrs in listening[:2] for addr in addrs} == {"0100007F"}
+
+
+def test_a_table_of_ten_million_rows_lives_only_on_the_servers():
+    """A 10^7 x 64 table (2.4 GiB in fp32), on the meta device in the user's model:
+    each of 2 servers makes and holds its 5 * 10^6 rows; a trainer's peak memory stays
+    far below one shard (it holds the rows of its batch only)."""
+    rows, dim = 10**7, 64
+    job = PSJob(["ctr", "--steps", "4", "--mode", "async", "--optimizer", "sgd",
+                 "--model-args", json.dumps({"fields": 1, "rows": rows, "dim": dim,
+                                             "batch": 64, "tables_on": "meta"})],
+                servers=2, trainers=2, mode="async").start()
+    servers, trainers = [], []
+    for event in job.events():
+        assert event["event"] not in ("failed", "trainer_died"), event
+        if event["event"] == "server":
+            servers.append(event)
+        elif event["event"] == "trainer_done":
+            trainers.append(event)
+    assert sorted(s["shard_rows"] for s in servers) == [[rows // 2], [rows // 2]]
+    shard_mib = rows // 2 * dim * 4 / 2**20  # 1,221 MiB
+    assert all(s["rss_mib"] > shard_mib for s in servers)
+    assert len(trainers) == 2 and all(t["rss_mib"] < shard_mib / 2 for t in trainers), trainers

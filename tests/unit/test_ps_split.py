@@ -57,6 +57,14 @@ def _check_split(model: nn.Module, batch: tuple, loss_fn=None, tables=None):
         scattered[pull.table].index_add_(0, ids[:n], grad[:n])
     for t, spec in enumerate(prog.tables):
         torch.testing.assert_close(scattered[t], params[spec.name].grad, msg=spec.name)
+    # the prefetch graph gives each pull's ids before the step runs
+    flat = prog.prefetch(*[params[e.name].detach() for e in prog.dense],
+                         *[b for _, b in model.named_buffers()], *batch)
+    assert len(flat) == len(prog.pulls)
+    for k, (pull, ids) in enumerate(zip(prog.pulls, flat)):
+        pad = prog.tables[pull.table].padding_idx
+        got = out[2 + nd + 2 * k]
+        assert torch.equal(ids[ids != pad].unique(), got[got >= 0]) and ids.numel() == pull.capacity
     return prog
 
 

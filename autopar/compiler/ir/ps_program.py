@@ -76,6 +76,9 @@ class PSProgram:
     mutated_buffers: tuple[str, ...]
     tables: tuple[TableSpec, ...]
     pulls: tuple[Pull, ...]
+    # the same inputs -> the flat ids of each pull, in pull order (lower_ps: a step's
+    # rows are fetched in one request per server before `gm` runs)
+    prefetch: fx.GraphModule | None = None
 
     @property
     def num_outputs(self) -> int:

@@ -131,6 +131,7 @@ def split_for_ps(tg: TrainGraph, tables: Sequence[str] | None = None) -> PSProgr
     table_specs: list[TableSpec] = []
     pulls: list[Pull] = []
     pull_outputs: list[tuple[fx.Node, fx.Node]] = []
+    pull_nodes: list[fx.Node] = []
     table_index = {name: i for i, name in enumerate(tables)}
     for name in tables:
         p = names.index(name)
@@ -213,6 +214,7 @@ def split_for_ps(tg: TrainGraph, tables: Sequence[str] | None = None) -> PSProgr
                         total = graph.call_function(aten.add.Tensor, (total, leaf))
             total.meta.update(_meta(M.Role.BACKWARD))
             pull_outputs.append((total, pn.ids))
+            pull_nodes.append(pn.pull)
     keep = [i for i, n in enumerate(names) if n not in table_index]
     loss, grads, rest = outputs[0], outputs[1:1 + len(names)], outputs[1 + len(names):]
     new_out = [loss] + [grads[i] for i in keep]
@@ -235,7 +237,28 @@ def split_for_ps(tg: TrainGraph, tables: Sequence[str] | None = None) -> PSProgr
         mutated_buffers=sig.mutated_buffers,
         tables=tuple(table_specs),
         pulls=tuple(pulls),
+        prefetch=_prefetch_module(tg.gm, pull_nodes),
     )
+
+
+def _prefetch_module(gm: fx.GraphModule, pull_nodes: list[fx.Node]) -> fx.GraphModule:
+    """A graph of the same inputs that computes only the ids of every pull (their
+    ancestors, usually a slice and a reshape of a batch input): the trainer runs it
+    first and asks each server for all of a step's rows in one request."""
+    needed: set[fx.Node] = set()
+    stack = [n.args[0] for n in pull_nodes]
+    while stack:
+        node = stack.pop()
+        if node not in needed:
+            needed.add(node)
+            stack.extend(node.all_input_nodes)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" or node in needed:
+            env[node] = graph.node_copy(node, lambda a: env[a])
+    graph.output(tuple(env[n.args[0]] for n in pull_nodes))
+    return fx.GraphModule(gm, graph)
 
 
 def _entry(spec: TensorSpec) -> TensorEntry:
@@ -253,6 +276,7 @@ def _order(node: fx.Node) -> int:
 
 @dataclass
 class _PullNodes:
+    pull: fx.Node  # the ps_pull
     rows: fx.Node  # [cap + 1, dim]
     local_flat: fx.Node  # [cap]
     local: fx.Node  # local_flat in the shape of the first index tensor
@@ -295,7 +319,7 @@ def _insert_pull(graph: fx.Graph, idx: fx.Node, t: int, table: TableSpec,
         n.meta[M.MODULE_PATH] = lookup.meta.get(M.MODULE_PATH)
         n.meta[M.SOURCE] = lookup.meta.get(M.SOURCE)
     pulls.append(Pull(t, cap, lookup.meta.get(M.SOURCE)))
-    return _PullNodes(rows, local_flat, local, ids, cap)
+    return _PullNodes(pull, rows, local_flat, local, ids, cap)
 
 
 def _table_grads(grad: fx.Node, name: str, table: TableSpec,
