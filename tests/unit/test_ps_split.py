@@ -115,6 +115,33 @@ def test_split_gradients_equal_autograd_for_each_lookup_form(kind, mode, padding
     assert prog.tables[0].padding_idx == (-1 if padding is None else padding)
 
 
+class LearnedWeights(nn.Module):
+    """Per-sample weights that depend on a parameter: their gradient reads the table
+    (aten._embedding_bag_per_sample_weights_backward), which must read pulled rows."""
+
+    def __init__(self, padding_idx=None):
+        super().__init__()
+        self.table = nn.EmbeddingBag(ROWS, DIM, mode="sum", padding_idx=padding_idx)
+        self.scale = nn.Parameter(torch.tensor(0.7))
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, ids, w):
+        return self.head(self.table(ids, per_sample_weights=torch.sigmoid(self.scale * w))
+                         ).pow(2).mean()
+
+
+@pytest.mark.parametrize("padding", [None, 3])
+def test_learned_per_sample_weights_read_the_pulled_rows(padding):
+    torch.manual_seed(0)
+    model = LearnedWeights(padding)
+    ids = torch.tensor([[1, 3, 3], [5, 1, 9]])
+    tg = autopar.trace(model, (ids, torch.randn(2, 3)))
+    assert any(n.target is torch.ops.aten._embedding_bag_per_sample_weights_backward.default
+               for n in tg.graph.nodes)
+    prog = _check_split(model, (ids, torch.randn(2, 3)))
+    assert [e.name for e in prog.dense] == ["scale", "head.weight", "head.bias"]
+
+
 class TwoFields(nn.Module):
     """One table shared by two fields (two index tensors, so two pulls) and a second
     table looked up twice with the same ids (one pull)."""

@@ -5,9 +5,11 @@ parameter removed. Its lookups read the rows of the batch's ids through
 `autopar::ps_pull` (compiler/ir/ps_ops.py), and for each pull the graph returns the
 gradient of the pulled rows and the ids they belong to, which the trainer pushes.
 
-`ServerProgram` is what every server runs: which tables it holds a shard of, by which
-rule rows are sharded, and how it applies what trainers push (the optimizer and the
-mode). Built by `compiler/lowering/lower_ps.py`, run by `runtime/ps.py`.
+The servers' side of the split is small enough to be data, not a graph: the tables
+(`TableSpec`), the rule that deals their rows over the servers (`shard_of`,
+`local_row`), and, from the Layout and the user's optimizer, how a server applies what
+trainers push (`runtime/ps.PSServer`). Built by `compiler/lowering/lower_ps.py`, run by
+`runtime/ps.py`.
 """
 
 from __future__ import annotations

@@ -98,9 +98,18 @@ def table_candidates(tg: TrainGraph) -> list[str]:
     out = []
     for spec, ph in zip(tg.signature.params, tg.placeholders()):
         users = list(ph.users)
-        if users and all(u.target in LOOKUPS and u.args[0] is ph for u in users):
+        if any(u.target in LOOKUPS for u in users) and all(_reads_as_table(u, ph) for u in users):
             out.append(spec.name)
     return out
+
+
+def _reads_as_table(user: fx.Node, ph: fx.Node) -> bool:
+    """`user` reads `ph` as an embedding table: a lookup's weight, or the weight the
+    per-sample-weights gradient of a bag lookup reads."""
+    if user.target in LOOKUPS:
+        return user.args[0] is ph
+    rule = READS_TABLE.get(user.target)
+    return rule is not None and user.args[rule.weight] is ph
 
 
 def split_for_ps(tg: TrainGraph, tables: Sequence[str] | None = None) -> PSProgram:
