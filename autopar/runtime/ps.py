@@ -6,14 +6,16 @@ servers (server s is rank s), the rest trainers (trainer j is rank servers + j).
 rank runs the same script; `autopar.compile` returns a `PSServer` on a server rank
 (`serve()` until every trainer is done) and a `PSTrainer` on a trainer rank.
 
-Transport: `torch.distributed.rpc` over TensorPipe, behind `Transport` (three calls:
-`call`, `barrier`, `shutdown`), so another transport can replace it in one class.
+Transport: `torch.distributed.rpc` over TensorPipe, behind `Transport` (`call`,
+`set_flag` / `has_flag` on the job's store, `shutdown`), so another transport can
+replace it in one class.
 Every request carries the caller's name, a fresh sequence number and their HMAC-SHA256
 under the job's token (AUTOPAR_JOB_TOKEN, as the data-block master uses it); a server
 refuses a request whose MAC is wrong or whose number was seen before, before it reads
 or writes a row (`TokenError` at the caller).
 
-What a server does with a push (`Window`): it waits until `needed` pushes are in, then
+What a server does with a push (`PSServer._take_window`): it waits until the mode's
+number of pushes are in (`_needed`), then
 averages them, applies its optimizer to the touched rows only (torch's own SGD,
 Adagrad and SparseAdam on a sparse gradient) and releases the waiting trainers. sync
 needs every live trainer, half-async ceil(fraction * trainers), async one push (applied
@@ -658,38 +660,41 @@ class PSTrainer:
             for p, s in zip(self.params, self.owner):
                 p.copy_(next(got[s]))
 
-    def _by_server(self, row_grads) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Per server, per table: (local rows, values) of the rows it owns."""
+    def _send(self, items, dense: list[torch.Tensor] | None) -> list[torch.futures.Future]:
+        """Push (table, ids, values) items, each server the rows it owns (per table,
+        possibly none: a sync window counts every trainer's push), and the dense
+        gradients or changes of the parameters it holds; counts what is sent."""
         S = self.layout.servers
-        out = [[([], []) for _ in self.program.tables] for _ in range(S)]
-        for k, (ids, grad) in enumerate(row_grads):
-            t = self.program.pulls[k].table
-            n = int((ids >= 0).sum())
-            ids, grad = ids[:n], grad[:n]
+        specs = self.program.tables
+        per = [[([], []) for _ in specs] for _ in range(S)]
+        for t, ids, vals in items:
             owner = shard_of(ids, S)
             for s in range(S):
                 mask = owner == s
-                out[s][t][0].append(local_row(ids[mask], S))
-                out[s][t][1].append(grad[mask])
-        spec = self.program.tables
-        return [[(torch.cat(i) if i else torch.zeros(0, dtype=torch.int64),
-                  torch.cat(v) if v else torch.zeros(0, spec[t].dim, dtype=spec[t].dtype))
-                 for t, (i, v) in enumerate(per)] for per in out]
+                per[s][t][0].append(local_row(ids[mask], S))
+                per[s][t][1].append(vals[mask])
+        futures = []
+        for s in range(S):
+            rows = [(torch.cat(i) if i else torch.zeros(0, dtype=torch.int64),
+                     torch.cat(v) if v else torch.zeros(0, specs[t].dim, dtype=specs[t].dtype))
+                    for t, (i, v) in enumerate(per[s])]
+            for idx, vals in rows:
+                self.stats.pushed_rows += idx.numel()
+                self.stats.pushed_bytes += idx.numel() * idx.element_size() \
+                    + vals.numel() * vals.element_size()
+            held = [g for g, o in zip(dense, self.owner) if o == s] if dense else []
+            futures.append(self.transport.call(s, "push", rows, held))
+        return futures
 
     def _push(self, row_grads, dense_grads) -> None:
         # async: at most one step's pushes in flight (a staleness of one step)
         for fut in self._outstanding:
             fut.wait()
-        self._outstanding = []
-        per_server = self._by_server(row_grads)
-        for s, rows in enumerate(per_server):
-            dense = ([g for g, o in zip(dense_grads, self.owner) if o == s]
-                     if dense_grads is not None else [])
-            for idx, vals in rows:
-                self.stats.pushed_rows += idx.numel()
-                self.stats.pushed_bytes += idx.numel() * idx.element_size() \
-                    + vals.numel() * vals.element_size()
-            self._outstanding.append(self.transport.call(s, "push", rows, dense))
+        items = []
+        for pull, (ids, grad) in zip(self.program.pulls, row_grads):
+            n = int((ids >= 0).sum())  # the pull's unique ids, then -1s
+            items.append((pull.table, ids[:n], grad[:n]))
+        self._outstanding = self._send(items, dense_grads)
         if self.layout.mode != "async":
             for fut in self._outstanding:
                 fut.wait()
@@ -745,28 +750,8 @@ class PSTrainer:
                     dense: list[torch.Tensor]) -> None:
         """GEO's push: per table (ids, row changes), and the dense parameters' changes;
         the servers add them as they are."""
-        per_server = self._split_deltas(deltas)
-        futs = []
-        for s, rows in enumerate(per_server):
-            d = [g for g, o in zip(dense, self.owner) if o == s] if dense else []
-            for idx, vals in rows:
-                self.stats.pushed_rows += idx.numel()
-                self.stats.pushed_bytes += idx.numel() * idx.element_size() \
-                    + vals.numel() * vals.element_size()
-            futs.append(self.transport.call(s, "push", rows, d))
-        for f in futs:
-            f.wait()
-
-    def _split_deltas(self, deltas):
-        S = self.layout.servers
-        out = []
-        for s in range(S):
-            per = []
-            for ids, vals in deltas:
-                mask = shard_of(ids, S) == s
-                per.append((local_row(ids[mask], S), vals[mask]))
-            out.append(per)
-        return out
+        for fut in self._send([(t, ids, vals) for t, (ids, vals) in enumerate(deltas)], dense):
+            fut.wait()
 
     def done(self) -> None:
         """Tell every server this trainer is finished (after its last push) and leave the

@@ -119,8 +119,8 @@ def split_for_ps(tg: TrainGraph, tables: Sequence[str] | None = None) -> PSProgr
     names = sig.param_names()
     if sig.grad_blocks or sig.param_blocks:
         raise PSSplitError("parameter-server tables cannot be combined with ZeRO blocks")
-    found = table_candidates(tg)
     if tables is None:
+        found = table_candidates(tg)
         if not found:
             raise PSSplitError(
                 "Layout(ps=...) holds embedding tables on parameter servers, but this "
