@@ -18,8 +18,16 @@ What a server does with a push (`PSServer._take_window`): it waits until the mod
 number of pushes are in (`_needed`), then
 averages them, applies its optimizer to the touched rows only (torch's own SGD,
 Adagrad and SparseAdam on a sparse gradient) and releases the waiting trainers. sync
-needs every live trainer, half-async ceil(fraction * trainers), async one push (applied
-as it comes). geo pushes are parameter changes, added to the rows as they come.
+needs every live trainer, async one push (applied as it comes). geo pushes are
+parameter changes, added to the rows as they come.
+
+half-async windows must hold the same trainers' pushes on every server: a trainer
+waits for its push on each server, and windows filled in arrival order pair different
+trainers on different servers, so that two trainers can each wait on a server whose
+window needs the other's next push (a deadlock). Server 0 therefore forms the windows
+(`on_join`: ceil(fraction * live trainers) trainers that have a gradient), and each
+push names its window; a server applies a window once every member's push is in
+(`_take_tagged`), or every member's that is still alive.
 """
 
 from __future__ import annotations
@@ -159,7 +167,7 @@ def _serve_request(method: str, caller: str, seq: int, mac: str, args: tuple):
     return fut
 
 
-_METHODS = ("pull", "pull_many", "pull_dense", "push", "done", "state", "save")
+_METHODS = ("pull", "pull_many", "pull_dense", "push", "join", "done", "state", "save")
 
 
 class RpcTransport(Transport):
@@ -268,6 +276,10 @@ class PSServer:
         self._seen: dict[str, set[int]] = {}
         self._lock = threading.Lock()
         self._window: list[_Pending] = []
+        self._joins: list[tuple[str, torch.futures.Future]] = []  # half-async, server 0
+        self._windows_formed = 0
+        self._tagged: dict[int, tuple[tuple[str, ...], dict[str, _Pending]]] = {}
+        self._windows_applied: set[int] = set()
         self._done: set[str] = set()
         self._all_done = threading.Event()
 
@@ -296,7 +308,10 @@ class PSServer:
         with self._lock:
             return [p.detach().clone() for p in self.dense]
 
-    def on_push(self, caller: str, rows: list, dense: list) -> torch.futures.Future:
+    def on_push(self, caller: str, rows: list, dense: list,
+                window: tuple[int, tuple[str, ...]] | None = None) -> torch.futures.Future:
+        """A trainer's gradients (geo: changes); `window` (half-async): the window
+        server 0 put this push in, and its members."""
         fut = torch.futures.Future()
         with self._lock:
             self.stats.pushes += 1
@@ -304,9 +319,39 @@ class PSServer:
                 self._add(rows, dense)
                 fut.set_result(None)
                 return fut
-            self._window.append(_Pending(rows, dense, fut))
-            ready = self._take_window()
+            if self.layout.mode == "half-async":
+                if window is None:
+                    raise PSError(f"a half-async push from {caller!r} names no window "
+                                  f"(a trainer joins one on server 0 first)")
+                w, members = int(window[0]), tuple(window[1])
+                if caller not in members:
+                    raise PSError(f"{caller!r} pushed into window {w}, whose members are "
+                                  f"{list(members)}")
+                if w in self._windows_applied:
+                    # a member counted dead (its process gone) whose push still came
+                    raise PSError(f"window {w} was applied without {caller!r}'s push")
+                entry = self._tagged.setdefault(w, (members, {}))
+                entry[1][caller] = _Pending(rows, dense, fut)
+                ready = self._take_tagged()
+            else:
+                self._window.append(_Pending(rows, dense, fut))
+                ready = self._take_window()
         self._release(ready)
+        return fut
+
+    def on_join(self, caller: str) -> torch.futures.Future:
+        """half-async, on server 0: `caller` has a gradient to push; answered with
+        (window id, member trainers) once the window has ceil(fraction * live trainers)
+        members."""
+        if self.server != 0 or self.layout.mode != "half-async":
+            raise PSError(f"server {self.server} forms no windows in mode "
+                          f"{self.layout.mode!r}: half-async trainers join on server 0")
+        fut = torch.futures.Future()
+        with self._lock:
+            self._joins.append((caller, fut))
+            formed = self._form_windows()
+        for f, value in formed:
+            f.set_result(value)
         return fut
 
     def on_done(self, caller: str) -> None:
@@ -317,8 +362,13 @@ class PSServer:
         longer waits for it."""
         with self._lock:
             self._done.add(trainer)
-            ready = self._take_window()
+            self._joins = [(t, f) for t, f in self._joins if t != trainer]
+            formed = self._form_windows()
+            ready = self._take_tagged() if self.layout.mode == "half-async" \
+                else self._take_window()
             finished = len(self._done) >= self.trainers
+        for f, value in formed:
+            f.set_result(value)
         self._release(ready)
         if finished:
             self._all_done.set()
@@ -399,6 +449,34 @@ class PSServer:
             self.stats.window_needed.append(needed)
             self._apply(take)
             ready += take
+        return ready
+
+    def _form_windows(self) -> list[tuple[torch.futures.Future, tuple]]:
+        """half-async, server 0: windows of the trainers waiting to push, in the order
+        they joined; the (future, answer) pairs to complete outside the lock."""
+        formed = []
+        while self._joins and len(self._joins) >= self._needed():
+            needed = self._needed()
+            take, self._joins = self._joins[:needed], self._joins[needed:]
+            members = tuple(t for t, _ in take)
+            formed += [(f, (self._windows_formed, members)) for _, f in take]
+            self._windows_formed += 1
+        return formed
+
+    def _take_tagged(self) -> list[_Pending]:
+        """half-async: apply each window whose members have all pushed here (a member
+        that finished or died without pushing is not waited for)."""
+        ready: list[_Pending] = []
+        for w in sorted(self._tagged):
+            members, got = self._tagged[w]
+            if all(m in got or m in self._done for m in members):
+                del self._tagged[w]
+                self._windows_applied.add(w)
+                if got:
+                    self.stats.window_needed.append(len(members))
+                    pending = list(got.values())
+                    self._apply(pending)
+                    ready += pending
         return ready
 
     def _release(self, ready: list[_Pending]) -> None:
@@ -660,7 +738,8 @@ class PSTrainer:
             for p, s in zip(self.params, self.owner):
                 p.copy_(next(got[s]))
 
-    def _send(self, items, dense: list[torch.Tensor] | None) -> list[torch.futures.Future]:
+    def _send(self, items, dense: list[torch.Tensor] | None,
+              window: tuple | None = None) -> list[torch.futures.Future]:
         """Push (table, ids, values) items, each server the rows it owns (per table,
         possibly none: a sync window counts every trainer's push), and the dense
         gradients or changes of the parameters it holds; counts what is sent."""
@@ -683,7 +762,8 @@ class PSTrainer:
                 self.stats.pushed_bytes += idx.numel() * idx.element_size() \
                     + vals.numel() * vals.element_size()
             held = [g for g, o in zip(dense, self.owner) if o == s] if dense else []
-            futures.append(self.transport.call(s, "push", rows, held))
+            args = (rows, held) if window is None else (rows, held, window)
+            futures.append(self.transport.call(s, "push", *args))
         return futures
 
     def _push(self, row_grads, dense_grads) -> None:
@@ -694,7 +774,10 @@ class PSTrainer:
         for pull, (ids, grad) in zip(self.program.pulls, row_grads):
             n = int((ids >= 0).sum())  # the pull's unique ids, then -1s
             items.append((pull.table, ids[:n], grad[:n]))
-        self._outstanding = self._send(items, dense_grads)
+        # half-async: the same window on every server, formed by server 0
+        window = self.transport.call(0, "join").wait() \
+            if self.layout.mode == "half-async" else None
+        self._outstanding = self._send(items, dense_grads, window)
         if self.layout.mode != "async":
             for fut in self._outstanding:
                 fut.wait()

@@ -340,3 +340,48 @@ def test_a_server_steps_touched_rows_as_torch_steps_the_dense_or_sparse_table(na
         got[s::S] = server.shards[0].detach()
         assert server.stats.window_sizes == [2, 2, 2]
     torch.testing.assert_close(got, ref.weight.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_half_async_windows_hold_the_same_trainers_on_every_server():
+    """Pushes reach two servers in different orders; each server's windows are the
+    ones server 0 formed (pairing by arrival would leave trainer 0 waiting on server
+    0 and trainer 1 on server 1, each for the other's next push). A member that dies
+    before pushing is not waited for."""
+    from autopar.compiler.ir.ps_program import TableSpec
+    from autopar.runtime.ps import PSServer
+
+    spec = TableSpec("t", 8, 2, torch.float32)
+    layout = PSLayout(servers=2, mode="half-async", fraction=0.6)
+    servers = [PSServer(s, layout, 3, [spec], [torch.zeros(8, 2)], [],
+                        lambda p: torch.optim.SGD(p, lr=1.0), "k") for s in range(2)]
+    names = [f"trainer{j}" for j in range(3)]
+    joins = {j: servers[0].on_join(names[j]) for j in (2, 0)}  # window 0: trainers 2, 0
+    joins[1] = servers[0].on_join(names[1])
+    assert not joins[1].done()
+    second = servers[0].on_join(names[2])  # window 1: trainers 1, 2
+    assert joins[2].wait() == joins[0].wait() == (0, (names[2], names[0]))
+    assert joins[1].wait() == second.wait() == (1, (names[1], names[2]))
+
+    def push(s, j, window):
+        row = torch.tensor([j // 2 if s == 0 else 0])
+        return servers[s].on_push(names[j], [(row, torch.ones(1, 2))], [], window)
+
+    w0, w1 = joins[0].wait(), joins[1].wait()
+    pending = [push(1, 0, w0), push(1, 1, w1), push(0, 1, w1), push(0, 2, w0)]
+    assert not any(f.done() for f in pending)
+    pending += [push(1, 2, w0), push(0, 0, w0)]  # window 0 complete on both servers
+    assert [f.done() for f in pending] == [True, False, False, True, True, True]
+    pending += [push(0, 2, w1), push(1, 2, w1)]
+    assert all(f.done() for f in pending)
+    for server in servers:
+        assert server.stats.window_needed == server.stats.window_sizes == [2, 2]
+    # trainer 1 dies inside a window: the window applies with what came
+    a, b = servers[0].on_join(names[0]), servers[0].on_join(names[1])
+    window = a.wait()
+    assert window == b.wait() == (2, (names[0], names[1]))
+    got = push(0, 0, window)
+    assert not got.done()
+    servers[0]._finish(names[1])
+    assert got.done() and servers[0].stats.window_sizes[-1] == 1
+    with pytest.raises(PSError, match="applied without"):
+        push(0, 1, window)
