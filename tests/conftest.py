@@ -11,3 +11,18 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The slowest multi-process cases by their own time (pytest's --durations sees
+    only the first case of each torchrun job, which waits for the whole job)."""
+    times = []
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            for key, value in getattr(report, "user_properties", ()):
+                if key == "dist_seconds" and getattr(report, "when", "") == "call":
+                    times.append((value, report.nodeid))
+    if times:
+        terminalreporter.write_sep("=", "slowest multi-process cases (own time)")
+        for seconds, nodeid in sorted(times, reverse=True)[:25]:
+            terminalreporter.write_line(f"{seconds:8.2f}s {nodeid}")

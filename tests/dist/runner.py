@@ -4,7 +4,8 @@
 
 Each case is a function registered with `@case(world=N)` in a tests/dist/cases_*.py
 module (tests/dist/registry.py); it raises AssertionError on failure. Every rank runs every case; rank 0
-writes {case: {"ok": bool, "error": str}} with the errors of all ranks. Rank 0 also appends
+writes {case: {"ok": bool, "error": str, "seconds": float}} with the errors of all ranks
+(and rank 0's time in the case). Rank 0 also appends
 each verdict to OUT.partial as it comes (one JSON line per case), so that when the job dies
 in a case (a native crash kills the process, not the case), the cases before it keep their
 verdicts and the one that crashed is known; a crash prints every thread's Python stack.
@@ -18,6 +19,7 @@ import faulthandler
 import json
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -43,6 +45,7 @@ def main() -> None:
         if rank == 0:
             print(f"[case] {name}", file=sys.stderr, flush=True)
         error = ""
+        start = time.perf_counter()
         try:
             cases[name][1]()
         except Exception:  # noqa: BLE001 - reported to pytest, which fails the case
@@ -50,7 +53,8 @@ def main() -> None:
         errors = [None] * world
         dist.all_gather_object(errors, error)
         bad = [f"[rank {r}] {e}" for r, e in enumerate(errors) if e]
-        results[name] = {"ok": not bad, "error": "\n".join(bad)}
+        results[name] = {"ok": not bad, "error": "\n".join(bad),
+                         "seconds": round(time.perf_counter() - start, 2)}
         if partial is not None:
             partial.write(json.dumps({name: results[name]}) + "\n")
             partial.flush()

@@ -78,8 +78,10 @@ def world_results(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_case(name, world_results):
+def test_case(name, world_results, record_property):
     world, _ = CASES[name]
     results = world_results(world)
     assert name in results, f"case {name} did not run"
+    # the case's own time inside its torchrun job (conftest lists the slowest)
+    record_property("dist_seconds", results[name].get("seconds", 0.0))
     assert results[name]["ok"], results[name]["error"]
