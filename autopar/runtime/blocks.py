@@ -190,8 +190,11 @@ class BlockMaster:
     - the state lives under a key derived from the token (HMAC-SHA256), which a process
       without it cannot name;
     - the first worker leaves a challenge (a nonce and its HMAC) under `prefix`; a
-      process whose token does not answer it is refused (JobTokenError) before it can
-      lease, report or reset anything;
+      process that finds no state under its token's key and whose token does not
+      answer the challenge is refused (JobTokenError) before it can lease, report or
+      reset anything. A process that finds a state signed with its token holds the
+      job's token, whatever the challenge says: a stray client that overwrites the
+      challenge (it can name that key) does not lock the job's own processes out;
     - every state written carries its HMAC, and a state whose HMAC does not verify is
       refused, not used (JobTokenError naming the prefix)."""
 
@@ -207,7 +210,8 @@ class BlockMaster:
         self._secret = token.encode()
         self.store, self.worker, self.clock = store, worker, clock
         self.key = f"{prefix}/{self._mac(b'state-key:' + prefix.encode())[:32]}/state"
-        self._check_token(f"{prefix}/challenge", prefix)
+        if not self._holds_state():
+            self._check_token(f"{prefix}/challenge", prefix)
         initial = BlockQueues(blocks, timeout, max_failures)
         stored = self._compare_set(b"", self._encode(initial))
         found = self._decode(stored)
@@ -253,6 +257,14 @@ class BlockMaster:
 
     def _mac(self, data: bytes) -> str:
         return hmac.new(self._secret, data, hashlib.sha256).hexdigest()
+
+    def _holds_state(self) -> bool:
+        """Whether the store holds a state under this token's key, signed with it (then
+        this process holds the job's token; only a holder can name or sign that key)."""
+        if not self.store.check([self.key]):
+            return False
+        self._decode(self.store.get(self.key))  # a state not signed so is refused
+        return True
 
     def _check_token(self, key: str, prefix: str) -> None:
         nonce = secrets.token_hex(16)

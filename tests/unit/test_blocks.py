@@ -286,3 +286,8 @@ def test_a_stray_client_without_the_jobs_token_is_refused_and_changes_nothing():
     assert master.finish(lease)  # the job goes on
     with pytest.raises(JobTokenError, match="does not hold the token"):
         BlockMaster(store, blocks=4, timeout=60.0, prefix="job", token="guessed")
+    # the stray overwrote the challenge: a process of the job that starts now (a
+    # restarted worker) still opens the master, and sees the job's state
+    joined = BlockMaster(store, blocks=4, timeout=60.0, prefix="job", token=TOKEN)
+    assert joined.state_dict() == master.state_dict()
+    assert joined.lease() is not None
