@@ -185,6 +185,10 @@ def build_ps(model: torch.nn.Module, cluster: ClusterSpec | None, example_inputs
                                         for x in local), objective)
     else:
         traced = trace_train_step(model, local, objective)
+    if ps.mode == "sync" and layout.dp > 1:
+        # a loss that divides by a count of the batch (ignore_index, a mask's sum)
+        # divides by the global batch's count, as one process on the whole batch does
+        traced = run_passes(traced, layout, None, ["global_loss_mean"])[0]
     program = split_for_ps(traced, ps.tables)
     on_meta = [e.name for e in program.dense if dict(model.named_parameters())[e.name].is_meta]
     if on_meta:
@@ -243,10 +247,11 @@ def _unique_per_pull(program, model: torch.nn.Module, local: tuple) -> list[int]
 
     ps_ops.bind_reader(lambda table, ids: torch.zeros(ids.numel(), program.tables[table].dim,
                                                       dtype=program.tables[table].dtype))
+    norms = [torch.ones((), dtype=n.dtype) for n in program.normalizers]  # ids ignore them
     try:
         with torch.no_grad():
             outs = program.gm(*[value(e) for e in program.dense],
-                              *[value(b) for b in program.buffers], *local)
+                              *[value(b) for b in program.buffers], *local, *norms)
     finally:
         ps_ops.bind_reader(None)
     first = 1 + len(program.dense)

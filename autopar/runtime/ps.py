@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch.distributed import rpc
 
 from autopar.compiler.ir import ps_ops
+from autopar.compiler.ir.batch import normalizer_means
 from autopar.compiler.ir.ps_program import (
     PSProgram,
     TableSpec,
@@ -697,8 +698,11 @@ class PSTrainer:
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         batch = self.objective.flatten(args, kwargs) if self.objective is not None else args
         prog = self.program
+        dims = prog.batch_dims[:len(prog.batch_dims) - len(prog.normalizers)]
         inputs = [_slice(x, d, self.trainer, self.trainers) if d is not None else x
-                  for x, d in zip(batch, prog.batch_dims)]
+                  for x, d in zip(batch, dims)]
+        # sync: each trainer divides by the global batch's count over the trainers
+        inputs += normalizer_means(prog.normalizers, batch, dims, self.trainers)
         # geo trains its own copy between pushes, and pulls after each push instead
         if self.on_servers and (self.layout.mode != "geo" or self._geo_dense_base is None):
             self._pull_dense()

@@ -135,6 +135,71 @@ def case_sync(args, optimizer: str, dense: str) -> dict:
     return out
 
 
+class _Tokens(torch.nn.Module):
+    """A token model: a table, then a linear head over 6 classes."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Embedding(64, 8)
+        self.head = torch.nn.Linear(8, 6)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.table(ids)))
+
+
+def _token_loss(logits, labels):
+    # as users write it: flattened logits, labels with ignored positions
+    return torch.nn.functional.cross_entropy(logits.view(-1, 6), labels.view(-1),
+                                             ignore_index=-100)
+
+
+def case_sync_ignore_index(args) -> dict:
+    """sync with a loss that divides by the batch's count of labelled tokens: the first
+    trainer's half of the batch is mostly ignored, the second's not; the servers' table
+    and the trainers' head equal single-process training on the whole batch."""
+    torch.manual_seed(0)
+    model = _Tokens()
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(3):
+        ids = torch.randint(0, 64, (8, 5), generator=gen)
+        labels = torch.randint(0, 6, (8, 5), generator=gen)
+        labels[:4, 1:] = -100  # the first half: 4 labelled tokens; the second: 20
+        batches.append((ids, labels))
+    factory = lambda p: torch.optim.SGD(p, lr=0.5)  # noqa: E731
+    world = int(os.environ["WORLD_SIZE"])
+    step = autopar.compile(model, None, batches[0][:1],
+                           lambda out, labels: _token_loss(out, labels), factory,
+                           Layout(dp=world - args.servers, ps=PSLayout(servers=args.servers)),
+                           example_targets=batches[0][1:])
+    if step.role == "server":
+        step.serve()
+        return None
+    losses = [float(step(*batch)) for batch in batches]
+    _barrier(step, "trained")
+    out: dict = {}
+    if step.trainer == 0:
+        ref = _Tokens()
+        ref.load_state_dict(initial)
+        opt = factory(list(ref.parameters()))
+        ref_losses = []
+        for ids, labels in batches:
+            opt.zero_grad()
+            loss = _token_loss(ref(ids), labels)
+            loss.backward()
+            opt.step()
+            ref_losses.append(float(loss))
+        got = _server_params(step)
+        out["max_diff"] = {k: float((got[k] - v).abs().max())
+                           for k, v in ref.state_dict().items()}
+        # each trainer's loss is its share of the whole batch's: the two sum to it
+        out["ref_losses"] = ref_losses
+    out["losses"] = losses
+    step.done()
+    return out
+
+
 def case_async(args) -> dict:
     """async: each server applies every push as it comes (exactly W * N updates), and
     the loss on a fixed batch falls below a threshold set by single-process training."""
@@ -279,6 +344,7 @@ def case_reshard(args) -> dict:
 CASES = {
     "sync_sgd_allreduce": lambda a: case_sync(a, "sgd", "allreduce"),
     "sync_adagrad_servers": lambda a: case_sync(a, "adagrad", "servers"),
+    "sync_ignore_index": case_sync_ignore_index,
     "async": case_async,
     "half_async": case_half_async,
     "geo": case_geo,

@@ -54,6 +54,16 @@ def test_sync_mode_equals_single_process_training_on_the_global_batch(case, tmp_
     assert r["stray_rows_equal"] and r["refused_count"] == 2
 
 
+def test_sync_mode_divides_by_the_global_batchs_count_of_labelled_tokens(tmp_path):
+    r = _run("sync_ignore_index", tmp_path, servers=1)
+    assert max(r["max_diff"].values()) <= 1e-6, r["max_diff"]
+    # each trainer's loss divides its tokens' sum by the batch's mean count per trainer,
+    # so the trainers' losses average to the whole batch's
+    for k, ref in enumerate(r["ref_losses"]):
+        mean = sum(t["losses"][k] for t in r["trainer"]) / len(r["trainer"])
+        assert abs(mean - ref) <= 1e-5, (k, mean, ref)
+
+
 def test_async_mode_applies_every_push_and_learns(tmp_path):
     r = _run("async", tmp_path)
     for server in r["servers"]:

@@ -81,6 +81,9 @@ class PSProgram:
     # the same inputs -> the flat ids of each pull, in pull order (lower_ps: a step's
     # rows are fetched in one request per server before `gm` runs)
     prefetch: fx.GraphModule | None = None
+    # sync mode, a loss dividing by a count of the batch: the trailing inputs that take
+    # the global batch's count (compiler/passes/global_loss_mean.py)
+    normalizers: tuple = ()
 
     @property
     def num_outputs(self) -> int:

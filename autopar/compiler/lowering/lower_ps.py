@@ -247,6 +247,7 @@ def split_for_ps(tg: TrainGraph, tables: Sequence[str] | None = None) -> PSProgr
         tables=tuple(table_specs),
         pulls=tuple(pulls),
         prefetch=_prefetch_module(tg.gm, pull_nodes),
+        normalizers=tg.loss_normalizers,
     )
 
 
