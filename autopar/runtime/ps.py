@@ -240,6 +240,8 @@ class ServerStats:
     window_needed: list = field(default_factory=list)  # what each step waited for
     refused: int = 0  # requests refused for a bad token
     dead: list = field(default_factory=list)  # trainers whose process died
+    # half-async, server 0: each window formed, as (members, trainers then live)
+    windows_formed: list = field(default_factory=list)
 
 
 class PSServer:
@@ -460,6 +462,7 @@ class PSServer:
             needed = self._needed()
             take, self._joins = self._joins[:needed], self._joins[needed:]
             members = tuple(t for t, _ in take)
+            self.stats.windows_formed.append((list(members), self.trainers - len(self._done)))
             formed += [(f, (self._windows_formed, members)) for _, f in take]
             self._windows_formed += 1
         return formed
@@ -589,7 +592,7 @@ def _stats_dict(stats: ServerStats) -> dict:
     return {"pushes": stats.pushes, "applied": stats.applied,
             "window_sizes": list(stats.window_sizes),
             "window_needed": list(stats.window_needed), "refused": stats.refused,
-            "dead": list(stats.dead)}
+            "dead": list(stats.dead), "windows_formed": list(stats.windows_formed)}
 
 
 # --------------------------------------------------------------------------- trainer
