@@ -280,7 +280,6 @@ class PSServer:
         self._lock = threading.Lock()
         self._window: list[_Pending] = []
         self._joins: list[tuple[str, torch.futures.Future]] = []  # half-async, server 0
-        self._windows_formed = 0
         self._tagged: dict[int, tuple[tuple[str, ...], dict[str, _Pending]]] = {}
         self._windows_applied: set[int] = set()
         self._done: set[str] = set()
@@ -462,9 +461,9 @@ class PSServer:
             needed = self._needed()
             take, self._joins = self._joins[:needed], self._joins[needed:]
             members = tuple(t for t, _ in take)
+            w = len(self.stats.windows_formed)  # windows are numbered as formed
             self.stats.windows_formed.append((list(members), self.trainers - len(self._done)))
-            formed += [(f, (self._windows_formed, members)) for _, f in take]
-            self._windows_formed += 1
+            formed += [(f, (w, members)) for _, f in take]
         return formed
 
     def _take_tagged(self) -> list[_Pending]:
@@ -769,8 +768,7 @@ class PSTrainer:
                 self.stats.pushed_bytes += idx.numel() * idx.element_size() \
                     + vals.numel() * vals.element_size()
             held = [g for g, o in zip(dense, self.owner) if o == s] if dense else []
-            args = (rows, held) if window is None else (rows, held, window)
-            futures.append(self.transport.call(s, "push", *args))
+            futures.append(self.transport.call(s, "push", rows, held, window))
         return futures
 
     def _push(self, row_grads, dense_grads) -> None:
