@@ -366,15 +366,16 @@ def _plan_for_job(model, cluster, example_inputs: tuple, loss_fn, optimizer,
 
 def optimizer_kind(factory: OptimizerFactory) -> str:
     """The cost model's name of the optimizer a factory builds ("adamw", "adam",
-    "sgd-momentum", "sgd"). Another optimizer is refused: its memory and step time
-    would be guessed."""
+    "sgd-momentum", "sgd"; "-fused" where it was built with fused=True). Another
+    optimizer is refused: its memory and step time would be guessed."""
     opt = factory([torch.nn.Parameter(torch.zeros(1))])
+    fused = "-fused" if opt.defaults.get("fused") else ""
     if isinstance(opt, torch.optim.AdamW):
-        return "adamw"
+        return "adamw" + fused
     if isinstance(opt, torch.optim.Adam):
-        return "adam"
+        return "adam" + fused
     if isinstance(opt, torch.optim.SGD):
-        return "sgd-momentum" if opt.defaults.get("momentum") else "sgd"
+        return ("sgd-momentum" if opt.defaults.get("momentum") else "sgd") + fused
     raise ValueError(f"layout=None plans the layout with the cost model, which knows AdamW, "
                      f"Adam and SGD; the optimizer factory built {type(opt).__name__}: pass a "
                      "layout= (or a Plan from autopar.plan(..., optimizer=...)) instead")

@@ -15,12 +15,14 @@ default Efficiency reproduce what was measured.
 On a machine with CUDA GPUs (`device="cuda"`, the default there) the same figures are
 measured on the GPUs instead: matmul throughput per dtype (fp32, bf16, fp16; 8192²
 `mm`), device memory bandwidth (a 1 GiB copy), the cost of one kernel launch (a chain
-of one-element adds, synchronised), and NCCL all-reduce times between `nprocs` GPUs of
-this node, fitted the same way; the spec is `nprocs` GPUs of one node with NCCL, the
-device's own memory size, and the NVLink/PCIe figures for both links (one node: the
-network is not measured; for several nodes set `inter_node` in the YAML). Written
-without a GPU to run it on (none was lent to this project): it is tested on a CPU
-through the spec it writes, and on a GPU only when one is present.
+of one-element adds, synchronised), the fused attention kernel's throughput (causal
+`scaled_dot_product_attention`, forward and backward, in bf16), and with two GPUs or
+more NCCL all-reduce times between `nprocs` GPUs of this node, fitted the same way.
+The spec is `nprocs` GPUs of one node with NCCL, the device's own memory size, and
+the measured link for both links (the network between nodes is not measured), or,
+given a `base` cluster (a preset or YAML of the cluster the GPU belongs to), that
+cluster with the measured device and, where measured, the node's link. One GPU
+measures no link, so it needs a base.
 
 `fit_model` (`autopar calibrate --model MODEL`) then times one single-process step of
 the user's model op by op (its traced graph run node by node, median of a few runs)
@@ -43,6 +45,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
+from torch.utils import flop_counter
 
 from autopar.cluster import ClusterSpec
 from autopar.costs import DEFAULT_EFFICIENCY, Efficiency, kernel_time, optimizer_time
@@ -57,28 +61,60 @@ class Measurements:
     matmul_flops: float  # FLOP/s, fp32, one thread
     memory_bandwidth: float  # bytes/s, one thread
     launch_overhead_s: float  # one tiny eager op
-    link_bandwidth: float  # bytes/s per direction (alpha-beta fit)
-    link_latency_s: float
+    link_bandwidth: float | None  # bytes/s per direction (alpha-beta fit); None: one GPU
+    link_latency_s: float | None
     all_reduce: tuple[tuple[int, float], ...]  # (bytes, median seconds) as measured
     first_touch_bandwidth: float | None = None  # bytes/s of fresh pages from the OS
     # a GPU's: its name and memory, and matmul FLOP/s per dtype (matmul_flops: fp32's)
     gpu: str | None = None
     gpu_memory_bytes: int = 0
     gpu_flops: tuple[tuple[str, float], ...] = ()
+    # the fused attention kernel's FLOP/s in attention_dtype, counted as the cost model
+    # counts them (measure_gpu_attention)
+    attention_flops: float | None = None
+    attention_dtype: str | None = None
 
-    def cluster(self, nprocs: int, eff: Efficiency = DEFAULT_EFFICIENCY) -> ClusterSpec:
-        link = {"bandwidth": self.link_bandwidth / eff.link, "latency_s": self.link_latency_s}
+    def attention_efficiency(self, eff: Efficiency = DEFAULT_EFFICIENCY) -> float | None:
+        """The fraction of the spec's peak (measured matmul / eff.compute) in the
+        attention's dtype that the fused attention kernel reached, at most 1."""
+        if self.attention_flops is None:
+            return None
+        return min(1.0, self.attention_flops * eff.compute
+                   / dict(self.gpu_flops)[self.attention_dtype])
+
+    def cluster(self, nprocs: int, eff: Efficiency = DEFAULT_EFFICIENCY,
+                base: ClusterSpec | None = None) -> ClusterSpec:
+        """The spec for `nprocs` processes (GPUs) as measured, or `base` with the measured
+        device (GPUs) and, where one was measured, the node's link."""
+        link = (None if self.link_bandwidth is None else
+                {"bandwidth": self.link_bandwidth / eff.link, "latency_s": self.link_latency_s})
         if self.gpu is not None:
             device = {"name": f"{self.gpu} (calibrated)", "kind": "gpu",
                       "peak_flops": {dtype: flops / eff.compute for dtype, flops in self.gpu_flops},
                       "memory_bytes": self.gpu_memory_bytes,
                       "memory_bandwidth": self.memory_bandwidth / eff.memory,
-                      "launch_overhead_s": self.launch_overhead_s}
+                      "launch_overhead_s": self.launch_overhead_s,
+                      "attention_efficiency": self.attention_efficiency(eff)}
+            if base is not None:
+                data = base.to_dict()
+                return ClusterSpec.from_dict(
+                    {**data, "name": f"{data['name']}-calibrated",
+                     "device": {**data["device"], **device},
+                     "intra_node": link or data["intra_node"]},
+                    source=f"autopar calibrate on {data['name']}")
+            if link is None:
+                raise ValueError(
+                    "one GPU measures no link between GPUs: name the cluster it belongs to "
+                    "(--cluster with a preset such as dgx-h100, or a YAML spec, and --nodes), "
+                    "whose links the spec keeps, or calibrate two GPUs or more (--nproc)")
             # NOTE: one node measured: the network is not; both links get the node's
             return ClusterSpec.from_dict({"name": "gpu-calibrated", "nodes": 1,
                                           "devices_per_node": nprocs, "backend": "nccl",
                                           "device": device, "intra_node": link,
                                           "inter_node": link}, source="autopar calibrate")
+        if base is not None:
+            raise ValueError("a base cluster takes a GPU's measurements (--device cuda); "
+                             "a CPU calibration describes this machine")
         base = ClusterSpec.local(nprocs=nprocs).to_dict()
         device = {**base["device"], "name": "cpu (calibrated)",
                   "peak_flops": {"fp32": self.matmul_flops / eff.compute},
@@ -144,6 +180,27 @@ def measure_gpu_memory_bandwidth(nbytes: int = 2**30, repeats: int = 5) -> float
     src = torch.ones(nbytes // 4, device="cuda")
     dst = torch.empty_like(src)
     return 2 * nbytes / _cuda_time(lambda: dst.copy_(src), repeats)
+
+
+def measure_gpu_attention(batch: int = 4, heads: int = 16, seq: int = 2048,
+                          head_dim: int = 128, repeats: int = 5) -> tuple[float, str]:
+    """FLOP/s and dtype of causal `scaled_dot_product_attention`, forward and backward,
+    in bf16 (fp16 where the GPU has no bf16) on the current GPU: the fused kernel torch
+    picks (FlashAttention on recent GPUs). The FLOPs are counted as the cost model
+    counts the kernel's (torch.utils.flop_counter: the whole s x s, causal or not), so
+    the rate is the one `kernel_time` needs, causal saving included."""
+    dtype = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    shape = (batch, heads, seq, head_dim)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=GPU_DTYPES[dtype], requires_grad=True)
+               for _ in range(3))
+    grad = torch.randn_like(q)
+
+    def forward_backward():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.autograd.grad(out, (q, k, v), grad)
+    flops = (flop_counter.sdpa_flop_count(shape, shape, shape)
+             + flop_counter.sdpa_backward_flop_count(shape, shape, shape, shape))
+    return flops / _cuda_time(forward_backward, repeats), dtype
 
 
 def _all_reduce_worker(rank: int, nprocs: int, store_path: str, sizes, repeats, out,
@@ -252,24 +309,27 @@ def calibrate(nprocs: int = 2, device: str | None = None) -> Measurements:
 
 
 def calibrate_gpu(nprocs: int = 2) -> Measurements:
-    """The first GPU's matmul (per dtype), memory bandwidth and launch cost, and NCCL
-    all-reduces over GPUs 0 .. nprocs-1."""
+    """The first GPU's matmul (per dtype), memory bandwidth, launch cost and attention
+    kernel, and (nprocs >= 2) NCCL all-reduces over GPUs 0 .. nprocs-1."""
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count < max(nprocs, 2):
-        instead = (f"use --nproc {count}" if count >= 2 else
-                   "a machine of one GPU cannot be calibrated yet (its NCCL link needs two); "
-                   "use --device cpu to calibrate its CPU")
-        raise RuntimeError(f"calibrating NCCL needs {max(nprocs, 2)} GPUs on this machine "
+    if count < nprocs or count == 0:
+        instead = (f"use --nproc {count}" if count >= 1 else "use --device cpu to calibrate "
+                   "this machine's CPU")
+        raise RuntimeError(f"calibrating {nprocs} GPUs needs {nprocs} on this machine "
                            f"(--nproc {nprocs}); it has {count}: {instead}")
     flops = {dtype: measure_gpu_matmul(dtype) for dtype in GPU_DTYPES
              if dtype != "bf16" or torch.cuda.is_bf16_supported()}
-    samples = measure_all_reduce(nprocs, NCCL_SIZES, backend="nccl")
-    link_bw, latency = fit_ring(samples, nprocs)
+    attention, attention_dtype = measure_gpu_attention()
+    samples, link_bw, latency = (), None, None
+    if nprocs >= 2:
+        samples = tuple(measure_all_reduce(nprocs, NCCL_SIZES, backend="nccl"))
+        link_bw, latency = fit_ring(list(samples), nprocs)
     props = torch.cuda.get_device_properties(0)
     return Measurements(flops["fp32"], measure_gpu_memory_bandwidth(),
-                        measure_launch_overhead(device="cuda"), link_bw, latency, tuple(samples),
+                        measure_launch_overhead(device="cuda"), link_bw, latency, samples,
                         gpu=props.name, gpu_memory_bytes=props.total_memory,
-                        gpu_flops=tuple(flops.items()))
+                        gpu_flops=tuple(flops.items()), attention_flops=attention,
+                        attention_dtype=attention_dtype)
 
 
 # -- fitting the cost model to one model's step ----------------------------------------------
@@ -299,10 +359,16 @@ def time_nodes(tg, args: list[torch.Tensor], repeats: int = 3) -> dict[fx.Node, 
 
 
 def _optimizers(params: list[torch.nn.Parameter]) -> dict[str, torch.optim.Optimizer]:
-    """torch's optimizer of each kind the cost model knows (cost_model.OPTIMIZER_STATES)."""
-    return {"adamw": torch.optim.AdamW(params, lr=1e-3), "adam": torch.optim.Adam(params, lr=1e-3),
-            "sgd-momentum": torch.optim.SGD(params, lr=1e-3, momentum=0.9),
-            "sgd": torch.optim.SGD(params, lr=1e-3)}
+    """torch's optimizer of each kind the cost model knows (costs.OPTIMIZER_STATES)."""
+    out = {}
+    for fused in (False, True):
+        suffix = "-fused" if fused else ""
+        out |= {"adamw" + suffix: torch.optim.AdamW(params, lr=1e-3, fused=fused),
+                "adam" + suffix: torch.optim.Adam(params, lr=1e-3, fused=fused),
+                "sgd-momentum" + suffix: torch.optim.SGD(params, lr=1e-3, momentum=0.9,
+                                                         fused=fused),
+                "sgd" + suffix: torch.optim.SGD(params, lr=1e-3, fused=fused)}
+    return out
 
 
 def fit_model(model: torch.nn.Module, example_inputs: tuple, loss_fn, cluster: ClusterSpec,

@@ -40,8 +40,23 @@ class Efficiency:
 DEFAULT_EFFICIENCY = Efficiency()
 
 # optimizer kind -> state tensors per parameter, each the size of the parameter
-# (torch.optim keeps them in the parameter's dtype), and a per-tensor step counter
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}
+# (torch.optim keeps them in the parameter's dtype), and a per-tensor step counter.
+# A kind is torch.optim's class with its defaults; "-fused" the same with fused=True.
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0,
+                    "adamw-fused": 2, "adam-fused": 2, "sgd-momentum-fused": 1, "sgd-fused": 0}
+
+# parameter-sized reads + writes of one step. torch's default implementation (foreach
+# on CUDA, one tensor at a time on a CPU: the same op sequence) runs one pass per op:
+# AdamW's decoupled decay (p: r+w), lerp of exp_avg (m, g: 3), exp_avg_sq *= beta2 (2),
+# += (1-beta2) g g (4), sqrt into a new tensor (2), / bias correction (2), + eps (2),
+# p -= lr m / denom (4): 21; Adam without weight decay (its default) 19; SGD with
+# momentum buf *= m (2), buf += g (3), p -= lr buf (3): 8; plain SGD p -= lr g (3).
+# The fused kernels read parameter, gradient and states once and write parameter and
+# states once: 3 + 2 x states. On an H100 torch's foreach AdamW took 3.1-3.15x the
+# fused traffic's time (docs/benchmarks.md, "The cost model on one GPU").
+OPTIMIZER_ACCESSES = {"adamw": 21, "adam": 19, "sgd-momentum": 8, "sgd": 3,
+                      **{f"{kind}-fused": 3 + 2 * states for kind, states in
+                         (("adamw", 2), ("adam", 2), ("sgd-momentum", 1), ("sgd", 0))}}
 
 
 def op_time(flops: float, nbytes: float, peak_flops: float, memory_bandwidth: float,
@@ -72,6 +87,10 @@ def kernel_time(target: str, flops: float, nbytes: float, allocates: int, dtype:
     """One op: launch + roofline + first touch of a large fresh allocation (a CPU), times
     the device's fitted factor for the op (`autopar calibrate --model`)."""
     device = cluster.device
+    if device.kind == "gpu" and not (flops or nbytes):
+        # a view or other metadata op launches no kernel; its dispatch on the host runs
+        # ahead of the GPU's queue (on a CPU, the dispatch is the op's cost)
+        return 0.0
     seconds = device.launch_overhead_s
     if target in ATTENTION_KERNELS and device.attention_efficiency is not None:
         eff = dataclasses.replace(eff, compute=device.attention_efficiency)
@@ -242,7 +261,7 @@ def dp_node_split(layout: Layout, cluster: ClusterSpec) -> tuple[int, int]:
 
 def optimizer_traffic(param_bytes: int, optimizer: str) -> int:
     """Bytes an elementwise optimizer step streams for `param_bytes` of parameters."""
-    return param_bytes * (3 + 2 * OPTIMIZER_STATES[check_optimizer(optimizer)])
+    return param_bytes * OPTIMIZER_ACCESSES[check_optimizer(optimizer)]
 
 
 def optimizer_time(param_bytes: int, optimizer: str, cluster: ClusterSpec,

@@ -29,6 +29,7 @@ from rich.table import Table
 
 from autopar.cli.common import cluster_from_args, console
 from autopar.cli.planning import add_planner_commands
+from autopar.costs import OPTIMIZER_STATES
 from autopar.layout import RECOMPUTE
 from autopar.logs import configure_from_env
 
@@ -745,7 +746,7 @@ def build_parser() -> argparse.ArgumentParser:
     est.add_argument("--dp", type=int, default=1, help="data-parallel degree")
     _add_layout_args(est)
     est.add_argument("--bucket-mb", type=float, default=25.0, help="all-reduce bucket size")
-    est.add_argument("--optimizer", choices=("adamw", "adam", "sgd-momentum", "sgd"),
+    est.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATES),
                      default="adamw")
     est.add_argument("--json", action="store_true", help="print the prediction as JSON")
     est.set_defaults(func=cmd_estimate)

@@ -11,6 +11,7 @@ import sys
 from rich.table import Table
 
 from autopar.cli.common import cluster_from_args, console
+from autopar.costs import OPTIMIZER_STATES
 
 
 _PLAN_CONSTRAINTS = ("dp", "tp", "pp", "microbatches", "schedule", "zero", "amp",
@@ -114,22 +115,39 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         raise SystemExit("autopar calibrate: --model fits per-op factors by running the model "
                          "op by op on this CPU; with --device cuda that is not built yet: "
                          "calibrate the GPUs without --model")
+    if args.cluster is not None and device != "cuda":
+        raise SystemExit("autopar calibrate: --cluster takes a GPU's measurements (--device "
+                         "cuda); a CPU calibration describes this machine")
+    if args.cluster == "local":
+        raise SystemExit("autopar calibrate: --cluster local is this machine's CPU; name the "
+                         "GPU cluster this GPU belongs to (a preset such as dgx-h100, or a "
+                         "YAML spec)")
+    if device == "cuda" and args.nproc == 1 and args.cluster is None:
+        raise SystemExit("autopar calibrate: one GPU (--nproc 1) measures no link between "
+                         "GPUs: name the cluster it belongs to, e.g. --cluster dgx-h100 "
+                         "--nodes 4 (a preset or a YAML spec), whose links the spec keeps")
+    base = cluster_from_args(args.cluster, args.nodes, None) if args.cluster else None
     try:
         measured = calibrate(args.nproc, device)
     except RuntimeError as exc:  # too few GPUs, a machine too busy to measure
         raise SystemExit(f"autopar calibrate: {exc}") from exc
-    spec = measured.cluster(args.nproc)
+    spec = measured.cluster(args.nproc, base=base)
     if args.model:
         spec = _fit_to_model(spec, args.model, args.nproc)
     spec.to_yaml(args.output)
     if measured.gpu is not None:
         peaks = ", ".join(f"{dtype} {flops / 1e12:.1f}" for dtype, flops in measured.gpu_flops)
+        link = ("no link measured (one GPU): the links are "
+                f"{base.name}'s" if measured.link_bandwidth is None else
+                f"NCCL all-reduce {measured.link_bandwidth / 1e9:.1f} GB/s, "
+                f"{measured.link_latency_s * 1e6:.1f} us per step (fit over "
+                f"{len(measured.all_reduce)} sizes)")
         console.print(f"{measured.gpu}: matmul TFLOP/s {peaks}, memory "
-                         f"{measured.memory_bandwidth / 1e9:.0f} GB/s, "
-                         f"{measured.launch_overhead_s * 1e6:.1f} us per kernel; NCCL all-reduce "
-                         f"{measured.link_bandwidth / 1e9:.1f} GB/s, "
-                         f"{measured.link_latency_s * 1e6:.1f} us per step (fit over "
-                         f"{len(measured.all_reduce)} sizes)")
+                      f"{measured.memory_bandwidth / 1e9:.0f} GB/s, "
+                      f"{measured.launch_overhead_s * 1e6:.1f} us per kernel, causal attention "
+                      f"{measured.attention_flops / 1e12:.1f} TFLOP/s in "
+                      f"{measured.attention_dtype} (efficiency "
+                      f"{spec.device.attention_efficiency:.2f}); {link}")
     else:
         console.print(f"matmul {measured.matmul_flops / 1e9:.1f} GFLOP/s, memory "
                          f"{measured.memory_bandwidth / 1e9:.1f} GB/s (fresh pages "
@@ -210,7 +228,7 @@ def add_planner_commands(sub) -> None:
                            "accuracy is not modelled; repeatable)")
     plan.add_argument("--max-memory-fraction", type=float, default=0.9,
                       help="share of device memory a layout may use (default 0.9)")
-    plan.add_argument("--optimizer", choices=("adamw", "adam", "sgd-momentum", "sgd"),
+    plan.add_argument("--optimizer", choices=tuple(OPTIMIZER_STATES),
                       default="adamw")
     plan.add_argument("--trace-blocks", type=trace_blocks_arg, default="auto",
                       metavar="auto|exact|K",
@@ -234,6 +252,11 @@ def add_planner_commands(sub) -> None:
                      help="measure the CPU (gloo) or the GPUs (NCCL); auto: the GPUs where "
                           "CUDA is available")
     cal.add_argument("--output", default="cluster.yaml", help="where to write the spec")
+    cal.add_argument("--cluster", default=None,
+                     help="GPUs: the cluster this GPU belongs to (a preset such as dgx-h100 or "
+                          "a YAML spec); the spec written is it with the measured device (and "
+                          "node link, with --nproc 2 or more). Needed with --nproc 1")
+    cal.add_argument("--nodes", type=int, default=None, help="nodes of --cluster")
     cal.add_argument("--model", default=None,
                      help="also fit per-op time factors to one step of this model (a built-in "
                           "example or pkg.module:factory), run on one process")

@@ -78,6 +78,8 @@ def test_planned_compile_needs_the_jobs_world_size_and_a_known_optimizer():
     with pytest.raises(ValueError, match="knows AdamW, Adam and SGD.*built Adagrad"):
         autopar.compile(ex.model, None, ex.batch, ex.loss_fn,
                         optimizer=lambda p: torch.optim.Adagrad(p))
+    assert autopar.api.optimizer_kind(lambda p: torch.optim.AdamW(p, fused=True)) \
+        == "adamw-fused"
     assert autopar.api.optimizer_kind(lambda p: torch.optim.SGD(p, lr=0.1)) == "sgd"
     assert autopar.api.optimizer_kind(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)) \
         == "sgd-momentum"

@@ -72,7 +72,7 @@ def test_gradient_sync_and_optimizer_after_the_last_action():
     sync = pc.grad_sync_time(summary, stages, c, layout, EXACT)
     assert sync == pytest.approx([tied + dp_sync[0], tied + dp_sync[1]])
     t = pc.pipeline_time(summary, stages, c, layout, "adamw", EXACT)
-    optim = [b * (3 + 2 * 2) / 1e11 for b in (1.5e9, 2.5e9)]
+    optim = [costs.optimizer_traffic(b, "adamw") / 1e11 for b in (1.5e9, 2.5e9)]
     ends = [6.0, 4.0]  # m=1: rank 0 ends after B0 at 6 s, rank 1 after B1 at 4 s
     totals = [e + s + o for e, s, o in zip(ends, sync, optim)]
     assert t.total_s == pytest.approx(max(totals))
@@ -109,7 +109,7 @@ def test_zero_in_a_pipeline_updates_blocks_and_gathers_them(zero):
     updated = [0.5e9 + 0.5e9, 1e9 + 0.5e9]  # half of p0 / p1, all of the tied p2
     assert pc.updated_bytes(summary, stages, layout) == pytest.approx(updated)
     t = pc.pipeline_time(summary, stages, c, layout, "adamw", EXACT)
-    optim = [b * (3 + 2 * 2) / 1e11 for b in updated]
+    optim = [costs.optimizer_traffic(b, "adamw") / 1e11 for b in updated]
     totals = [e + s + o + g for e, s, o, g in zip([6.0, 4.0], sync, optim, gather)]
     assert t.total_s == pytest.approx(max(totals))
     assert t.param_gather_s == pytest.approx(gather)

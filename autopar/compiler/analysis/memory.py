@@ -53,9 +53,12 @@ class OptimizerMemory:
     temporaries: float = 0.0
 
 
-# torch.optim on the CPU (for-loop implementations); `profile_optimizer` measures any other
+# torch.optim on the CPU (for-loop implementations); `profile_optimizer` measures any other.
+# The fused kernels (fused=True) make no temporaries.
 OPTIMIZERS = {"adamw": OptimizerMemory(2, 4, 2), "adam": OptimizerMemory(2, 4, 2),
-              "sgd-momentum": OptimizerMemory(1), "sgd": OptimizerMemory(0)}
+              "sgd-momentum": OptimizerMemory(1), "sgd": OptimizerMemory(0),
+              "adamw-fused": OptimizerMemory(2, 4), "adam-fused": OptimizerMemory(2, 4),
+              "sgd-momentum-fused": OptimizerMemory(1), "sgd-fused": OptimizerMemory(0)}
 
 
 def optimizer_memory(optimizer: str | OptimizerMemory) -> OptimizerMemory:

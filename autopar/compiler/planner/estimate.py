@@ -57,7 +57,8 @@ def estimate(model: torch.nn.Module, cluster: ClusterSpec, layout: Layout,
 
     `example_inputs` (and `example_targets`) is one global batch, as `autopar.compile`
     takes it. `optimizer` is the optimizer's kind for the
-    memory and time of its step: "adamw", "adam", "sgd-momentum" or "sgd". `passes`
+    memory and time of its step: "adamw", "adam", "sgd-momentum" or "sgd" (torch's
+    class with its defaults), or one of those + "-fused" (fused=True). `passes`
     replaces the default pass list, to score your own passes. `trace_blocks`: "auto"
     traces two of the model's repeated blocks and scales them to the stack when it has
     more (a pipeline: a two-stage template), "exact" (or None) the whole model, k that
