@@ -11,6 +11,8 @@ compared in tokens per second per GPU, the table's own measure.
 
     python benchmarks/published_mpt.py
     python benchmarks/published_mpt.py --plan     # also plan each row with the defaults
+    python benchmarks/published_mpt.py --cluster benchmarks/data/h100_calibrated.yaml
+                                       # a calibrated H100 (autopar calibrate) for the preset
 """
 
 from __future__ import annotations
@@ -55,7 +57,10 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--plan", action="store_true",
                    help="also plan each row with autopar.plan's defaults (bf16 fixed)")
+    p.add_argument("--cluster", default=None, metavar="YAML",
+                   help="a ClusterSpec of 8-GPU nodes (autopar calibrate's) for dgx-h100")
     args = p.parse_args()
+    base = autopar.ClusterSpec.from_yaml(args.cluster) if args.cluster else None
     logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
     print("| model | GPUs | batch | published tokens/s/GPU | predicted | error | MFU "
           "predicted | estimate s" + (" | plan s | chosen | chosen tokens/s/GPU" if args.plan
@@ -64,7 +69,9 @@ def main() -> None:
     errors = []
     for row in DATA["rows"]:
         model, batch = mpt(row)
-        cluster = autopar.ClusterSpec.preset("dgx-h100", nodes=row["gpus"] // 8)
+        cluster = (autopar.ClusterSpec.preset("dgx-h100", nodes=row["gpus"] // 8) if base is None
+                   else autopar.ClusterSpec.from_dict({**base.to_dict(),
+                                                       "nodes": row["gpus"] // 8}))
         start = time.perf_counter()
         pred = autopar.estimate(model, cluster, published_layout(row), batch, causal_lm_loss)
         seconds = time.perf_counter() - start
