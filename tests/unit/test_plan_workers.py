@@ -38,11 +38,22 @@ def test_a_plan_with_workers_is_the_plan_without(gpt8):
     shared = autopar.plan(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2, workers=2,
                           amp="bf16")
     assert (shared.layout, shared.predicted) == (alone.layout, alone.predicted)
-    assert shared.alternatives == alone.alternatives and shared.skipped == alone.skipped
+    assert shared.alternatives == alone.alternatives
+    # the same layouts are skipped for the same kind of reason; the bound a reason quotes
+    # (and which bound ruled a layout out) depends on the templates the process knew when
+    # it skipped, and a worker's rewrites arrive at other times than the parent's own
+    assert [lay for lay, _ in shared.skipped] == [lay for lay, _ in alone.skipped]
+    assert [why.split(":")[0] for _, why in shared.skipped] == [
+        why.split(":")[0] for _, why in alone.skipped]
     for key in ("layers", "tp_placements", "timeline"):
         assert shared.details[key] == alone.details[key]
-    assert {k: v for k, v in shared.details["search"].items() if k != "seconds"} == \
-        {k: v for k, v in alone.details["search"].items() if k != "seconds"}
+    # which skips a bound made and which a pipeline floor made follows the same timing,
+    # and so do the templates rewritten to know them; the skips together are the same
+    timed = ("seconds", "rewrites", "bounded", "floored")
+    assert {k: v for k, v in shared.details["search"].items() if k not in timed} == \
+        {k: v for k, v in alone.details["search"].items() if k not in timed}
+    assert sum(shared.details["search"][k] for k in timed[2:]) == sum(
+        alone.details["search"][k] for k in timed[2:])
 
 
 def test_workers_rewrite_their_groups_and_the_parent_only_costs(gpt8, monkeypatch):
