@@ -42,8 +42,8 @@ DEFAULT_EFFICIENCY = Efficiency()
 # optimizer kind -> state tensors per parameter, each the size of the parameter
 # (torch.optim keeps them in the parameter's dtype), and a per-tensor step counter.
 # A kind is torch.optim's class with its defaults; "-fused" the same with fused=True.
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0,
-                    "adamw-fused": 2, "adam-fused": 2, "sgd-momentum-fused": 1, "sgd-fused": 0}
+_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0}
+OPTIMIZER_STATES = {**_STATES, **{f"{kind}-fused": n for kind, n in _STATES.items()}}
 
 # parameter-sized reads + writes of one step. torch's default implementation (foreach
 # on CUDA, one tensor at a time on a CPU: the same op sequence) runs one pass per op:
@@ -55,8 +55,7 @@ OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd-momentum": 1, "sgd": 0,
 # states once: 3 + 2 x states. On an H100 torch's foreach AdamW took 3.1-3.15x the
 # fused traffic's time (docs/benchmarks.md, "The cost model on one GPU").
 OPTIMIZER_ACCESSES = {"adamw": 21, "adam": 19, "sgd-momentum": 8, "sgd": 3,
-                      **{f"{kind}-fused": 3 + 2 * states for kind, states in
-                         (("adamw", 2), ("adam", 2), ("sgd-momentum", 1), ("sgd", 0))}}
+                      **{f"{kind}-fused": 3 + 2 * n for kind, n in _STATES.items()}}
 
 
 def op_time(flops: float, nbytes: float, peak_flops: float, memory_bandwidth: float,

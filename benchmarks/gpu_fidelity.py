@@ -35,6 +35,9 @@ import time
 
 import torch
 
+from autopar.layout import Layout
+
+ONE_GPU = Layout(dp=1, amp="bf16")  # what `predict` costs each measured step as
 # (name, transformers class, config, micro-batch, sequence)
 MODELS = [
     ("gpt2-124m", "GPT2", dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257,
@@ -225,7 +228,7 @@ def predicted_kinds(model, ids, cluster) -> dict[str, float]:
     from autopar.costs import ATTENTION_KERNELS, DEFAULT_EFFICIENCY
     from autopar.examples import causal_lm_loss
 
-    layout = autopar_layout()
+    layout = ONE_GPU
     objective, flat = Objective.from_example((ids,), None, causal_lm_loss)
     est = Estimator(model, cluster, flat, objective, "adamw", DEFAULT_EFFICIENCY, None, "auto")
     summary = est.rewritten(layout, timing=True)[0]
@@ -259,12 +262,6 @@ def measured_kinds(side: dict) -> dict[str, float]:
             "kernels": side["profile"]["kernels"]}
 
 
-def autopar_layout():
-    import autopar
-
-    return autopar.Layout(dp=1, amp="bf16")
-
-
 def predict(path: str, preset: str, calibrated: str | None) -> None:
     import logging
 
@@ -282,23 +279,28 @@ def predict(path: str, preset: str, calibrated: str | None) -> None:
         clusters["calibrated"] = one_gpu(autopar.ClusterSpec.from_yaml(calibrated))
     print(f"measured on {data['device']} (torch {data['torch']})\n")
     print("| model | micro-batch | measured eager: step, peak | torch.compile: step, peak | "
-          + " | ".join(f"{c}: step, peak, error vs eager / compiled" for c in clusters) + " |")
-    print("|---|---|---|---|" + "---|" * len(clusters))
+          "compiled, attention at eager's time | "
+          + " | ".join(f"{c}: step, peak, error vs the previous column" for c in clusters) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(clusters))
     for row in data["steps"]:
         model, ids = build(row["model"], "meta")
+        compiled = row.get("compiled", {})
+        # the compiled step with its attention kernels' time replaced by eager's (torch.compile
+        # ran cuDNN's attention here, eager FlashAttention: the kernel the model prices)
+        reference = (compiled["median_s"] - measured_kinds(compiled)["attention"]
+                     + measured_kinds(row["eager"])["attention"]
+                     if "profile" in compiled and "profile" in row.get("eager", {}) else None)
         cells = []
         for cluster in clusters.values():
-            pred = autopar.estimate(model, cluster, autopar.Layout(dp=1, amp="bf16"), (ids,),
-                                    causal_lm_loss)
-            errors = [f"{pred.step_time_s / row[side]['median_s'] - 1:+.1%}"
-                      for side in ("eager", "compiled") if "median_s" in row.get(side, {})]
+            pred = autopar.estimate(model, cluster, ONE_GPU, (ids,), causal_lm_loss)
+            error = "" if reference is None else f", {pred.step_time_s / reference - 1:+.1%}"
             cells.append(f"{pred.step_time_s * 1e3:.1f} ms, "
-                         f"{pred.peak_memory_bytes / 1e9:.1f} GB, " + " / ".join(errors))
-        compiled = row.get("compiled", {})
+                         f"{pred.peak_memory_bytes / 1e9:.1f} GB{error}")
         print(f"| {row['model']} | {row['batch'][0]} x {row['batch'][1]} | "
               f"{row['median_s'] * 1e3:.1f} ms, {row['peak_bytes'] / 1e9:.1f} GB | "
               + (f"{compiled['median_s'] * 1e3:.1f} ms, {compiled['peak_bytes'] / 1e9:.1f} GB"
                  if "median_s" in compiled else "-") + " | "
+              + ("-" if reference is None else f"{reference * 1e3:.1f} ms") + " | "
               + " | ".join(cells) + " |", flush=True)
     if all("eager" in row and "profile" in row["eager"] for row in data["steps"]):
         print("\nWhere the time goes (ms of GPU time in one step; kernels counted):\n")

@@ -45,6 +45,8 @@ def test_liveness_on_a_hand_made_chain():
     ("adamw", lambda p: torch.optim.AdamW(p, lr=1e-3)),
     ("sgd-momentum", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
     ("sgd", lambda p: torch.optim.SGD(p, lr=0.1)),
+    ("adamw-fused", lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True)),
+    ("sgd-momentum-fused", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True)),
 ])
 def test_static_bytes_match_real_optimizers(kind, make):
     ex = mlp()

@@ -24,6 +24,7 @@ as the step runs (`autopar.compiler.analysis.live_bytes`; tests/unit/test_memory
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -55,10 +56,10 @@ class OptimizerMemory:
 
 # torch.optim on the CPU (for-loop implementations); `profile_optimizer` measures any other.
 # The fused kernels (fused=True) make no temporaries.
-OPTIMIZERS = {"adamw": OptimizerMemory(2, 4, 2), "adam": OptimizerMemory(2, 4, 2),
-              "sgd-momentum": OptimizerMemory(1), "sgd": OptimizerMemory(0),
-              "adamw-fused": OptimizerMemory(2, 4), "adam-fused": OptimizerMemory(2, 4),
-              "sgd-momentum-fused": OptimizerMemory(1), "sgd-fused": OptimizerMemory(0)}
+_DEFAULT = {"adamw": OptimizerMemory(2, 4, 2), "adam": OptimizerMemory(2, 4, 2),
+            "sgd-momentum": OptimizerMemory(1), "sgd": OptimizerMemory(0)}
+OPTIMIZERS = {**_DEFAULT, **{f"{kind}-fused": dataclasses.replace(m, temporaries=0.0)
+                             for kind, m in _DEFAULT.items()}}
 
 
 def optimizer_memory(optimizer: str | OptimizerMemory) -> OptimizerMemory:
