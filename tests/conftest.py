@@ -4,6 +4,7 @@ before triton is first imported (collecting tests/dist imports autopar, which pu
 in), so it is set here, before any test module is collected."""
 
 import os
+import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -11,6 +12,32 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+_DIST_CASES = "tests/dist/test_dist.py::"
+
+
+def pytest_collection_modifyitems(items):
+    """The multi-process cases last: their torchrun jobs run in the background while the
+    single-process tests run (tests/dist/jobs.py), and a case's test waits for its job."""
+    items.sort(key=lambda item: item.nodeid.startswith(_DIST_CASES))  # stable
+
+
+def pytest_collection_finish(session):
+    """Start the torchrun jobs of the multi-process cases this session selected."""
+    if session.config.option.collectonly:
+        return
+    names = [item.callspec.params["name"] for item in session.items
+             if item.nodeid.startswith(_DIST_CASES) and hasattr(item, "callspec")]
+    if names:
+        from tests.dist import jobs
+
+        jobs.start(names)
+
+
+def pytest_sessionfinish(session):
+    if "tests.dist.jobs" in sys.modules:
+        sys.modules["tests.dist.jobs"].stop()
 
 
 def pytest_terminal_summary(terminalreporter):

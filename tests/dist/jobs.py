@@ -1,0 +1,166 @@
+"""The torchrun jobs that run the multi-process cases (tests/dist/runner.py), for
+test_dist.py's pytest front.
+
+The jobs of the worlds a session selects start in a background thread as soon as
+collection ends (tests/conftest.py), one job at a time, and the session runs the
+single-process tests meanwhile (conftest orders test_dist.py's cases last): those tests
+run in one thread and leave the second core to the jobs. A case's test then waits for
+its world's verdicts (`results`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from tests.dist.registry import load_cases
+
+ROOT = Path(__file__).resolve().parents[2]
+CASES = load_cases()
+# one job of 70 world-2 cases takes about 10 minutes alone, and shares the machine with
+# the single-process tests
+TIMEOUT_S = 2400
+
+# cases per torchrun job: every case builds its own process groups (a DeviceMesh per
+# step), and gloo keeps each group's sockets until the job ends; in one job of all 203
+# world-2 cases, creating a group failed with "Broken pipe" in the 199th-202nd case once
+# (each of those passed in a job of its own). A job per this many cases starts afresh.
+CASES_PER_JOB = 70
+
+# how a rank's native crash shows in torchrun's output
+_NATIVE_CRASH = re.compile(r"Fatal Python error|Signal (6|11) \((SIGABRT|SIGSEGV)\)")
+
+
+def _run_world(world: int, tmp_dir: Path, names: list[str] | None = None) -> dict:
+    """{case: verdict} of `names` (default: every case of `world`), in jobs of at most
+    CASES_PER_JOB cases."""
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    names = names or [n for n, (w, _) in CASES.items() if w == world]
+    results: dict = {}
+    for first in range(0, len(names), CASES_PER_JOB):
+        chunk = names[first:first + CASES_PER_JOB]
+        results.update(_run_job(world, chunk, tmp_dir / f"results_{world}_{first}.json"))
+    return results
+
+
+def _run_job(world: int, names: list[str], out: Path, retry: bool = True) -> dict:
+    """One torchrun job running `names`: {case: verdict}. When the job dies in a case, the
+    cases before it keep their verdicts (OUT.partial), the case it died in fails with the
+    job's output, and the cases after it run in a new job. A case the job died in of a
+    native crash (SIGABRT, SIGSEGV: torch's or gloo's C++, which no case can cause by
+    Python alone) runs once more alone (`retry`)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={world}", "-m", "tests.dist.runner", "--out", str(out), *names]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    _RUNNING.add(proc)
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # torchrun ends its workers on SIGTERM
+        try:
+            stdout, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        stderr += f"\n[the job ran past {TIMEOUT_S} s and was killed]"
+    finally:
+        _RUNNING.discard(proc)
+    if out.exists():
+        return json.loads(out.read_text())
+    partial = Path(str(out) + ".partial")
+    done: dict = {}
+    if partial.exists():
+        for line in partial.read_text().splitlines():
+            try:
+                done.update(json.loads(line))
+            except ValueError:  # the line the crash cut short
+                break
+    crash = f"exit code {proc.returncode}\n" + stdout[-4000:] + stderr[-12000:]
+    if len(done) == len(names):  # every case ran: the job died leaving; the last one fails
+        done[names[-1]] = {"ok": False, "error": f"the torchrun job died after its last "
+                           f"case:\n{crash}"}
+        return done
+    crashed, rest = names[len(done)], names[len(done) + 1:]
+    error = (f"the torchrun job died in this case (after {len(done)} of its {len(names)} "
+             f"cases had passed or failed):\n{crash}")
+    if proc.returncode != 0 and _NATIVE_CRASH.search(crash) and retry:
+        # a native crash (an abort or segfault inside torch or gloo, not a case's
+        # assertion): the case runs once more in a job of its own; passing there, it
+        # passes with the first crash attached as a warning, so the crash stays visible
+        again = _run_job(world, [crashed], out.with_name(out.stem + "_again.json"), retry=False)
+        if again[crashed]["ok"]:
+            again[crashed]["crashed_once"] = error
+            done[crashed] = again[crashed]
+        else:
+            done[crashed] = {"ok": False, "error": error + "\n\nand when rerun alone:\n"
+                             + again[crashed]["error"]}
+    else:
+        done[crashed] = {"ok": False, "error": error}
+    if rest:
+        done.update(_run_job(world, rest, out.with_name(out.stem + "_rest.json")))
+    return done
+
+
+class _Background:
+    """The selected cases' jobs, world after world in one thread (one job at a time: the
+    machine has two cores); `results` waits for a world's verdicts."""
+
+    def __init__(self) -> None:
+        self.done: dict[int, threading.Event] = {}
+        self.results: dict[int, dict] = {}
+        self.thread: threading.Thread | None = None
+
+    def start(self, names: list[str]) -> None:
+        if self.thread is not None or not names:
+            return
+        by_world: dict[int, list[str]] = {}
+        for name in names:
+            by_world.setdefault(CASES[name][0], []).append(name)
+        self.done = {w: threading.Event() for w in by_world}
+        tmp = Path(tempfile.mkdtemp(prefix="autopar-dist-"))
+
+        def run() -> None:
+            for world in sorted(by_world):
+                chosen = by_world[world]
+                try:
+                    self.results[world] = _run_world(world, tmp / f"dist{world}", chosen)
+                except Exception as e:  # noqa: BLE001 - every case of the world fails with it
+                    self.results[world] = {n: {"ok": False, "error": f"the jobs failed: {e!r}"}
+                                           for n in chosen}
+                finally:
+                    self.done[world].set()
+
+        self.thread = threading.Thread(target=run, name="autopar-dist-jobs", daemon=True)
+        self.thread.start()
+
+
+_BACKGROUND = _Background()
+_RUNNING: set[subprocess.Popen] = set()  # the torchrun jobs now running
+
+
+def stop() -> None:
+    """End the torchrun jobs still running (a session that ends early leaves none behind:
+    torchrun ends its workers on SIGTERM)."""
+    for proc in list(_RUNNING):
+        proc.terminate()
+
+
+def start(names: list[str]) -> None:
+    """Start the jobs of the cases `names` in the background."""
+    _BACKGROUND.start(names)
+
+
+def results(world: int, tmp_dir: Path) -> dict:
+    """{case: verdict}: of the cases of `world` the background jobs run, once they are
+    done; where none were started, of every case of `world`, run now."""
+    if world in _BACKGROUND.done:
+        _BACKGROUND.done[world].wait()
+        return _BACKGROUND.results.get(world, {})
+    return _run_world(world, tmp_dir)
