@@ -18,9 +18,17 @@ _DIST_CASES = "tests/dist/test_dist.py::"
 
 
 def pytest_collection_modifyitems(items):
-    """The multi-process cases last: their torchrun jobs run in the background while the
-    single-process tests run (tests/dist/jobs.py), and a case's test waits for its job."""
-    items.sort(key=lambda item: item.nodeid.startswith(_DIST_CASES))  # stable
+    """The single-process tests first, while the multi-process cases' torchrun jobs run in
+    the background (tests/dist/jobs.py); then the cases, each waiting for its job; then
+    the tests that start multi-process jobs of their own (marked `processes`: fault
+    tests that kill a worker at a step, timed parameter-server modes), on a machine
+    the background jobs no longer share."""
+    def order(item) -> int:
+        if item.nodeid.startswith(_DIST_CASES):
+            return 1
+        return 2 if item.get_closest_marker("processes") else 0
+
+    items.sort(key=order)  # stable: the files' order within each part
 
 
 def pytest_collection_finish(session):

@@ -3,9 +3,9 @@ test_dist.py's pytest front.
 
 The jobs of the worlds a session selects start in a background thread as soon as
 collection ends (tests/conftest.py), one job at a time, and the session runs the
-single-process tests meanwhile (conftest orders test_dist.py's cases last): those tests
-run in one thread and leave the second core to the jobs. A case's test then waits for
-its world's verdicts (`results`)."""
+single-process tests meanwhile (conftest orders test_dist.py's cases after them): those
+tests run in one thread and leave the second core to the jobs. A case's test then waits
+for its world's verdicts (`results`)."""
 
 from __future__ import annotations
 

@@ -69,6 +69,7 @@ def test_one_process_recomputing_and_fused_is_within_the_references_own_rounding
     assert report.closest_call < 1.0
 
 
+@pytest.mark.processes
 def test_the_command_line_launches_the_ranks_and_reports():
     import json
     import subprocess

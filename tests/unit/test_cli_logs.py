@@ -48,6 +48,7 @@ def test_log_spec_parsing():
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_train_command_reports_progress_and_parity(tmp_path):
     cmd = [sys.executable, "-m", "autopar", "train", "mlp", "--dp", "2", "--steps", "3",
            "--parity", "--optimizer", "sgd", "--lr", "0.05", "--save", str(tmp_path / "ck")]
@@ -58,6 +59,7 @@ def test_train_command_reports_progress_and_parity(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_train_command_plans_the_layout():
     cmd = [sys.executable, "-m", "autopar", "train", "gpt2-tiny", "--plan", "--nproc", "2",
            "--steps", "3", "--parity", "--optimizer", "sgd", "--lr", "0.05"]

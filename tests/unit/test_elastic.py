@@ -122,22 +122,31 @@ def _rank_of(pid: int) -> int | None:
     return int(found[0][5:]) if found else None
 
 
-def _wait_for_step(history: Path, step: int, proc: subprocess.Popen, timeout: float) -> None:
+def _wait_for_step(history: Path, step: int, proc: subprocess.Popen, timeout: float,
+                   checkpoints: Path | None = None) -> None:
+    """Until `step` is in the history and, given `checkpoints`, a checkpoint there has
+    been committed (renamed from its .tmp directory: the saves run in the background, so
+    a slow one may still be in flight when the next steps run)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if history.exists() and any(json.loads(line)["step"] >= step
-                                    for line in history.read_text().splitlines()):
+        reached = history.exists() and any(json.loads(line)["step"] >= step
+                                           for line in history.read_text().splitlines())
+        saved = checkpoints is None or (checkpoints.exists() and any(
+            p.name.startswith("step-") and ".tmp" not in p.name for p in checkpoints.iterdir()))
+        if reached and saved:
             return
         assert proc.poll() is None, "the job ended before the step to kill at"
         time.sleep(0.05)
-    raise AssertionError(f"step {step} not reached in {timeout} s")
+    raise AssertionError(f"step {step} and a committed checkpoint not reached in {timeout} s")
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_a_worker_killed_mid_run_loses_nothing_and_ends_with_the_same_weights(tmp_path):
-    """3 workers, max-restarts 1: rank 1 is SIGKILLed after step 4 has begun. torchrun
-    restarts the workers, they load the step-3 checkpoint (and the master's state in it)
-    and finish. Every sample is in the committed history once per epoch, and the final
+    """3 workers, max-restarts 1: rank 1 is SIGKILLed once step 4 has begun and the step-3
+    checkpoint is committed (or a later one: the saves run in the background). torchrun
+    restarts the workers, they load the checkpoint (and the master's state in it) and
+    finish. Every sample is in the committed history once per epoch, and the final
     weights equal a run without the kill bit for bit."""
     blocks, epochs = 6, 2
     runs = {}
@@ -149,7 +158,8 @@ def test_a_worker_killed_mid_run_loses_nothing_and_ends_with_the_same_weights(tm
         proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
         if tag == "killed":
-            _wait_for_step(tmp_path / tag / "history.jsonl", 4, proc, 240)
+            _wait_for_step(tmp_path / tag / "history.jsonl", 4, proc, 240,
+                           checkpoints=tmp_path / tag / "ckpt")
             victim = next(p for p in _children(proc.pid) if _rank_of(p) == 1)
             os.kill(victim, signal.SIGKILL)
         out, _ = proc.communicate(timeout=600)
@@ -175,6 +185,7 @@ def test_a_worker_killed_mid_run_loses_nothing_and_ends_with_the_same_weights(tm
 
 
 @pytest.mark.slow
+@pytest.mark.processes
 def test_an_agent_killed_leaves_the_other_node_to_replan_reshard_and_finish(tmp_path):
     """Two torchrun agents on 127.0.0.1 (c10d rendezvous, --nnodes 1:2) stand in for two
     nodes of one process each. Killing one agent with its worker leaves the other to
@@ -197,7 +208,8 @@ def test_an_agent_killed_leaves_the_other_node_to_replan_reshard_and_finish(tmp_
                                        stderr=subprocess.STDOUT, text=True,
                                        start_new_session=True))
         time.sleep(0.5 if node == 0 else 0)  # node 0 hosts the rendezvous store
-    _wait_for_step(tmp_path / "run" / "history.jsonl", 4, agents[0], 240)
+    _wait_for_step(tmp_path / "run" / "history.jsonl", 4, agents[0], 240,
+                   checkpoints=tmp_path / "run" / "ckpt")
     for pid in [agents[1].pid, *_children(agents[1].pid)]:  # the agent and its worker:
         os.kill(pid, signal.SIGKILL)  # a node gone (torchrun starts workers in new sessions)
     out, _ = agents[0].communicate(timeout=600)
