@@ -5,6 +5,7 @@ in), so it is set here, before any test module is collected."""
 
 import os
 import sys
+import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -15,6 +16,21 @@ torch.set_num_threads(1)
 
 
 _DIST_CASES = "tests/dist/test_dist.py::"
+_HOST: dict[str, float] = {}
+
+
+def _python_loop_seconds() -> float:
+    """Seconds this host takes for 5 million additions in a Python loop: the suite's
+    times follow it (it has varied 3x by the hour on the same machine)."""
+    start = time.perf_counter()
+    total = 0
+    for i in range(5_000_000):
+        total += i
+    return time.perf_counter() - start
+
+
+def pytest_sessionstart(session):
+    _HOST["loop_s"] = _python_loop_seconds()
 
 
 def pytest_collection_modifyitems(items):
@@ -50,7 +66,11 @@ def pytest_sessionfinish(session):
 
 def pytest_terminal_summary(terminalreporter):
     """The slowest multi-process cases by their own time (pytest's --durations sees
-    only the first case of each torchrun job, which waits for the whole job)."""
+    only the first case of each torchrun job, which waits for the whole job), and the
+    host's speed when the session started."""
+    if "loop_s" in _HOST:
+        terminalreporter.write_line(f"host speed: 5 million Python additions took "
+                                    f"{_HOST['loop_s']:.2f} s at the session's start")
     times = []
     for reports in terminalreporter.stats.values():
         for report in reports:
