@@ -15,7 +15,7 @@ import pytest
 
 from autopar.ps_worker import PSJob
 
-pytestmark = [pytest.mark.slow, pytest.mark.processes]
+pytestmark = pytest.mark.slow
 
 
 def _run(case: str, tmp_path, servers: int = 2, trainers: int = 2, *more: str) -> dict:
