@@ -37,7 +37,7 @@ def pytest_collection_modifyitems(items):
     """The single-process tests first, while the multi-process cases' torchrun jobs run in
     the background (tests/dist/jobs.py); then the cases, each waiting for its job; then
     the tests that start multi-process jobs of their own (marked `processes`: fault
-    tests that kill a worker at a step, timed parameter-server modes), on a machine
+    tests that kill a worker at a step, the CLI's train and bisect), on a machine
     the background jobs no longer share."""
     def order(item) -> int:
         if item.nodeid.startswith(_DIST_CASES):

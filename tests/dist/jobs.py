@@ -1,7 +1,7 @@
 """The torchrun jobs that run the multi-process cases (tests/dist/runner.py), for
 test_dist.py's pytest front.
 
-The jobs of the worlds a session selects start in a background thread as soon as
+The jobs of the cases a session selects start in a background thread as soon as
 collection ends (tests/conftest.py), one job at a time, and the session runs the
 single-process tests meanwhile (conftest orders test_dist.py's cases after them): those
 tests run in one thread and leave the second core to the jobs. A case's test then waits
