@@ -4,9 +4,10 @@ offline validation, and EDL's auto-scaler as a pure function.
 The manifest is built from the Kubeflow training operator's own Python SDK models
 (`kubeflow-training`) and the `kubernetes` client's, serialised by the client's
 ApiClient. The training operator runs the command under its elastic policy by setting
-torchrun's PET_* variables (nnodes MIN:MAX, nproc per node, rendezvous c10d, max
-restarts), so the container runs `python -m torch.distributed.run -m autopar.elastic`
-with no launcher flags of its own.
+torchrun's PET_* variables (nnodes MIN:MAX, nproc per node, the rendezvous backend, max
+restarts; the backend is autopar's `autopar-c10d`, torch's c10d with a fix that lets a
+replacement pod join, see `autopar.runtime.rendezvous`), so the container runs
+`python -m torch.distributed.run -m autopar.elastic` with no launcher flags of its own.
 
 `validate(manifest)` checks, with no cluster:
 - the CRD's OpenAPI v3 schema, vendored as `autopar/data/kubeflow.org_pytorchjobs.v1.9.0.yaml`
@@ -35,6 +36,7 @@ from typing import Any
 
 from autopar.cluster import ClusterSpec
 from autopar.layout import Layout
+from autopar.runtime.rendezvous import BACKEND as RENDEZVOUS
 
 CRD_FILE = Path(__file__).parent / "data" / "kubeflow.org_pytorchjobs.v1.9.0.yaml"
 CRD_SOURCE = ("kubeflow/training-operator v1.9.0, "
@@ -119,7 +121,7 @@ def pytorch_job(spec: JobSpec):
         spec=kf.KubeflowOrgV1PyTorchJobSpec(
             nproc_per_node=str(spec.nproc_per_node),
             elastic_policy=kf.KubeflowOrgV1ElasticPolicy(
-                min_replicas=spec.min_nodes, max_replicas=max_nodes, rdzv_backend="c10d",
+                min_replicas=spec.min_nodes, max_replicas=max_nodes, rdzv_backend=RENDEZVOUS,
                 max_restarts=spec.max_restarts),
             pytorch_replica_specs=replicas,
             run_policy=kf.KubeflowOrgV1RunPolicy(clean_pod_policy="None")))

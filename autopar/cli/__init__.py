@@ -32,6 +32,7 @@ from autopar.cli.planning import add_planner_commands
 from autopar.costs import OPTIMIZER_STATES
 from autopar.layout import RECOMPUTE
 from autopar.logs import configure_from_env
+from autopar.runtime.rendezvous import BACKEND as RENDEZVOUS
 
 
 def _fmt_bytes(n: float) -> str:
@@ -236,7 +237,8 @@ def _elastic_command(args: argparse.Namespace, nproc: int, layout_arg: str) -> l
                          "example `python -c 'import secrets; print(secrets.token_hex(16))'`)")
     # one node: a fresh token, which only this launch's workers inherit
     os.environ.setdefault("AUTOPAR_JOB_TOKEN", secrets.token_hex(16))
-    launch = (["--nnodes", args.nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint",
+    # autopar-c10d: torch's c10d rendezvous, which also admits a replacement node
+    launch = (["--nnodes", args.nnodes, "--rdzv-backend", RENDEZVOUS, "--rdzv-endpoint",
                args.rdzv_endpoint, "--rdzv-id", args.rdzv_id] if multi else ["--standalone"])
     return [sys.executable, "-m", "torch.distributed.run", *launch,
             f"--nproc-per-node={nproc}", "--max-restarts", str(args.max_restarts),

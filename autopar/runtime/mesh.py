@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from autopar.runtime.rendezvous import ROUND_ENV
+
 log = logging.getLogger("autopar.runtime")
 
 
@@ -147,14 +149,19 @@ def _elastic_store() -> dict:
     a restart of the workers: the keys gloo's rendezvous left in it name the listening
     ports of processes that no longer run, and the restarted workers' connections to them
     are refused (seen with torch 2.13, --standalone --max-restarts 1). A prefix per
-    restart (TORCHELASTIC_RESTART_COUNT, which every agent raises together) gives each
-    restart keys of its own. Nothing outside torchrun: init_process_group's env://."""
+    rendezvous round gives each set of workers keys of its own: the round's number from
+    autopar's rendezvous handler (`ROUND_ENV`, the same on every node, a replacement
+    included), else TORCHELASTIC_RESTART_COUNT (torch's own handler: right while no node
+    joins, since every agent raises it on a failure and a new agent starts at 0).
+    Nothing outside torchrun: init_process_group's env://."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    rdzv_round = os.environ.get(ROUND_ENV)
+    prefix = (f"autopar/round-{rdzv_round}" if rdzv_round is not None
+              else f"autopar/restart-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           is_master=False, timeout=timedelta(minutes=5))
-    return {"store": dist.PrefixStore(f"autopar/restart-{restart}", store),
+    return {"store": dist.PrefixStore(prefix, store),
             "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
 
 

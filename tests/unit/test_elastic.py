@@ -51,6 +51,36 @@ def test_replan_names_the_world_sizes_that_would_work():
         replan(Layout(dp=2), 3, 8)
 
 
+def test_the_cli_runs_several_nodes_through_autopars_rendezvous(monkeypatch):
+    """`autopar train --elastic --nnodes` launches torchrun with the `autopar-c10d`
+    rendezvous (torch's c10d cannot admit a replacement node), and torchrun finds that
+    handler through its entry point; on one node it stays --standalone."""
+    from torch.distributed.elastic.rendezvous.registry import handler_registry
+
+    from autopar.cli import _elastic_command, build_parser
+    from autopar.runtime.rendezvous import RepublishingRendezvous
+
+    monkeypatch.setenv("AUTOPAR_JOB_TOKEN", "t")
+    parse = build_parser().parse_args
+    multi = _elastic_command(parse(["train", "gpt2-tiny", "--elastic", "--nnodes", "1:2",
+                                    "--rdzv-endpoint", "h:1", "--checkpoint-dir", "c"]),
+                             1, "{}")
+    assert multi[multi.index("--rdzv-backend") + 1] == "autopar-c10d"
+    one = _elastic_command(parse(["train", "gpt2-tiny", "--elastic", "--checkpoint-dir", "c"]),
+                           2, "{}")
+    assert "--standalone" in one and "--rdzv-backend" not in one
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    params = RendezvousParameters("autopar-c10d", f"127.0.0.1:{_free_port()}", "cli", 1, 1,
+                                  is_host=True)
+    made = handler_registry.create_handler(params)
+    try:
+        assert isinstance(made, RepublishingRendezvous)
+        assert made.get_backend() == "autopar-c10d" and made.get_run_id() == "cli"
+    finally:
+        made.shutdown()
+
+
 def test_a_broken_checkpoint_is_skipped_with_a_warning_that_names_it(tmp_path):
     from autopar.runtime.checkpoint import describe_tensors, save_checkpoint
 
@@ -184,43 +214,69 @@ def test_a_worker_killed_mid_run_loses_nothing_and_ends_with_the_same_weights(tm
         assert torch.equal(clean[name], killed[name]), name
 
 
+def _wait_for_record(history: Path, restart: int, step: int, proc: subprocess.Popen,
+                    timeout: float) -> None:
+    """Until the history holds `step` trained after restart `restart`."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if history.exists() and any(
+                (r["restart"], r["step"]) == (restart, step)
+                for r in map(json.loads, history.read_text().splitlines())):
+            return
+        assert proc.poll() is None, "the job ended before the step to wait for"
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} of restart {restart} not reached in {timeout} s")
+
+
 @pytest.mark.slow
 @pytest.mark.processes
-def test_an_agent_killed_leaves_the_other_node_to_replan_reshard_and_finish(tmp_path):
-    """Two torchrun agents on 127.0.0.1 (c10d rendezvous, --nnodes 1:2) stand in for two
-    nodes of one process each. Killing one agent with its worker leaves the other to
-    re-form a world of 1: dp=2 becomes dp=1 with two micro-batches (the global batch is
-    kept), the dp=2 checkpoint is resharded into it, and training finishes with every
-    sample once per epoch in the committed model, and with the weights of a run on two
-    processes without the kill (within rounding: the re-planned steps sum the batch in
-    another order)."""
+def test_an_agent_killed_leaves_the_other_to_finish_and_a_replacement_grows_it_back(tmp_path):
+    """Two torchrun agents on 127.0.0.1 (c10d rendezvous through autopar's `autopar-c10d`
+    handler, --nnodes 1:2) stand in for two nodes of one process each.
+    - Killing one agent with its worker leaves the other to re-form a world of 1: dp=2
+      becomes dp=1 with two micro-batches (the global batch is kept) and the dp=2
+      checkpoint is resharded into it. It trains on to step 8 and then waits
+      (`ELASTIC_TEST_HOLD_AT`, so that the test does not race the replacement's start).
+    - A replacement agent joins: the world grows back to dp=2 from the last checkpoint.
+    Training finishes with every sample once per epoch in the committed model, and with
+    the weights of a run on two processes without the kill (within rounding: the
+    re-planned steps sum the batch in another order). torch's own c10d handler cannot
+    admit the replacement (autopar/runtime/rendezvous.py says why)."""
     blocks, epochs = 12, 1
     port = _free_port()
     (tmp_path / "run").mkdir()
-    agents = []
-    for node in range(2):
+    history = tmp_path / "run" / "history.jsonl"
+
+    def agent() -> subprocess.Popen:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
-               "--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
-               "--rdzv-conf", "last_call_timeout=1,join_timeout=60",
+               "--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-backend",
+               "autopar-c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id",
+               "two-nodes", "--rdzv-conf", "last_call_timeout=1,join_timeout=60",
                *_worker_args(tmp_path, "run", {"dp": 2}, blocks, epochs)]
-        agents.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT, text=True,
-                                       start_new_session=True))
-        time.sleep(0.5 if node == 0 else 0)  # node 0 hosts the rendezvous store
-    _wait_for_step(tmp_path / "run" / "history.jsonl", 4, agents[0], 240,
-                   checkpoints=tmp_path / "run" / "ckpt")
+        return subprocess.Popen(cmd, cwd=ROOT, env={**_env(), "ELASTIC_TEST_HOLD_AT": "8"},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+
+    agents = [agent()]
+    time.sleep(0.5)  # node 0 hosts the rendezvous store
+    agents.append(agent())
+    _wait_for_step(history, 4, agents[0], 240, checkpoints=tmp_path / "run" / "ckpt")
     for pid in [agents[1].pid, *_children(agents[1].pid)]:  # the agent and its worker:
         os.kill(pid, signal.SIGKILL)  # a node gone (torchrun starts workers in new sessions)
-    out, _ = agents[0].communicate(timeout=600)
     agents[1].communicate()
-    assert agents[0].returncode == 0, out[-6000:]
-    events = [json.loads(line.split(" ", 1)[1]) for line in out.splitlines()
+    _wait_for_record(history, 1, 8, agents[0], 240)
+    agents.append(agent())
+    outs = [agents[i].communicate(timeout=600)[0] for i in (0, 2)]
+    for i, out in zip((0, 2), outs):
+        assert agents[i].returncode == 0, out[-6000:]
+    events = [json.loads(line.split(" ", 1)[1]) for out in outs for line in out.splitlines()
               if line.startswith("@autopar-event ")]
     resumed = [e for e in events if e["event"] == "resumed"]
-    assert [(e["world"], e["restart"]) for e in resumed] == [(2, 0), (1, 1)], resumed
-    assert [e["layout"] for e in resumed] == ["Layout(dp=2)", "Layout(microbatches=2)"]
-    assert resumed[1]["checkpoint"], resumed[1]
+    assert [e["world"] for e in resumed] == [2, 1, 2], resumed
+    assert [e["layout"] for e in resumed] == ["Layout(dp=2)", "Layout(microbatches=2)",
+                                              "Layout(dp=2)"]
+    assert resumed[1]["restart"] == 1 and resumed[1]["checkpoint"], resumed[1]
+    assert resumed[2]["step"] >= 6 and resumed[2]["checkpoint"], resumed[2]
     _check_exactly_once(tmp_path / "run" / "history.jsonl", blocks, epochs, 6)
     (tmp_path / "clean").mkdir()
     clean = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",

@@ -38,8 +38,8 @@ def test_the_manifest_runs_autopar_elastic_under_the_operators_elastic_policy():
     assert validate(m) == []
     spec = m["spec"]
     assert (m["apiVersion"], m["kind"]) == ("kubeflow.org/v1", "PyTorchJob")
-    assert spec["elasticPolicy"] == {"minReplicas": 1, "maxReplicas": 4, "rdzvBackend": "c10d",
-                                     "maxRestarts": 3}
+    assert spec["elasticPolicy"] == {"minReplicas": 1, "maxReplicas": 4,
+                                     "rdzvBackend": "autopar-c10d", "maxRestarts": 3}
     assert spec["nprocPerNode"] == "8"
     replicas = spec["pytorchReplicaSpecs"]
     assert {k: v["replicas"] for k, v in replicas.items()} == {"Master": 1, "Worker": 1}
