@@ -1,5 +1,5 @@
 """Elastic training under torchrun (autopar/elastic.py): re-planning for a world size, and
-real faults: a worker SIGKILLed mid-run, a whole agent (a "node") killed.
+real faults: a worker SIGKILLed mid-run, a whole agent (a "node") killed and replaced.
 
 The fault tests compare the committed history with the data set: each step's blocks are
 appended to a history file by rank 0; a restart redoes the steps after its checkpoint,
