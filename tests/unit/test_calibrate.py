@@ -207,7 +207,14 @@ def test_fit_model_on_this_machine_and_the_spec_reads_back(tmp_path):
     fitted = _device(c, op_time_factors=factors)
     fitted.to_yaml(tmp_path / "c.yaml")
     assert autopar.ClusterSpec.from_yaml(tmp_path / "c.yaml") == fitted
-    assert cal.measure_first_touch(2**26, 3) > 1e8
+    # a timing, so no speed is asserted: beside the suite's torchrun jobs a fresh tensor can
+    # fill no slower than a mapped one, and the measurement then says the machine is busy
+    try:
+        touch = cal.measure_first_touch(2**26, 3)
+    except RuntimeError as busy:
+        assert "too busy to calibrate" in str(busy)
+    else:
+        assert touch > 0
 
 
 # -- GPUs: the spec a GPU calibration writes (on this CPU), the measurements on a GPU ------------

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import torch
 
 from autopar.elastic import ElasticError, latest_checkpoint, replan
 from autopar.layout import Layout
+from benchmarks.recovery import children, free_port, wait_for_listener
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ["tests.elastic_model:slow_gpt2", "--batch", "6"]
@@ -71,7 +71,7 @@ def test_the_cli_runs_several_nodes_through_autopars_rendezvous(monkeypatch):
     assert "--standalone" in one and "--rdzv-backend" not in one
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    params = RendezvousParameters("autopar-c10d", f"127.0.0.1:{_free_port()}", "cli", 1, 1,
+    params = RendezvousParameters("autopar-c10d", f"127.0.0.1:{free_port()}", "cli", 1, 1,
                                   is_host=True)
     made = handler_registry.create_handler(params)
     try:
@@ -102,12 +102,6 @@ def test_a_broken_checkpoint_is_skipped_with_a_warning_that_names_it(tmp_path):
 
 # -- real processes -----------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker_args(tmp: Path, tag: str, layout: dict, blocks: int, epochs: int) -> list[str]:
     return ["-m", "autopar.elastic", *MODEL, "--layout", json.dumps(layout),
             "--checkpoint-dir", str(tmp / tag / "ckpt"), "--checkpoint-every", "3",
@@ -137,13 +131,6 @@ def _check_exactly_once(history: Path, blocks: int, epochs: int, block_size: int
     assert samples == Counter({s: epochs for s in range(blocks * block_size)})
     per_epoch = Counter(e for blks in steps.values() for _, e in blks)
     assert per_epoch == Counter({e: blocks for e in range(epochs)})
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out += [int(c) for c in (task / "children").read_text().split()]
-    return out
 
 
 def _rank_of(pid: int) -> int | None:
@@ -190,7 +177,7 @@ def test_a_worker_killed_mid_run_loses_nothing_and_ends_with_the_same_weights(tm
         if tag == "killed":
             _wait_for_step(tmp_path / tag / "history.jsonl", 4, proc, 240,
                            checkpoints=tmp_path / tag / "ckpt")
-            victim = next(p for p in _children(proc.pid) if _rank_of(p) == 1)
+            victim = next(p for p in children(proc.pid) if _rank_of(p) == 1)
             os.kill(victim, signal.SIGKILL)
         out, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0, out[-6000:]
@@ -243,7 +230,7 @@ def test_an_agent_killed_leaves_the_other_to_finish_and_a_replacement_grows_it_b
     re-planned steps sum the batch in another order). torch's own c10d handler cannot
     admit the replacement (autopar/runtime/rendezvous.py says why)."""
     blocks, epochs = 12, 1
-    port = _free_port()
+    port = free_port()
     (tmp_path / "run").mkdir()
     history = tmp_path / "run" / "history.jsonl"
 
@@ -258,10 +245,10 @@ def test_an_agent_killed_leaves_the_other_to_finish_and_a_replacement_grows_it_b
                                 start_new_session=True)
 
     agents = [agent()]
-    time.sleep(0.5)  # node 0 hosts the rendezvous store
+    wait_for_listener(port, agents[0])  # node 0 hosts the rendezvous store
     agents.append(agent())
     _wait_for_step(history, 4, agents[0], 240, checkpoints=tmp_path / "run" / "ckpt")
-    for pid in [agents[1].pid, *_children(agents[1].pid)]:  # the agent and its worker:
+    for pid in [agents[1].pid, *children(agents[1].pid)]:  # the agent and its worker:
         os.kill(pid, signal.SIGKILL)  # a node gone (torchrun starts workers in new sessions)
     agents[1].communicate()
     _wait_for_record(history, 1, 8, agents[0], 240)
