@@ -44,7 +44,7 @@ class RepublishingRendezvous:
         from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousStoreInfo
 
         info = self._inner.next_rendezvous()
-        os.environ[ROUND_ENV] = str(self._inner._state_holder.state.round)
+        os.environ[ROUND_ENV] = str(self._round())
         if not self._inner.use_agent_store:
             return info
         if info.rank == 0:
@@ -54,6 +54,19 @@ class RepublishingRendezvous:
             return info
         return RendezvousInfo(info.store, info.rank, info.world_size,
                               RendezvousStoreInfo.build(info.rank, info.store, None))
+
+    def _round(self) -> int:
+        """The round just joined. torch keeps it in a private field of its handler
+        (read here as in torch 2.13, the version autopar pins)."""
+        try:
+            return self._inner._state_holder.state.round
+        except AttributeError as e:
+            import torch
+
+            raise RuntimeError(
+                f"the {BACKEND} rendezvous cannot read the round number from torch "
+                f"{torch.__version__}'s c10d handler (it reads the one of torch 2.13); use "
+                f"--rdzv-backend c10d, with which a replacement node cannot join") from e
 
     @property
     def use_agent_store(self) -> bool:
