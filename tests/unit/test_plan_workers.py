@@ -115,7 +115,7 @@ def test_a_workers_refusal_is_the_searchs_and_a_dead_workers_layouts_come_home(
         gpt8, monkeypatch):
     model, batch = gpt8
     candidates = S.candidate_layouts(CLUSTER, 16, 8, {"amp": "bf16"})
-    unpipelined = [lay for lay in candidates if lay.pp == 1]
+    unpipelined = [lay for lay in candidates if lay.pp == 1 and lay.microbatches == 1]
     est = Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2)
     original = Rewrites.run_passes
 
@@ -172,11 +172,11 @@ def test_the_rewrites_asked_put_each_pipelines_widest_template_before_it():
 
     narrow = autopar.Layout(dp=2, pp=4, microbatches=8)  # micro-batch of 1/16 of the batch
     wide = autopar.Layout(dp=1, pp=4, microbatches=4, schedule="zero-bubble")  # 1/4: widest
-    accumulated = autopar.Layout(dp=8, microbatches=2)  # traced whole: never sent
+    accumulated = autopar.Layout(dp=8, microbatches=2)  # per block, as a flat step: sent
     flat = autopar.Layout(dp=8)
     order = [narrow, flat, accumulated, wide]
     asked = rewrites_asked(order, widest_templates(order))
-    assert asked == [wide, narrow, flat]
+    assert asked == [wide, narrow, flat, accumulated]
 
 
 def test_children_get_every_near_group_but_the_first_and_rewrite_its_firsts_ahead():

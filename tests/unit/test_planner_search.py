@@ -232,7 +232,8 @@ def test_recomputation_is_searched_where_memory_is_short():
     assert peak["full"] < peak["selective"] < peak["none"]
     # room for full recomputation only (at max_memory_fraction=0.9)
     tight = _with_memory(c, int((peak["full"] + peak["selective"]) / 2 / 0.9))
-    plan = autopar.plan(ex.model, tight, ex.batch, ex.loss_fn)
+    # one micro-batch: accumulation saves activations too (the next test)
+    plan = autopar.plan(ex.model, tight, ex.batch, ex.loss_fn, microbatches=1)
     assert plan.layout == autopar.Layout(recompute="full")
     why = {lay: w for lay, _, w in plan.alternatives}
     assert why[autopar.Layout()].startswith("does not fit")
@@ -243,7 +244,32 @@ def test_recomputation_is_searched_where_memory_is_short():
     assert all(lay.recompute == "none" for lay, _, _ in roomy.alternatives)
     # a fixed field is never varied
     with pytest.raises(autopar.PlanError, match="fits no layout"):
-        autopar.plan(ex.model, tight, ex.batch, ex.loss_fn, recompute="none")
+        autopar.plan(ex.model, tight, ex.batch, ex.loss_fn, recompute="none", microbatches=1)
+
+
+def test_gradient_accumulation_is_searched_where_memory_is_short():
+    """Without a pipeline the search tries 2 micro-batches and micro-batches of one
+    sequence: where one micro-batch's activations do not fit and recomputation and ZeRO
+    are ruled out, accumulation is the plan, costed from the per-block trace as
+    `estimate` costs it."""
+    ex = gpt2(layers=4, hidden=64, heads=4, vocab=256, batch=8, seq=32)
+    c = ClusterSpec.local(nprocs=2)
+    whole = autopar.estimate(ex.model, c, autopar.Layout(dp=2), ex.batch,
+                             ex.loss_fn).peak_memory_bytes
+    halves = autopar.estimate(ex.model, c, autopar.Layout(dp=2, microbatches=2), ex.batch,
+                              ex.loss_fn).peak_memory_bytes
+    assert halves < whole
+    tight = _with_memory(c, int((halves + whole) / 2 / 0.9))
+    # recomputation and ZeRO, which save memory too, ruled out
+    plan = autopar.plan(ex.model, tight, ex.batch, ex.loss_fn, recompute="none", zero=0, tp=1,
+                        pp=1, workers=0)
+    assert plan.layout.dp == 2 and plan.layout.microbatches in (2, 4)
+    assert plan.details["tracing"].startswith("per block")
+    again = autopar.estimate(ex.model, tight, plan.layout, ex.batch, ex.loss_fn)
+    assert again.step_time_s == pytest.approx(plan.predicted.step_time_s)
+    assert again.peak_memory_bytes <= 0.9 * tight.device.memory_bytes
+    why = {lay: w for lay, _, w in plan.alternatives}
+    assert why[autopar.Layout(dp=2)].startswith("does not fit")
 
 
 def test_bucket_sizes_are_searched_for_the_best_data_parallel_layout():
@@ -648,7 +674,8 @@ def test_pipelines_are_tried_with_micro_batches_of_one_sequence():
     unpipelined layout the search bounds pipelines with: that bound is left out, the
     layout is costed."""
     assert S._micro_batch_counts(4, 2, 14) == [4, 7, 8]
-    assert S._micro_batch_counts(1, 2, 14) == [1]
+    assert S._micro_batch_counts(1, 2, 14) == [1, 2, 7]  # accumulation: 2, and 7 of one
+    assert S._micro_batch_counts(1, 2, None) == [1]
     ex = gpt2(layers=4, hidden=64, heads=4, vocab=256, batch=14, seq=32)
     c = ClusterSpec.preset("dgx-h100")
     plan = autopar.plan(ex.model, c, ex.batch, ex.loss_fn, workers=0, tp=1, pp=4, dp=2,

@@ -317,7 +317,7 @@ class Estimator:
 
     def _pipeline_memory(self, layout, summary, stages) -> MemoryPrediction | None:
         """The fullest pipeline rank's memory, each rank's schedule replayed (None: the
-        unpipelined step's, as for one stage traced with a few blocks)."""
+        unpipelined step's)."""
         if stages is None:
             return None
         key = self.rewrites.key(layout)
@@ -329,8 +329,8 @@ class Estimator:
         elif entry.graph is not None:
             ranks = pipeline_memory_per_rank(entry.graph, layout, self.optimizer,
                                              regions_inline=self.cluster.device.kind == "cpu")
-        else:
-            return None
+        else:  # accumulation over a scaled trace: its one stage's programs replayed
+            ranks = pipeline_memory_from_summary(summary, stages, layout, self.optimizer)
         return max(ranks, key=lambda m: m.peak_bytes)
 
 

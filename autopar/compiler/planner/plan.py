@@ -379,8 +379,7 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
     def sibling(layout: Layout) -> float:
         if layout.pp == 1 and layout.microbatches == 1:
             return 0.0
-        timed = (estimator.schedule_time(layout.replace(zero=z)) for z in range(4)
-                 if z != layout.zero and (z == 0 or layout.dp > 1))
+        timed = (estimator.schedule_time(other) for other in _zero_siblings(layout))
         return max((t for t in timed if t is not None), default=0.0) * BOUND_MARGIN
 
     def bound(layout: Layout) -> float:
@@ -395,17 +394,29 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
     return bound
 
 
+def _zero_siblings(layout: Layout) -> list[Layout]:
+    """`layout` under each other ZeRO stage it can run with (none with DGC or Local SGD,
+    whose state is per rank and whole: zero=0 only)."""
+    out = []
+    for z in range(4):
+        if z == layout.zero or (z and layout.dp == 1):
+            continue
+        try:
+            out.append(layout.replace(zero=z))
+        except LayoutError:
+            continue
+    return out
+
+
 def rewrites_asked(order: list[Layout], widest: dict[tuple, Layout]) -> list[Layout]:
     """The layouts whose rewrites the search asks for, in the order it asks (`order`: the
     candidates by their bound): a pipeline's widest template (`prepare`), then its own
-    (its micro-batch's). Micro-batches without a pipeline are left out: they are traced
-    whole (Traces._blocks_kept), and a worker sends only scaled summaries."""
+    (its micro-batch's)."""
     asked = []
     for layout in order:
         if layout.pp > 1:
             asked.append(widest.get(template_key(layout), layout))
-        if layout.pp > 1 or layout.microbatches == 1:
-            asked.append(layout)
+        asked.append(layout)
     return list(dict.fromkeys(asked))
 
 

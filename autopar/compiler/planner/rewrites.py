@@ -31,6 +31,7 @@ from autopar.compiler.passes.defaults import (
     split_forward_level,
 )
 from autopar.compiler.planner.replicated import Template, template_of
+from autopar.compiler.planner.scaled import split_copies
 from autopar.compiler.planner.stages import StageSummary, stage_summary
 from autopar.compiler.planner.traces import TraceKey, TracedEntry, Traces, scaled_summary
 from autopar.layout import Layout
@@ -169,6 +170,8 @@ class Rewrites:
         else:
             stages = stage_summary(rewritten) if is_pipelined(layout) else None
             summary = scaled_summary(summarize(rewritten), rewritten, trace.scaling)
+            if stages is not None:  # accumulation over a scaled trace: one stage
+                summary, stages = split_copies(summary, stages)
             entry = RewrittenEntry(summary, stages, None if trace.scaling else rewritten)
         self._entries[key] = entry
         if "tp" in rewritten.attrs:

@@ -25,6 +25,10 @@ summaries are scaled to the whole model:
   ZeRO-2/3 returns); a bucket let go of before the backward ends (a reduce-scatter's
   input, waited for two buckets later; its packing) counts once: the real step
   holds as few at a time, of the same size;
+- gradient accumulation without a pipeline (one stage, several micro-batches) replays
+  its stage's programs over the scaled summary (planner/estimate.py), with each block
+  parameter split into its m_b copies (`split_copies`): the pipeline cost model sums
+  and gathers a stage's parameters one tensor at a time, as the runtime does;
 - a pipeline of several stages is costed from a two-block template instead
   (planner/replicated.py), whatever k is.
 
@@ -44,6 +48,7 @@ from autopar.compiler.analysis.summary import GraphSummary, OpRecord
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.annotate import repeated_block_container
 from autopar.compiler.ir.graph import TrainGraph
+from autopar.compiler.planner.stages import StageSummary
 
 
 def multiplicities(total: int, keep: int) -> tuple[int, ...]:
@@ -113,6 +118,28 @@ def scale_summary(summary: GraphSummary, tg: TrainGraph, counts: tuple[int, ...]
                 for i, (op, b, bucket) in enumerate(zip(summary.ops, op_layers(tg), buckets)))
     return replace(summary, ops=ops, param_numel=numel,
                    param_copies=tuple(counts[b] if b is not None else 1 for b in params))
+
+
+def split_copies(summary: GraphSummary, stages: StageSummary
+                 ) -> tuple[GraphSummary, StageSummary]:
+    """A scaled summary and its stages with each parameter that stands for k copies
+    (`param_copies`) listed as k parameters of a k-th of its elements each: what the
+    pipeline cost model reads per parameter tensor (rank_params: one collective each)."""
+    if not summary.param_copies:
+        return summary, stages
+    entries = [i for i, k in enumerate(summary.param_copies) for _ in range(k)]
+
+    def pick(values: tuple[int, ...], per_copy: bool = False) -> tuple[int, ...]:
+        if not values:
+            return ()
+        return tuple(values[i] // summary.param_copies[i] if per_copy else values[i]
+                     for i in entries)
+
+    return (replace(summary, param_numel=pick(summary.param_numel, per_copy=True),
+                    param_itemsize=pick(summary.param_itemsize),
+                    param_rows=pick(summary.param_rows), param_blocks=pick(summary.param_blocks),
+                    param_copies=()),
+            replace(stages, param_stages=tuple(stages.param_stages[i] for i in entries)))
 
 
 def _held_to_end(summary: GraphSummary) -> frozenset[int]:

@@ -116,9 +116,10 @@ def _options(name: str, default: list, fixed: dict[str, Any]) -> list:
 def candidate_layouts(cluster: ClusterSpec, batch: int | None, blocks: int,
                       fixed: dict[str, Any]) -> list[Layout]:
     """Every layout the search costs (see the module docstring), constraints applied.
-    Micro-batches: 1 without a pipeline; with one pp, 2 pp and micro-batches of one
-    sequence (`_micro_batch_counts`; each size is a trace of its own: fix
-    `microbatches` to try another)."""
+    Micro-batches (`_micro_batch_counts`; each size is a trace of its own: fix
+    `microbatches` to try another): without a pipeline 1, 2 and micro-batches of one
+    sequence (gradient accumulation); with one pp, 2 pp and micro-batches of one
+    sequence."""
     world = cluster.world_size
     amps = ["off", "bf16"] if "bf16" in cluster.device.peak_flops else ["off"]
     out: dict[Layout, None] = {}  # ordered, and a membership test that does not scan
@@ -151,13 +152,14 @@ MICRO_BATCH_SIZES = (1,)
 
 
 def _micro_batch_counts(pp: int, dp: int, batch: int | None) -> list[int]:
-    """Micro-batch counts tried for a pipeline of `pp` stages: pp and 2 pp, and those
-    giving each micro-batch MICRO_BATCH_SIZES sequences of a rank's share (at least pp
-    of them). 1 without a pipeline (accumulation is not costed from per-block traces:
-    fix `microbatches` to try it)."""
-    if pp == 1:
+    """Micro-batch counts tried for a pipeline of `pp` stages (gradient accumulation when
+    pp is 1): pp and 2 pp, and those giving each micro-batch MICRO_BATCH_SIZES sequences
+    of a rank's share (at least pp of them). Without a pipeline 1 and 2 share the traces
+    of dp and 2 dp, whose rank's share is the same micro-batch; accumulating only saves
+    activations, so the bounds leave it out wherever one micro-batch fits."""
+    if pp == 1 and batch is None:  # no batch dimension to split
         return [1]
-    counts = [pp, 2 * pp]
+    counts = [1, 2] if pp == 1 else [pp, 2 * pp]
     if batch is not None and batch % dp == 0:
         share = batch // dp
         counts += [share // size for size in MICRO_BATCH_SIZES

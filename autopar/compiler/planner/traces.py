@@ -195,14 +195,12 @@ class Traces:
 
     def _blocks_kept(self, layout: Layout) -> int | None:
         """Blocks to trace (None: all): a pipeline of several stages traces the two of its
-        template (planner/replicated.py). Accumulation without a pipeline is traced
-        whole: its memory is a replay of the one stage's programs, which a scaled
-        summary does not have (the search does not try it; `estimate` of it is exact)."""
+        template (planner/replicated.py); accumulation without a pipeline, like an
+        unpipelined step, `trace_blocks` of them, its one stage's programs replayed over
+        the scaled summary (estimate._pipeline_memory)."""
         if self.trace_blocks is None:
             return None
-        if stages_of(layout) > 1:
-            return TEMPLATE_BLOCKS
-        return None if is_pipelined(layout) else self.trace_blocks
+        return TEMPLATE_BLOCKS if stages_of(layout) > 1 else self.trace_blocks
 
     def describe(self, layout: Layout) -> str:
         """How `layout` is traced, in a sentence for the plan and the prediction."""

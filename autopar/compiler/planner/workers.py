@@ -163,6 +163,16 @@ class RewriteWorker:
                 self.claims[slot] = PARENT
             return self.claims[slot] == PARENT
 
+    def _pending_taken(self, group: tuple) -> bool:
+        """Take `group` back if the child has not started it and the parent has not taken
+        it already (`take_back` when the search asked for one of its layouts)."""
+        with self.claims.get_lock():
+            slot = self.slots[group]
+            if self.claims[slot] != PENDING:
+                return False
+            self.claims[slot] = PARENT
+            return True
+
     def steal(self, traced: Callable[[tuple], bool] = lambda group: False
               ) -> tuple[tuple, Layout] | None:
         """(group, its first layout rewritten ahead) of the first group in the child's
@@ -171,7 +181,7 @@ class RewriteWorker:
         parent has (`traced(group)`): a trace is a third of a group's rewrite. None:
         the child has them all."""
         for group, layout in sorted(self.ahead, key=lambda item: not traced(item[0])):
-            if self.take_back(group):
+            if self._pending_taken(group):
                 self.ahead = [(g, lay) for g, lay in self.ahead if g != group]
                 return group, layout
         return None
