@@ -49,7 +49,13 @@ import torch.nn.functional as F
 from torch.utils import flop_counter
 
 from autopar.cluster import ClusterSpec
-from autopar.costs import DEFAULT_EFFICIENCY, Efficiency, kernel_time, optimizer_time
+from autopar.costs import (
+    DEFAULT_EFFICIENCY,
+    Efficiency,
+    causal_share,
+    kernel_time,
+    optimizer_time,
+)
 
 ALL_REDUCE_SIZES = (2**12, 2**16, 2**20, 2**22, 2**24)  # bytes
 NCCL_SIZES = (2**16, 2**20, 2**24, 2**26, 2**28)  # bytes: NVLink needs larger ones to fit
@@ -186,9 +192,9 @@ def measure_gpu_attention(batch: int = 4, heads: int = 16, seq: int = 2048,
                           head_dim: int = 128, repeats: int = 5) -> tuple[float, str]:
     """FLOP/s and dtype of causal `scaled_dot_product_attention`, forward and backward,
     in bf16 (fp16 where the GPU has no bf16) on the current GPU: the fused kernel torch
-    picks (FlashAttention on recent GPUs). The FLOPs are counted as the cost model
-    counts the kernel's (torch.utils.flop_counter: the whole s x s, causal or not), so
-    the rate is the one `kernel_time` needs, causal saving included."""
+    picks (FlashAttention on recent GPUs). The FLOPs are those the kernel performs, as
+    the cost model counts a causal attention's time (torch.utils.flop_counter's whole
+    s x s times costs.causal_share), so the rate is the one `kernel_time` needs."""
     dtype = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     shape = (batch, heads, seq, head_dim)
     q, k, v = (torch.randn(shape, device="cuda", dtype=GPU_DTYPES[dtype], requires_grad=True)
@@ -199,7 +205,8 @@ def measure_gpu_attention(batch: int = 4, heads: int = 16, seq: int = 2048,
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         torch.autograd.grad(out, (q, k, v), grad)
     flops = (flop_counter.sdpa_flop_count(shape, shape, shape)
-             + flop_counter.sdpa_backward_flop_count(shape, shape, shape, shape))
+             + flop_counter.sdpa_backward_flop_count(shape, shape, shape, shape)
+             ) * causal_share(seq, seq)
     return flops / _cuda_time(forward_backward, repeats), dtype
 
 

@@ -80,6 +80,16 @@ ATTENTION_KERNELS = frozenset({
 })
 
 
+def causal_share(s_q: int, s_k: int) -> float:
+    """The share of the s_q x s_k scores an attention kernel computes under `is_causal`
+    (torch's mask, aligned top-left: query i sees keys 0..i); the fused kernels skip
+    the rest, while torch.utils.flop_counter counts all s_q x s_k."""
+    if s_q <= 0 or s_k <= 0:
+        return 1.0
+    kept = s_q * (s_q + 1) // 2 if s_q <= s_k else s_k * (s_k + 1) // 2 + (s_q - s_k) * s_k
+    return kept / (s_q * s_k)
+
+
 def kernel_time(target: str, flops: float, nbytes: float, allocates: int, dtype: str | None,
                 cluster: ClusterSpec, eff: Efficiency = DEFAULT_EFFICIENCY,
                 first_touch: bool = True) -> float:

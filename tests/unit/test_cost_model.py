@@ -188,8 +188,12 @@ def test_gpt_flops_equal_the_closed_form_of_its_matmuls():
     # attention scores q@k^T and probabilities @ v, 2*B*S*S*h each; the tied LM head 2*T*h*V
     forward = layers * (24 * tokens * h * h + 4 * batch * seq * seq * h) + 2 * tokens * h * vocab
     assert summary.model_flops == 3 * forward  # backward: input and weight gradients, 2x
-    # the attention backward kernel also recomputes the scores: time, not model FLOPs
-    assert summary.flops == 3 * forward + layers * 2 * batch * seq * seq * h
+    # the attention backward kernel also recomputes the scores: time, not model FLOPs;
+    # and a causal attention's kernel computes only the (seq + 1) / 2 seq of its scores
+    # on and below the diagonal: that is its time, the whole s x s its model FLOPs
+    recomputed = layers * 2 * batch * seq * seq * h
+    scores = layers * (4 + 8) * batch * seq * seq * h + recomputed  # forward, backward
+    assert summary.flops == 3 * forward + recomputed - scores + scores * (seq + 1) // (2 * seq)
 
 
 def test_summary_storage_of_views_waits_and_gradients():

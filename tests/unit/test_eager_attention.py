@@ -14,8 +14,10 @@ from hypothesis import strategies as st
 import autopar
 from autopar.cluster import ClusterSpecError, DeviceSpec
 from autopar.compiler.ir import meta as M
+from autopar.compiler.ir.annotate import executed_flops
 from autopar.compiler.ir.eager_attention import SDPA, fuse_eager_attention
 from autopar.compiler.ir.trace import trace_train_step
+from autopar.costs import causal_share
 from autopar.examples import gpt2, llama, neox
 
 B, H, S, D = 2, 3, 5, 4
@@ -134,6 +136,15 @@ def test_a_chain_it_cannot_take_is_left_with_why(module, why):
     torch.testing.assert_close(tuple(fx.Interpreter(fused).run(*args)), expected)
 
 
+def test_a_causal_kernel_computes_the_scores_on_and_below_the_diagonal():
+    """costs.causal_share counts, row by row, the keys query i sees under torch's
+    is_causal (aligned top-left): min(i + 1, s_k)."""
+    for s_q, s_k in [(1, 1), (4, 4), (2, 4), (4, 2), (7, 3), (2048, 2048)]:
+        kept = sum(min(i + 1, s_k) for i in range(s_q))
+        assert causal_share(s_q, s_k) == kept / (s_q * s_k)
+    assert causal_share(2048, 2048) == pytest.approx(0.5, abs=3e-4)
+
+
 def _attention_nodes(tg):
     return [n for n in tg.call_nodes()
             if n.target == torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default]
@@ -153,9 +164,17 @@ def test_a_gpu_trace_takes_eager_attention_as_the_fused_kernel(build):
         traces[attention] = trace_train_step(ex.model, ex.batch, ex.loss_fn, kernels="gpu")
     flops = {a: sum(n.meta[M.FLOPS] for n in tg.call_nodes()) for a, tg in traces.items()}
     assert flops["eager"] == flops["sdpa"] > 0
+    # both causal (eager's constant mask given back as is_causal): each kernel's time
+    # counts the scores on and below the diagonal, its model FLOPs all of them
+    executed = {a: sum(map(executed_flops, tg.call_nodes())) for a, tg in traces.items()}
+    assert executed["eager"] == executed["sdpa"] < flops["sdpa"]
     for tg in traces.values():
         attention = _attention_nodes(tg)
         assert len(attention) == 2 and all(n.args[3] == 0.1 for n in attention)
+        seq = attention[0].args[0].meta[M.VAL].shape[-2]
+        assert all(n.args[4] is True for n in attention)
+        assert all(executed_flops(n) == int(n.meta[M.FLOPS] * (seq + 1) / (2 * seq))
+                   for n in attention)
     ex = build("eager")
     assert not _attention_nodes(trace_train_step(ex.model, ex.batch, ex.loss_fn))
 

@@ -26,7 +26,7 @@ import torch.fx as fx
 from autopar.cluster import ClusterSpec
 from autopar.compiler.ir import comm_ops
 from autopar.compiler.ir import meta as M
-from autopar.compiler.ir.annotate import op_name, tensor_bytes
+from autopar.compiler.ir.annotate import executed_flops, op_name, tensor_bytes
 from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.ir.program import MESH_TAG_PREFIX
 from autopar.costs import op_time
@@ -197,7 +197,8 @@ def _record(node: fx.Node, index: dict[fx.Node, int], earlier: list[OpRecord]) -
     kind, group_arg = COLLECTIVES.get(node.target, (None, None))
     flops = node.meta.get(M.FLOPS, 0)
     record = OpRecord(
-        name=node.name, role=node.meta[M.ROLE].value, flops=flops, target=op_name(node),
+        name=node.name, role=node.meta[M.ROLE].value, flops=executed_flops(node),
+        target=op_name(node),
         members=tuple(node.meta.get(M.FUSED_MEMBERS, ())),
         inline=_inline(node, index),
         model_flops=0 if node.meta.get(M.RECOMPUTED) else flops - attention_recompute_flops(node),

@@ -15,6 +15,7 @@ from torch.utils import flop_counter
 
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.graph import TrainGraph
+from autopar.costs import causal_share
 
 _WRAPPER_PREFIX = "model"  # path of the user's model inside trace's loss wrapper
 
@@ -186,6 +187,33 @@ def node_flops(node: fx.Node) -> int:
     if packet not in flop_counter.flop_registry:
         return 0
     return int(flop_counter.flop_registry[packet](*args, **kwargs, out_val=node.meta.get(M.VAL)))
+
+
+def causal_fraction(node: fx.Node) -> float:
+    """The share of its scores an attention kernel given `is_causal` computes (the fused
+    kernels, flash, memory-efficient, cuDNN and the CPU's flash, skip the blocks above
+    the diagonal: costs.causal_share); 1 for any other op."""
+    schema = getattr(node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if not {"is_causal", "query", "key"} <= set(names):
+        return 1.0
+
+    def arg(name: str):
+        i = names.index(name)
+        return node.args[i] if i < len(node.args) else \
+            node.kwargs.get(name, schema.arguments[i].default_value)
+
+    if not arg("is_causal"):
+        return 1.0
+    return causal_share(*(a.meta[M.VAL].shape[-2] for a in (arg("query"), arg("key"))))
+
+
+def executed_flops(node: fx.Node) -> int:
+    """The FLOPs `node`'s kernel performs (its time), where M.FLOPS is the usual count
+    (model FLOPs and MFU: a causal attention counted whole, as Megatron-LM and
+    FlashAttention count it)."""
+    flops = node.meta.get(M.FLOPS, 0)
+    return int(flops * causal_fraction(node)) if flops else 0
 
 
 def _is_view(node: fx.Node) -> bool:

@@ -30,6 +30,7 @@ from autopar.cluster import ClusterSpec
 from autopar.compiler.analysis.memory import graph_liveness, step_memory
 from autopar.compiler.analysis.summary import summarize
 from autopar.compiler.ir import meta as M
+from autopar.compiler.ir.annotate import executed_flops
 from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.passes.base import PassContext
 from autopar.compiler.passes.recompute_rules import (
@@ -70,7 +71,7 @@ class _Costing:
     def _seconds(self, node) -> float:
         """Roofline time of one recomputed op (most are memory-bound: FLOPs alone would
         make pointwise ops free)."""
-        return op_time(node.meta.get(M.FLOPS, 0), node.meta.get(M.BYTES, 0), self.peak_flops,
+        return op_time(executed_flops(node), node.meta.get(M.BYTES, 0), self.peak_flops,
                        self.bandwidth)
 
     def cost(self, per_layer: dict) -> tuple[int, int, float]:

@@ -213,6 +213,11 @@ class Estimator:
         from the trace of its micro-batch (scaled to the whole stack with trace_blocks)."""
         return self.traces.get(layout).model_flops * layout.dp * layout.microbatches
 
+    def step_executed_flops(self, layout: Layout) -> int:
+        """The FLOPs the kernels of one training step of the global batch perform under
+        `layout` before any pass (TracedEntry.executed_flops): what compute time counts."""
+        return self.traces.get(layout).executed_flops * layout.dp * layout.microbatches
+
     def most_shared(self, layouts: Sequence[Layout]) -> Layout:
         """The first of `layouts` whose trace the most of them share: what to trace first
         when any trace will do (the FLOP count, the parameters an embedding reads), so

@@ -242,7 +242,9 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
     bounds below.
 
     From FLOPs, before anything is costed: each rank computes at least its 1/world share
-    of the step's model FLOPs, and no op runs faster than at the highest peak among the
+    of the FLOPs the traced step's kernels perform (its model FLOPs, less the scores a
+    causal attention skips, plus those its backward recomputes: what kernel_time
+    counts), and no op runs faster than at the highest peak among the
     dtypes it can compute in (fp32, the parameters' and buffers', the layout's AMP
     dtype) times the compute efficiency and the smallest fitted op factor below 1
     (cost_model.kernel_time).
@@ -297,7 +299,7 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
     step found."""
     cluster, model = estimator.cluster, estimator.model
     try:
-        total = estimator.step_model_flops(estimator.most_shared(candidates)) * BOUND_MARGIN
+        total = estimator.step_executed_flops(estimator.most_shared(candidates)) * BOUND_MARGIN
     except ValueError:  # the model does not trace: the search reports it for every layout
         total = 0.0
     dtypes = {"fp32"} | {DTYPE_NAMES.get(t.dtype) for t in (*model.parameters(), *model.buffers())

@@ -48,6 +48,9 @@ class TracedEntry:
     # the trace's attention written out op by op (trace_train_step's attrs
     # "eager_attention"): {"fused": count, "left": [(softmax node, why), ...]}, or {}
     attention: dict = field(default_factory=dict)
+    # the FLOPs its kernels perform (GraphSummary.flops, scaled likewise): a causal
+    # attention's scores above the diagonal skipped, the backward's recomputed ones in
+    executed_flops: int = 0
 
     def without_graph(self) -> TracedEntry:
         return replace(self, graph=None)
@@ -189,9 +192,9 @@ class Traces:
                                       attention=self.attention)
         scaling = Scaling(stack[0], multiplicities(stack[1], keep)) \
             if keep and stack and stack[1] > keep else None
-        flops = scaled_summary(summarize(traced), traced, scaling).model_flops
-        return TracedEntry(key, traced, flops, scaling,
-                           dict(traced.attrs.get("eager_attention", {})))
+        summary = scaled_summary(summarize(traced), traced, scaling)
+        return TracedEntry(key, traced, summary.model_flops, scaling,
+                           dict(traced.attrs.get("eager_attention", {})), summary.flops)
 
     def _blocks_kept(self, layout: Layout) -> int | None:
         """Blocks to trace (None: all): a pipeline of several stages traces the two of its
