@@ -160,3 +160,21 @@ def test_the_exported_graph_is_not_changed():
     assert ep.graph_module.code == before
     (node,) = [n for n in gm.graph.nodes if n.target is SDPA]
     assert node.kwargs["is_causal"] is True and node.kwargs["attn_mask"] is None
+
+
+def test_a_mask_over_the_evaluation_budget_stays_with_its_size(monkeypatch):
+    """The budget is in bytes of the largest value the mask's computation makes (a bool
+    mask of batch x 1 x s x s: 2 x 32 x 32 bytes here). Under it the mask is recovered;
+    over it, the mask stays and the reason names the value and its size."""
+    import autopar.compiler.ir.causal_mask as C
+
+    def traced(budget: int):
+        monkeypatch.setattr(C, "EVALUATION_BUDGET", budget)
+        ex = gpt2(layers=1, batch=2, seq=32)
+        gm = torch.export.export(ex.model, ex.batch).graph_module
+        return recover_causal_masks(gm)[1]
+
+    assert traced(2 * 32 * 32).causal == 1
+    left = traced(2 * 32 * 32 - 1)
+    assert left.causal == 0 and len(left.left) == 1
+    assert "2,048 bytes (more than 2,047)" in left.left[0][1]

@@ -32,9 +32,9 @@ import torch
 import torch.fx as fx
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
-# elements of the largest value of a mask's computation evaluated at trace time (the
-# mask of a batch of 16 sequences of 2,048 tokens is 2^26)
-EVALUATION_BUDGET = 1 << 26
+# bytes of the largest value of a mask's computation evaluated at trace time: a bool
+# mask of 4 sequences of 8,192 tokens (2^28); each value is freed after its last use
+EVALUATION_BUDGET = 1 << 28
 # ops that only check a value's traced metadata: they go with the value they check
 _ASSERTS = frozenset({torch.ops.aten._assert_tensor_metadata.default})
 
@@ -124,9 +124,10 @@ def _evaluate(gm: fx.GraphModule, mask: fx.Node, evaluated: dict) -> Any:
         if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
             return f"it draws random numbers ({node.name!r})"
         val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and val.numel() > EVALUATION_BUDGET:
-            return (f"evaluating it at trace time takes {node.name!r} of {val.numel():,} "
-                    f"elements (more than {EVALUATION_BUDGET:,})")
+        size = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+        if size > EVALUATION_BUDGET:
+            return (f"evaluating it at trace time takes {node.name!r} of {size:,} bytes "
+                    f"(more than {EVALUATION_BUDGET:,})")
         for parent in node.all_input_nodes:
             why = visit(parent)
             if why:
@@ -139,7 +140,8 @@ def _evaluate(gm: fx.GraphModule, mask: fx.Node, evaluated: dict) -> Any:
         evaluated[mask] = why
         return why
     values: dict[fx.Node, Any] = {}
-    for node in order:
+    last = {parent: k for k, node in enumerate(order) for parent in node.all_input_nodes}
+    for k, node in enumerate(order):
         if node.op == "get_attr":
             value = getattr(gm, node.target)
         else:
@@ -150,6 +152,9 @@ def _evaluate(gm: fx.GraphModule, mask: fx.Node, evaluated: dict) -> Any:
             evaluated[mask] = why = f"{node.name!r} has no value (a meta tensor)"
             return why
         values[node] = value
+        for parent in node.all_input_nodes:  # no later node of the mask reads it
+            if last.get(parent) == k and parent is not mask:
+                del values[parent]
     evaluated[mask] = values[mask]
     return values[mask]
 
