@@ -14,6 +14,7 @@ import torch.fx as fx
 from torch.utils import flop_counter
 
 from autopar.compiler.ir import meta as M
+from autopar.compiler.ir.causal_mask import bound
 from autopar.compiler.ir.graph import TrainGraph
 from autopar.costs import causal_share
 
@@ -194,18 +195,13 @@ def causal_fraction(node: fx.Node) -> float:
     kernels, flash, memory-efficient, cuDNN and the CPU's flash, skip the blocks above
     the diagonal: costs.causal_share); 1 for any other op."""
     schema = getattr(node.target, "_schema", None)
-    names = [a.name for a in schema.arguments] if schema is not None else []
-    if not {"is_causal", "query", "key"} <= set(names):
+    if schema is None or "is_causal" not in (a.name for a in schema.arguments):
         return 1.0
-
-    def arg(name: str):
-        i = names.index(name)
-        return node.args[i] if i < len(node.args) else \
-            node.kwargs.get(name, schema.arguments[i].default_value)
-
-    if not arg("is_causal"):
+    named = dict(zip((a.name for a in schema.arguments), bound(node)))
+    if not named["is_causal"] or "query" not in named or "key" not in named:
         return 1.0
-    return causal_share(*(a.meta[M.VAL].shape[-2] for a in (arg("query"), arg("key"))))
+    return causal_share(named["query"].meta[M.VAL].shape[-2],
+                        named["key"].meta[M.VAL].shape[-2])
 
 
 def executed_flops(node: fx.Node) -> int:

@@ -156,22 +156,16 @@ class RewriteWorker:
 
     def take_back(self, group: tuple) -> bool:
         """Whether the parent takes `group` back: the child has not started it, and now
-        never will (False: the child has it, the parent asks for its results)."""
+        never will (False: the child has it, the parent asks for its results). A group
+        taken back leaves `ahead`, so that `steal` does not take it a second time."""
         with self.claims.get_lock():
             slot = self.slots[group]
             if self.claims[slot] == PENDING:
                 self.claims[slot] = PARENT
-            return self.claims[slot] == PARENT
-
-    def _pending_taken(self, group: tuple) -> bool:
-        """Take `group` back if the child has not started it and the parent has not taken
-        it already (`take_back` when the search asked for one of its layouts)."""
-        with self.claims.get_lock():
-            slot = self.slots[group]
-            if self.claims[slot] != PENDING:
-                return False
-            self.claims[slot] = PARENT
-            return True
+            taken = self.claims[slot] == PARENT
+        if taken:
+            self.ahead = [(g, lay) for g, lay in self.ahead if g != group]
+        return taken
 
     def steal(self, traced: Callable[[tuple], bool] = lambda group: False
               ) -> tuple[tuple, Layout] | None:
@@ -181,8 +175,7 @@ class RewriteWorker:
         parent has (`traced(group)`): a trace is a third of a group's rewrite. None:
         the child has them all."""
         for group, layout in sorted(self.ahead, key=lambda item: not traced(item[0])):
-            if self._pending_taken(group):
-                self.ahead = [(g, lay) for g, lay in self.ahead if g != group]
+            if self.take_back(group):
                 return group, layout
         return None
 
