@@ -179,13 +179,16 @@ def test_the_rewrites_asked_put_each_pipelines_widest_template_before_it():
     assert asked == [wide, narrow, flat, accumulated]
 
 
-def test_children_get_every_near_group_but_the_first_and_rewrite_its_firsts_ahead():
+def test_children_get_every_near_groups_trace_but_the_first_and_rewrite_its_firsts_ahead():
     from autopar.compiler.planner.workers import child_groups, firsts
 
-    groups = ["a", "b", "c", "d", "e"]
-    bounds = [1.0, 1.1, 9.0, 1.2, 1.4]  # c is far above the least: left to the parent
-    assert child_groups(groups, bounds, 1) == [["b", "d", "e"]]
-    assert child_groups(groups, bounds, 2) == [["b", "e"], ["d"]]
+    # groups are (trace, what the re-tracing passes read): a group goes with its trace
+    groups = [("t1", 1), ("t2", 2), ("t3", 1), ("t2", 4), ("t4", 1), ("t5", 1)]
+    bounds = [1.0, 1.1, 9.0, 9.0, 1.2, 1.4]  # t3 far above the least: left to the parent
+    # ("t2", 4) is far too, but goes with its trace, which a child makes
+    assert child_groups(groups, bounds, 1) == [[("t2", 2), ("t2", 4), ("t4", 1), ("t5", 1)]]
+    assert child_groups(groups, bounds, 2) == [[("t2", 2), ("t2", 4), ("t5", 1)], [("t4", 1)]]
+    assert child_groups([("t1", 1), ("t1", 2)], [1.0, 1.0], 1) == [[]]  # one trace: parent's
     template = autopar.Layout(dp=2, pp=4, microbatches=4)
     flat, zero1 = autopar.Layout(dp=8), autopar.Layout(dp=8, zero=1)
     later = autopar.Layout(dp=2, pp=4, microbatches=4, schedule="gpipe")
@@ -307,5 +310,44 @@ def test_the_parent_steals_first_a_group_whose_trace_it_has(gpt8, monkeypatch):
         assert worker.steal(lambda group: False) == (groups[1], ahead[1])
         assert [g for g, _ in worker.ahead] == [groups[0], groups[2]]
         assert worker.claims[worker.slots[groups[3]]] == PARENT
+    finally:
+        worker.close()
+
+
+def test_a_group_whose_trace_the_child_made_is_asked_of_it_not_traced_again(gpt8, monkeypatch):
+    """Two groups of one trace (the same micro-batch, tp 2 and 4): while the child is at
+    the first, the parent neither steals nor takes back the second (it would trace the
+    micro-batch again, which the child has); it leaves it with the child and asks."""
+    from autopar.compiler.planner.traces import Traces
+    from autopar.compiler.planner.workers import RewriteWorker
+
+    model, batch = gpt8
+    first, second = autopar.Layout(dp=4, tp=2, amp="bf16"), \
+        autopar.Layout(dp=2, tp=4, microbatches=2, amp="bf16")
+    alone = Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2)
+    est = Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2)
+    slow, other = est.group_of(first), est.group_of(second)
+    assert slow != other and slow[0] == other[0]  # one trace, two groups
+    original = Rewrites.run_passes
+
+    def slow_child(self, traced, trace_key, layout, options):
+        if self.group_of(layout) == slow:  # the child is at it while the parent asks
+            time.sleep(3)
+        return original(self, traced, trace_key, layout, options)
+
+    monkeypatch.setattr(Rewrites, "run_passes", slow_child)
+    worker = RewriteWorker(est, [first, second], [slow, other])
+    est.workers.by_group = dict.fromkeys([slow, other], worker)
+    traced = []  # the traces the parent makes from here on (the child forked before)
+    made = Traces._trace
+    monkeypatch.setattr(Traces, "_trace", lambda self, layout, key: (
+        self is est.traces and traced.append(key), made(self, layout, key))[1])
+    try:
+        _wait_for_child(worker, slow)
+        assert worker.made_trace(slow[0])
+        assert worker.steal(lambda group: False) is None
+        assert est.predict(second) == alone.predict(second)
+        assert worker.claims[worker.slots[other]] == CHILD and other in est.workers.by_group
+        assert traced == []
     finally:
         worker.close()

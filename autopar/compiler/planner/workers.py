@@ -3,28 +3,31 @@
 Most of a deep model's planning time is tracing and rewriting (export, the joint trace,
 the tensor-parallel and AMP re-trace, fusion), once per *group* of layouts that share a
 trace and the re-tracing passes' graph (`Estimator.group_of`: the same micro-batch, tp,
-sequence parallelism and AMP; every dp, pp, ZeRO stage and recomputation policy). Groups are independent of
-one another, so `RewriteWorker` forks the Estimator once the search knows the order it
-will ask for them in (pipeline templates included: plan.rewrites_asked), keeps the
-first group for the parent, which needs it at once, and gives the children the others,
-round robin: the parent then costs (schedules, replicated pipelines) while they
-rewrite. A child rewrites ahead, one at a time, the first template and the first
-layout without one of each of its groups and recomputation policies (the trace and
-re-traces they share are the costly part), sends each as soon as it is done, and answers the
-parent's requests between them. What it sends is what the search reads: the
-summaries, the pipeline template, the tensor-parallel table and the trace's FLOPs
-(plain data; graphs stay in the process that made them). The parent keeps what was
-sent ahead until the search asks for it (`RewriteWorker.ready`): a child busy with
-its next group never keeps the parent waiting for one it has finished.
+sequence parallelism and AMP; every dp, pp, ZeRO stage and recomputation policy). Groups
+are independent of one another, so `RewriteWorker` forks the Estimator once the search
+knows the order it will ask for them in (pipeline templates included:
+plan.rewrites_asked), keeps the first group's trace for the parent, which needs it at once, and
+gives the children the others, by trace (below): the parent then costs (schedules, replicated
+pipelines) while they rewrite. A child rewrites ahead, one at a time, the first template
+and the first layout without one of each of its groups and recomputation policies (the
+trace and re-traces they share are the costly part), sends each as soon as it is done,
+and answers the parent's requests between them. What it sends is what the search reads:
+the summaries, the pipeline template, the tensor-parallel table and the trace's FLOPs
+(plain data; graphs stay in the process that made them). The parent keeps what was sent
+ahead until the search asks for it (`RewriteWorker.ready`): a child busy with its next
+group never keeps the parent waiting for one it has finished.
 
 The search runs unchanged in the parent, in the same order: a layout of the child's
 groups is asked of the child (it rewrites it then if it has not yet), any other is
 rewritten in the parent as without a worker. A group is rewritten by one process
 only, so every prediction is the one a single process computes, and so is the plan.
 
-Only the groups whose FLOP bound is within `AHEAD` of the least are given to the child:
-the others (fp32 once bf16 is 15x faster, say) are seldom costed, and a child busy
-rewriting one would keep the parent waiting on its next request.
+Groups are given by trace (`child_groups`): the traces of the groups whose FLOP bound
+is within `AHEAD` of the least, and with each every group of that trace. A trace no
+near group has (fp32 once bf16 is 15x faster, say) is seldom costed, and a child busy
+with it would keep the parent waiting on its next request. A child sends no graph, so
+the parent never traces what a child has: it does not take back or steal a group whose
+trace the child has made and it has not, but asks the child for it.
 
 Only for the scaled traces of `trace_blocks` (an exact trace keeps the rewritten graph
 for the memory replay, which is not sent). If the child dies, or cannot send a
@@ -99,10 +102,15 @@ class WorkerPool:
         worker = self.alive(group)
         if worker is None:
             return None
-        if worker.take_back(group):  # not started there: rewritten here, not waited for
-            del self.by_group[group]
-            return None
         traces = estimator.traces
+        # not started there: rewritten here rather than waited for, unless the child has
+        # (or is making) its trace and this process has not: a trace costs more than a wait
+        if traces.has_graph(group[0]) or not worker.made_trace(group[0]):
+            if worker.take_back(group):
+                del self.by_group[group]
+                return None
+        else:
+            worker.leave(group)
         while True:
             worker.collect()
             if group[0] in worker.traces:  # the trace the search needs now, from the child
@@ -167,14 +175,31 @@ class RewriteWorker:
             self.ahead = [(g, lay) for g, lay in self.ahead if g != group]
         return taken
 
+    def made_trace(self, trace_key: tuple) -> bool:
+        """Whether the child has started a group of the trace `trace_key`: it has that
+        trace's graph, or is making it."""
+        with self.claims.get_lock():
+            return any(self.claims[slot] == CHILD for group, slot in self.slots.items()
+                       if group[0] == trace_key)
+
+    def leave(self, group: tuple) -> None:
+        """Leave `group` with the child (it rewrites what the parent asks of it), so that a
+        later `take_back` does not trace it in the parent as well."""
+        with self.claims.get_lock():
+            slot = self.slots[group]
+            if self.claims[slot] == PENDING:
+                self.claims[slot] = CHILD
+
     def steal(self, traced: Callable[[tuple], bool] = lambda group: False
               ) -> tuple[tuple, Layout] | None:
         """(group, its first layout rewritten ahead) of the first group in the child's
         order that it has not started, taken back: the parent rewrites it while the
         child finishes the one the parent waits for. First among those whose trace the
-        parent has (`traced(group)`): a trace is a third of a group's rewrite. None:
-        the child has them all."""
+        parent has (`traced(group)`): a trace is a third of a group's rewrite; never one
+        whose trace the child has and the parent has not. None: the child has them all."""
         for group, layout in sorted(self.ahead, key=lambda item: not traced(item[0])):
+            if not traced(group) and self.made_trace(group[0]):
+                continue
             if self.take_back(group):
                 return group, layout
         return None
@@ -288,11 +313,20 @@ def _payload(estimator, kind: str, layout: Layout) -> tuple[str, Any]:
         return "local", None
 
 
-def child_groups(order: Sequence[tuple], bounds: Sequence[float], children: int
+def child_groups(order: Sequence[tuple], bounds: Sequence[float], children: int,
+                 trace_of: Callable[[tuple], Any] = lambda group: group[0]
                  ) -> list[list[tuple]]:
     """Of the groups in the search's order (with each one's least FLOP bound), those each
-    of `children` children rewrites: among those within AHEAD, round robin from the
-    second (the first stays with the parent, and so do those outside AHEAD)."""
+    of `children` children rewrites. A group goes with its trace (`trace_of`): the traces
+    of the groups within AHEAD, in order, round robin from the second (the first stays
+    with the parent, and so does a trace with no group within AHEAD), and with each
+    trace every group of it, near or not. A child sends no graph, so a group of a trace
+    the child made would otherwise be traced a second time in the parent."""
     least = min(bounds, default=0.0)
-    near = [g for g, b in zip(order, bounds) if b <= least * AHEAD]
-    return [near[1 + k::children] for k in range(children)]
+    near = list(dict.fromkeys(trace_of(g) for g, b in zip(order, bounds) if b <= least * AHEAD))
+    owner = {trace: k % children for k, trace in enumerate(near[1:])}
+    shares: list[list[tuple]] = [[] for _ in range(children)]
+    for group in order:
+        if trace_of(group) in owner:
+            shares[owner[trace_of(group)]].append(group)
+    return shares
