@@ -105,6 +105,12 @@ MASKS = {
         S, dtype=torch.bool).flip(0), False),
     "float_lowest": (lambda: torch.full((S, S), torch.finfo(torch.float32).min).triu(1), True),
     "float_finite": (lambda: torch.full((S, S), -1e9).triu(1), False),
+    # batch rows computed by ops (a clone, an & with a batch of ones): alike, causal
+    "batch_rows_alike": (lambda: (torch.arange(S)[None, :] <= torch.arange(S)[:, None]).expand(
+        B, 1, S, S).clone() & torch.ones(B, 1, 1, 1, dtype=torch.bool), True),
+    # causal in batch row 0, row 1 without its diagonal: every row is checked
+    "batch_rows_differ": (lambda: torch.ones(S, S, dtype=torch.bool).tril() & ~(
+        (torch.arange(B).view(B, 1, 1, 1) == 1) & torch.eye(S, dtype=torch.bool)), False),
 }
 
 
@@ -163,18 +169,24 @@ def test_the_exported_graph_is_not_changed():
 
 
 def test_a_mask_over_the_evaluation_budget_stays_with_its_size(monkeypatch):
-    """The budget is in bytes of the largest value the mask's computation makes (a bool
-    mask of batch x 1 x s x s: 2 x 32 x 32 bytes here). Under it the mask is recovered;
-    over it, the mask stays and the reason names the value and its size."""
+    """The budget is in bytes of the largest value the mask's computation allocates. A
+    constant mask's batch rows are alike, so the evaluation keeps one row of each value
+    that is equal along a dimension, and runs an elementwise op on one row: GPT-2's
+    bool mask of batch x 1 x 32 x 32 allocates one row, 32 x 32 bytes, whatever the
+    batch. Under the budget the mask is recovered; over it, the mask stays and the
+    reason names the value and its size."""
     import autopar.compiler.ir.causal_mask as C
 
-    def traced(budget: int):
+    def traced(budget: int, batch: int = 2):
         monkeypatch.setattr(C, "EVALUATION_BUDGET", budget)
-        ex = gpt2(layers=1, batch=2, seq=32)
+        ex = gpt2(layers=1, batch=batch, seq=32)
         gm = torch.export.export(ex.model, ex.batch).graph_module
         return recover_causal_masks(gm)[1]
 
-    assert traced(2 * 32 * 32).causal == 1
-    left = traced(2 * 32 * 32 - 1)
+    assert traced(32 * 32).causal == 1
+    # 64 rows: the whole mask is 64 x 32 x 32 bytes, the largest value allocated the
+    # positions gathered per row (int64, 64 x 32), and the mask's ops run on one row
+    assert traced(64 * 32 * 8, batch=64).causal == 1
+    left = traced(32 * 32 - 1)
     assert left.causal == 0 and len(left.left) == 1
-    assert "2,048 bytes (more than 2,047)" in left.left[0][1]
+    assert "1,024 bytes (more than 1,023)" in left.left[0][1]

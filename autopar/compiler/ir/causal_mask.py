@@ -16,10 +16,11 @@ mask, runs attention over the masked half, and keeps the mask alive for the back
 (no input of the step, no parameter or buffer: it is the same tensor every step),
 evaluates that mask once at trace time, and where its value is exactly the causal
 pattern (True / 0 on and below the diagonal, False / -inf or the dtype's lowest value
-above it, broadcast over batch and heads) replaces it by `attn_mask=None, is_causal=True`. That is the same
-function, computed as eager computes it. A mask that depends on the batch (a padding
-mask), one that is not causal (a sliding window, a prefix), or one too large to
-evaluate at trace time is left as it is, and the result says which and why.
+above it, broadcast over batch and heads) replaces it by `attn_mask=None,
+is_causal=True`. That is the same function, computed as eager computes it. A mask that
+depends on the batch (a padding mask), one that is not causal (a sliding window, a
+prefix), or one too large to evaluate at trace time is left as it is, and the result
+says which and why.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ import torch
 import torch.fx as fx
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
-# bytes of the largest value of a mask's computation evaluated at trace time: a bool
-# mask of 4 sequences of 8,192 tokens (2^28); each value is freed after its last use
+# bytes of the largest value a mask's evaluation at trace time allocates (2^28: four
+# batch rows of a bool mask of 8,192 tokens; alike rows are evaluated once, below); each
+# value is freed after its last use
 EVALUATION_BUDGET = 1 << 28
 # ops that only check a value's traced metadata: they go with the value they check
 _ASSERTS = frozenset({torch.ops.aten._assert_tensor_metadata.default})
@@ -123,11 +125,6 @@ def _evaluate(gm: fx.GraphModule, mask: fx.Node, evaluated: dict) -> Any:
             return f"it is computed by {node.op} {node.name!r}"
         if torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
             return f"it draws random numbers ({node.name!r})"
-        val = node.meta.get("val")
-        size = val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
-        if size > EVALUATION_BUDGET:
-            return (f"evaluating it at trace time takes {node.name!r} of {size:,} bytes "
-                    f"(more than {EVALUATION_BUDGET:,})")
         for parent in node.all_input_nodes:
             why = visit(parent)
             if why:
@@ -145,9 +142,17 @@ def _evaluate(gm: fx.GraphModule, mask: fx.Node, evaluated: dict) -> Any:
         if node.op == "get_attr":
             value = getattr(gm, node.target)
         else:
-            args = fx.node.map_arg(node.args, values.__getitem__)
-            kwargs = fx.node.map_arg(node.kwargs, values.__getitem__)
-            value = node.target(*_on_cpu(args), **_on_cpu(kwargs))
+            args = _on_cpu(fx.node.map_arg(node.args, values.__getitem__))
+            kwargs = _on_cpu(fx.node.map_arg(node.kwargs, values.__getitem__))
+            elementwise = _is_elementwise(node.target)
+            size = _allocates(node, args, kwargs, elementwise)
+            if size > EVALUATION_BUDGET:
+                evaluated[mask] = why = (
+                    f"evaluating it at trace time takes {node.name!r} of {size:,} bytes "
+                    f"(more than {EVALUATION_BUDGET:,})")
+                return why
+            value = _run_elementwise(node.target, args, kwargs) if elementwise else \
+                _uniform_dims_expanded(node.target(*args, **kwargs))
         if isinstance(value, torch.Tensor) and value.device.type == "meta":
             evaluated[mask] = why = f"{node.name!r} has no value (a meta tensor)"
             return why
@@ -157,6 +162,112 @@ def _evaluate(gm: fx.GraphModule, mask: fx.Node, evaluated: dict) -> Any:
                 del values[parent]
     evaluated[mask] = values[mask]
     return values[mask]
+
+
+# Evaluating a mask of batch x 1 x s x s costs its batch rows only once: a constant mask's
+# rows are alike (nothing of the step's input reaches it). A value whose rows are equal
+# along a dimension is kept as one row expanded there (stride 0), and an elementwise op
+# whose inputs are all expanded along a dimension runs on one row and is expanded back:
+# the same values, computed on one row.
+_ELEMENTWISE = frozenset({
+    torch.ops.aten.__and__.Tensor, torch.ops.aten.__or__.Tensor,
+    torch.ops.aten.__xor__.Tensor, torch.ops.aten.__and__.Scalar,
+    torch.ops.aten.__or__.Scalar, torch.ops.aten.__xor__.Scalar,
+    torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten._to_copy.default,
+    torch.ops.aten.clone.default})
+
+
+def _is_elementwise(target: Any) -> bool:
+    """Whether each output element of `target` is a function of the inputs' elements at
+    the same (broadcast) place only: aten's pointwise ops, bitwise operators, casts."""
+    if target in _ELEMENTWISE:
+        return True
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+
+
+def _tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
+    return [t for t in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)]
+
+
+def _broadcast_shape(tensors: list[torch.Tensor]) -> tuple[int, ...]:
+    return tuple(torch.broadcast_shapes(*(t.shape for t in tensors))) if tensors else ()
+
+
+def _one_row_dims(tensors: list[torch.Tensor], shape: tuple[int, ...]) -> list[int]:
+    """The dimensions of the broadcast `shape` (of size > 1) along which every input is
+    expanded (size 1 or stride 0 there, or of a lower rank)."""
+    def expanded(t: torch.Tensor, d: int) -> bool:
+        k = d - (len(shape) - t.dim())
+        return k < 0 or t.shape[k] == 1 or t.stride(k) == 0
+    return [d for d, size in enumerate(shape) if size > 1
+            and all(expanded(t, d) for t in tensors)]
+
+
+def _allocates(node: fx.Node, args: Any, kwargs: Any, elementwise: bool) -> int:
+    """Bytes the evaluation of `node` allocates: none for a view, one row along each
+    dimension an elementwise op runs once, else its whole value."""
+    val = node.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return 0
+    target = node.target
+    if not elementwise and isinstance(target, torch._ops.OpOverload) and any(
+            r.alias_info is not None for r in target._schema.returns):
+        return 0  # a view of its input
+    numel = val.numel()
+    if elementwise:
+        tensors = _tensors(args, kwargs)
+        shape = _broadcast_shape(tensors)
+        if len(shape) == val.dim():
+            for d in _one_row_dims(tensors, shape):
+                numel //= val.shape[d]
+    return numel * val.element_size()
+
+
+def _run_elementwise(target: Any, args: Any, kwargs: Any) -> Any:
+    """`target(*args, **kwargs)` run on one row along every dimension all its inputs are
+    expanded in, and expanded back to the broadcast shape."""
+    tensors = _tensors(args, kwargs)
+    shape = _broadcast_shape(tensors)
+    rows = _one_row_dims(tensors, shape)
+    if not rows:
+        return _uniform_dims_expanded(target(*args, **kwargs))
+
+    def one_row(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        for d in rows:
+            k = d - (len(shape) - x.dim())
+            if k >= 0 and x.shape[k] > 1:
+                x = x.narrow(k, 0, 1)
+        return x
+
+    args, kwargs = torch.utils._pytree.tree_map(one_row, (args, kwargs))
+    out = target(*args, **kwargs)
+    return out.expand(shape) if isinstance(out, torch.Tensor) and out.dim() == len(shape) \
+        else out
+
+
+def _uniform_dims_expanded(value: Any) -> Any:
+    """`value` with each dimension along which its rows are all equal kept as one row
+    expanded (stride 0): the same values, one row of storage."""
+    if not isinstance(value, torch.Tensor) or value.numel() <= 1:
+        return value
+    compact = _one_row(value)  # compared on its own storage, not the expanded view
+    for d in range(compact.dim()):
+        if compact.shape[d] > 1:
+            row = compact.narrow(d, 0, 1)
+            if torch.equal(row.expand(compact.shape), compact):
+                compact = row
+    return value if compact is value else compact.expand(value.shape)
+
+
+def _one_row(value: torch.Tensor) -> torch.Tensor:
+    """`value` narrowed to one row along each dimension it is expanded in (stride 0)."""
+    for d in range(value.dim()):
+        if value.shape[d] > 1 and value.stride(d) == 0:
+            value = value.narrow(d, 0, 1)
+    return value
 
 
 def _on_cpu(value: Any) -> Any:
@@ -177,6 +288,7 @@ def _not_causal(mask: torch.Tensor, q: fx.Node, k: fx.Node) -> str | None:
         return f"queries ({lq}) and keys ({lk}) differ in length"
     if mask.dim() < 2 or mask.shape[-2:] != (lq, lk):
         return f"its shape {tuple(mask.shape)} is not broadcast over ... x {lq} x {lk}"
+    mask = _one_row(mask)  # a batch or head dimension it is expanded in: checked once
     keep = torch.ones(lq, lk, dtype=torch.bool).tril()
     if mask.dtype == torch.bool:
         causal = bool((mask == keep).all())
