@@ -351,3 +351,24 @@ def test_a_group_whose_trace_the_child_made_is_asked_of_it_not_traced_again(gpt8
         assert traced == []
     finally:
         worker.close()
+
+
+def test_a_group_taken_back_takes_the_unstarted_groups_of_its_trace_with_it(gpt8):
+    """The parent traces what it takes back; the child would trace it again for another
+    group of the same trace, so those come back too. A group of another trace stays."""
+    from autopar.compiler.planner.workers import RewriteWorker
+
+    model, batch = gpt8
+    est = Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2)
+    taken, sibling, other = (est.group_of(lay) for lay in (
+        autopar.Layout(dp=4, tp=2, amp="bf16"),
+        autopar.Layout(dp=2, tp=4, microbatches=2, amp="bf16"),  # the same micro-batch
+        autopar.Layout(dp=8, amp="bf16")))
+    assert taken[0] == sibling[0] != other[0]
+    worker = RewriteWorker(est, [], [taken, sibling, other])  # nothing ahead: none started
+    try:
+        assert worker.take_back(taken)
+        assert [worker.claims[worker.slots[g]] for g in (taken, sibling, other)] == \
+            [PARENT, PARENT, PENDING]
+    finally:
+        worker.close()

@@ -164,15 +164,20 @@ class RewriteWorker:
 
     def take_back(self, group: tuple) -> bool:
         """Whether the parent takes `group` back: the child has not started it, and now
-        never will (False: the child has it, the parent asks for its results). A group
-        taken back leaves `ahead`, so that `steal` does not take it a second time."""
+        never will (False: the child has it, the parent asks for its results). With it
+        go the other groups of its trace the child has not started: the parent makes
+        that trace, so the child would make it a second time. A group taken back leaves
+        `ahead`, so that `steal` does not take it a second time."""
         with self.claims.get_lock():
             slot = self.slots[group]
             if self.claims[slot] == PENDING:
-                self.claims[slot] = PARENT
+                for other, k in self.slots.items():
+                    if other[0] == group[0] and self.claims[k] == PENDING:
+                        self.claims[k] = PARENT
             taken = self.claims[slot] == PARENT
+            mine = {g for g, k in self.slots.items() if self.claims[k] == PARENT}
         if taken:
-            self.ahead = [(g, lay) for g, lay in self.ahead if g != group]
+            self.ahead = [(g, lay) for g, lay in self.ahead if g not in mine]
         return taken
 
     def made_trace(self, trace_key: tuple) -> bool:
