@@ -398,6 +398,10 @@ def test_cli_kernels_writes_every_kernel(tmp_path):
 _MEMO_PAIRS = {  # (layout, a sibling whose comm passes differ) per model
     "gpt2": [(autopar.Layout(dp=8, zero=1), autopar.Layout(dp=8, bucket_mb=5)),
              (autopar.Layout(dp=4, tp=2, zero=2), autopar.Layout(dp=4, tp=2)),
+             # ZeRO-3 reads each weight from its gather, which ZeRO-2 does not; under
+             # recomputation both recompute the weights' transposes in the backward
+             (autopar.Layout(dp=8, zero=3, recompute="selective"),
+              autopar.Layout(dp=8, zero=2, recompute="selective")),
              (autopar.Layout(dp=4, pp=2, microbatches=2, zero=1),
               autopar.Layout(dp=4, pp=2, microbatches=2))],
     # Llama's rotary tables are peeled off a first region and fused in later rounds
@@ -410,7 +414,8 @@ def test_memo_replays_what_a_fresh_run_fuses(model):
     """The planner runs the pass on the same forward and backward under many layouts; a
     layout whose ops were fused before replays those regions. The result must be what a
     fresh run gives: the same graph, stats and declines, for layouts whose comm passes
-    differ from the one that filled the memo (buckets, ZeRO, tp, a pipeline's stages)."""
+    differ from the one that filled the memo (buckets, ZeRO-1/2/3, tp, a pipeline's
+    stages)."""
     from autopar.compiler.passes import fuse_regions
 
     ex = {"gpt2": gpt2, "llama": llama}[model]()

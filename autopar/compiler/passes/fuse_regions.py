@@ -412,7 +412,8 @@ class _Recipe:
 
 # The memo, shared by every run of the pass in this process, least recently used first.
 # What: per `_fingerprint` (a sha256 of every op of the forward and backward programs
-# with its arguments, program, shape, stride and dtype, and what it reads), the
+# with its arguments, program, shape, stride and dtype, and what it reads, the values
+# from outside the programs named by first read), the
 # regions each round fused (the ops' names, the kernel's key and name) and what the
 # run declined; never a graph or a node. Why sharing cannot give a wrong result: the
 # decisions are a function of what the fingerprint hashes and nothing else (the
@@ -435,12 +436,25 @@ def clear_memo() -> None:
 def _fingerprint(tg: TrainGraph) -> str | None:
     """A hash of everything the pass's decisions read: the ops of the forward and backward
     programs in graph order (name, op, program, arguments, value shape, stride and
-    dtype, whether a value is read outside its program) and the values they read.
-    Layouts that differ only in what the comm passes add (gradient buckets, ZeRO) fuse
-    alike. None when a path leaves the programs and comes back into them: then the
-    partition could depend on the rest of the graph, and the pass decides afresh."""
+    dtype, whether a value is read outside its program) and the values they read. A
+    value from outside the programs is named by the order of its first read, not by
+    its node: ZeRO-3 reads each weight from its gather, which the pass never fuses and
+    whose name is not the parameter's. Layouts that differ only in what the comm passes
+    add (gradient buckets, ZeRO) fuse alike. None when a path leaves the programs and
+    comes back into them: then the partition could depend on the rest of the graph, and
+    the pass decides afresh."""
     inside: set[fx.Node] = set()
     left: set[fx.Node] = set()  # values outside the programs computed from inside
+    # a value read from outside: named by its first read in each program (a region is
+    # of one program, so which value another program reads does not change it)
+    outside: dict[tuple, dict[fx.Node, str]] = {}
+
+    def label(a: fx.Node) -> str:
+        if a in inside:
+            return a.name
+        names = outside.setdefault(program, {})
+        return names.setdefault(a, f"@{len(names)}")
+
     lines = []
     for n in tg.graph.nodes:
         program = program_of(n) if n.op == "call_function" else None
@@ -451,8 +465,9 @@ def _fingerprint(tg: TrainGraph) -> str | None:
         if any(a in left for a in n.all_input_nodes):
             return None
         inside.add(n)
-        reads = [f"{a.name}:{_signature(a)}" for a in n.all_input_nodes]
-        lines.append(f"{n.name}|{n.target}|{program}|{n.args}|{n.kwargs}|{reads}|"
+        args = fx.node.map_arg((n.args, n.kwargs), label)
+        reads = [f"{label(a)}:{_signature(a)}" for a in n.all_input_nodes]
+        lines.append(f"{n.name}|{n.target}|{program}|{args}|{reads}|"
                      f"{_signature(n)}|{any(program_of(u) != program for u in n.users)}")
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
