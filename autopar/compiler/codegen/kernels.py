@@ -94,9 +94,12 @@ def would_run_fallback(inputs: list[torch.Tensor]) -> bool:
 
 
 def region_key(gm: fx.GraphModule, args: list[TensorArg]) -> str:
-    """Content hash of a region: its aten code and its inputs' shapes and dtypes."""
+    """Content hash of a region: its aten graph (each node's op, target and arguments,
+    in order: what its Python code is generated from, read without generating it) and
+    its inputs' shapes and dtypes."""
+    ops = "\n".join(f"{n.op}|{n.name}|{n.target}|{n.args}|{n.kwargs}" for n in gm.graph.nodes)
     spec = "|".join(f"{a.shape}:{a.dtype}" for a in args)
-    return hashlib.sha256((gm.code + spec).encode()).hexdigest()[:16]
+    return hashlib.sha256((ops + spec).encode()).hexdigest()[:16]
 
 
 def register_region(gm: fx.GraphModule, args: list[TensorArg], name: str) -> FusedRegion:

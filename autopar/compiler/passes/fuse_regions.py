@@ -51,6 +51,7 @@ from collections import Counter, OrderedDict
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
@@ -126,7 +127,9 @@ def _subgraph(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node
         env[n] = graph.node_copy(n, lambda a: env[a])
         env[n].meta = {"val": n.meta[M.VAL]}
     graph.output([env[n] for n in outputs])
-    return fx.GraphModule(torch.nn.Module(), graph)
+    # lazy: its Python code is generated when it first runs; the pass only keys and
+    # generates kernels from its graph, for many regions it then leaves unfused
+    return _LazyGraphModule(torch.nn.Module(), graph)
 
 
 def _bytes_unfused(nodes: list[fx.Node]) -> int:
