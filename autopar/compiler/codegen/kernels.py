@@ -1,7 +1,7 @@
 """Fused regions as one torch.library custom op, their Triton kernels and the kernel cache.
 
 The fusion pass replaces each region by `autopar::fused(key, inputs) -> outputs`.
-`key` is a content hash of the region (its aten code and input shapes/dtypes) and
+`key` is a content hash of the region (its aten graph and input shapes/dtypes) and
 names a `FusedRegion` registered in this process, which holds the region's original
 aten ops as a GraphModule. Calling the op runs, by the backend in force:
 
