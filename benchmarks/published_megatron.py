@@ -67,9 +67,9 @@ def paper_flops(batch: int, layers: int, hidden: int, seq: int = SEQ, vocab: int
 
 def layout_of(row: Row, micro_batch: int, schedule: str) -> autopar.Layout:
     """The paper's layout with `micro_batch` sequences per micro-batch. Without a
-    pipeline the rank's whole share is one micro-batch (no gradient accumulation:
-    `Estimator(trace_blocks=k)` traces an accumulated step whole, minutes at these
-    sizes; docs/published_results.md)."""
+    pipeline the rank's whole share is one micro-batch: the paper gives no micro-batch
+    size for those rows, and `autopar.plan`, which tries accumulation there, chooses
+    none on them (docs/published_results.md)."""
     per_rank = row.batch // row.dp
     if row.pp == 1:
         micro_batch = per_rank
