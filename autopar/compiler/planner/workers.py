@@ -6,16 +6,17 @@ trace and the re-tracing passes' graph (`Estimator.group_of`: the same micro-bat
 sequence parallelism and AMP; every dp, pp, ZeRO stage and recomputation policy). Groups
 are independent of one another, so `RewriteWorker` forks the Estimator once the search
 knows the order it will ask for them in (pipeline templates included:
-plan.rewrites_asked), keeps the first group's trace for the parent, which needs it at once, and
-gives the children the others, by trace (below): the parent then costs (schedules, replicated
-pipelines) while they rewrite. A child rewrites ahead, one at a time, the first template
-and the first layout without one of each of its groups and recomputation policies (the
-trace and re-traces they share are the costly part), sends each as soon as it is done,
-and answers the parent's requests between them. What it sends is what the search reads:
-the summaries, the pipeline template, the tensor-parallel table and the trace's FLOPs
-(plain data; graphs stay in the process that made them). The parent keeps what was sent
-ahead until the search asks for it (`RewriteWorker.ready`): a child busy with its next
-group never keeps the parent waiting for one it has finished.
+plan.rewrites_asked), keeps the first group's trace for the parent, which needs it at
+once, and gives the children the others, by trace (below): the parent then costs
+(schedules, replicated pipelines) while they rewrite. A child rewrites ahead, one at a
+time, the first template and the first layout without one of each of its groups and
+recomputation policies (the trace and re-traces they share are the costly part), sends
+each as soon as it is done, and answers the parent's requests between them. What it
+sends is what the search reads: the summaries, the pipeline template, the
+tensor-parallel table and the trace's FLOPs (plain data; graphs stay in the process that
+made them). The parent keeps what was sent ahead until the search asks for it
+(`RewriteWorker.ready`): a child busy with its next group never keeps the parent waiting
+for one it has finished.
 
 The search runs unchanged in the parent, in the same order: a layout of the child's
 groups is asked of the child (it rewrites it then if it has not yet), any other is
