@@ -144,14 +144,16 @@ def _evaluate(gm: fx.GraphModule, mask: fx.Node, evaluated: dict) -> Any:
         else:
             args = _on_cpu(fx.node.map_arg(node.args, values.__getitem__))
             kwargs = _on_cpu(fx.node.map_arg(node.kwargs, values.__getitem__))
-            elementwise = _is_elementwise(node.target)
-            size = _allocates(node, args, kwargs, elementwise)
+            # an elementwise op's tensor: the dimensions it runs on one row of (None: not one)
+            rows = _one_row_dims(args, kwargs) if _is_elementwise(node.target) and \
+                isinstance(node.meta.get("val"), torch.Tensor) else None
+            size = _allocates(node, rows)
             if size > EVALUATION_BUDGET:
                 evaluated[mask] = why = (
                     f"evaluating it at trace time takes {node.name!r} of {size:,} bytes "
                     f"(more than {EVALUATION_BUDGET:,})")
                 return why
-            value = _run_elementwise(node.target, args, kwargs) if elementwise else \
+            value = _run_elementwise(node.target, args, kwargs, rows) if rows else \
                 _uniform_dims_expanded(node.target(*args, **kwargs))
         if isinstance(value, torch.Tensor) and value.device.type == "meta":
             evaluated[mask] = why = f"{node.name!r} has no value (a meta tensor)"
@@ -185,18 +187,16 @@ def _is_elementwise(target: Any) -> bool:
     return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
 
 
-def _tensors(args: Any, kwargs: Any) -> list[torch.Tensor]:
-    return [t for t in torch.utils._pytree.tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor)]
+def _one_row_dims(args: Any, kwargs: Any) -> list[int]:
+    """The dimensions (of size > 1) of the broadcast shape of an elementwise op's tensor
+    arguments along which every one of them is expanded (size 1 or stride 0 there, or
+    of a lower rank)."""
+    tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs))
+               if isinstance(t, torch.Tensor)]
+    if not tensors:
+        return []
+    shape = torch.broadcast_shapes(*(t.shape for t in tensors))
 
-
-def _broadcast_shape(tensors: list[torch.Tensor]) -> tuple[int, ...]:
-    return tuple(torch.broadcast_shapes(*(t.shape for t in tensors))) if tensors else ()
-
-
-def _one_row_dims(tensors: list[torch.Tensor], shape: tuple[int, ...]) -> list[int]:
-    """The dimensions of the broadcast `shape` (of size > 1) along which every input is
-    expanded (size 1 or stride 0 there, or of a lower rank)."""
     def expanded(t: torch.Tensor, d: int) -> bool:
         k = d - (len(shape) - t.dim())
         return k < 0 or t.shape[k] == 1 or t.stride(k) == 0
@@ -204,34 +204,28 @@ def _one_row_dims(tensors: list[torch.Tensor], shape: tuple[int, ...]) -> list[i
             and all(expanded(t, d) for t in tensors)]
 
 
-def _allocates(node: fx.Node, args: Any, kwargs: Any, elementwise: bool) -> int:
+def _allocates(node: fx.Node, rows: list[int] | None) -> int:
     """Bytes the evaluation of `node` allocates: none for a view, one row along each
-    dimension an elementwise op runs once, else its whole value."""
+    dimension in `rows` of an elementwise op, else its whole value."""
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return 0
     target = node.target
-    if not elementwise and isinstance(target, torch._ops.OpOverload) and any(
+    if rows is None and isinstance(target, torch._ops.OpOverload) and any(
             r.alias_info is not None for r in target._schema.returns):
         return 0  # a view of its input
     numel = val.numel()
-    if elementwise:
-        tensors = _tensors(args, kwargs)
-        shape = _broadcast_shape(tensors)
-        if len(shape) == val.dim():
-            for d in _one_row_dims(tensors, shape):
-                numel //= val.shape[d]
+    for d in rows or ():
+        numel //= val.shape[d]
     return numel * val.element_size()
 
 
-def _run_elementwise(target: Any, args: Any, kwargs: Any) -> Any:
-    """`target(*args, **kwargs)` run on one row along every dimension all its inputs are
-    expanded in, and expanded back to the broadcast shape."""
-    tensors = _tensors(args, kwargs)
-    shape = _broadcast_shape(tensors)
-    rows = _one_row_dims(tensors, shape)
-    if not rows:
-        return _uniform_dims_expanded(target(*args, **kwargs))
+def _run_elementwise(target: Any, args: Any, kwargs: Any, rows: list[int]) -> Any:
+    """`target(*args, **kwargs)` run on one row along each dimension of `rows` (all its
+    inputs are expanded there), and expanded back to the broadcast shape."""
+    tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs))
+               if isinstance(t, torch.Tensor)]
+    shape = torch.broadcast_shapes(*(t.shape for t in tensors))
 
     def one_row(x: Any) -> Any:
         if not isinstance(x, torch.Tensor):
@@ -243,9 +237,7 @@ def _run_elementwise(target: Any, args: Any, kwargs: Any) -> Any:
         return x
 
     args, kwargs = torch.utils._pytree.tree_map(one_row, (args, kwargs))
-    out = target(*args, **kwargs)
-    return out.expand(shape) if isinstance(out, torch.Tensor) and out.dim() == len(shape) \
-        else out
+    return target(*args, **kwargs).expand(shape)
 
 
 def _uniform_dims_expanded(value: Any) -> Any:

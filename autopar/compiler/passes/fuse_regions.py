@@ -452,7 +452,7 @@ def _fingerprint(tg: TrainGraph) -> str | None:
     # of one program, so which value another program reads does not change it)
     outside: dict[tuple, dict[fx.Node, str]] = {}
 
-    def label(a: fx.Node) -> str:
+    def label(a: fx.Node, program: tuple) -> str:
         if a in inside:
             return a.name
         names = outside.setdefault(program, {})
@@ -468,8 +468,8 @@ def _fingerprint(tg: TrainGraph) -> str | None:
         if any(a in left for a in n.all_input_nodes):
             return None
         inside.add(n)
-        args = fx.node.map_arg((n.args, n.kwargs), label)
-        reads = [f"{label(a)}:{_signature(a)}" for a in n.all_input_nodes]
+        args = fx.node.map_arg((n.args, n.kwargs), lambda a: label(a, program))
+        reads = [f"{label(a, program)}:{_signature(a)}" for a in n.all_input_nodes]
         lines.append(f"{n.name}|{n.target}|{program}|{args}|{reads}|"
                      f"{_signature(n)}|{any(program_of(u) != program for u in n.users)}")
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()

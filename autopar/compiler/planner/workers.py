@@ -319,20 +319,19 @@ def _payload(estimator, kind: str, layout: Layout) -> tuple[str, Any]:
         return "local", None
 
 
-def child_groups(order: Sequence[tuple], bounds: Sequence[float], children: int,
-                 trace_of: Callable[[tuple], Any] = lambda group: group[0]
+def child_groups(order: Sequence[tuple], bounds: Sequence[float], children: int
                  ) -> list[list[tuple]]:
     """Of the groups in the search's order (with each one's least FLOP bound), those each
-    of `children` children rewrites. A group goes with its trace (`trace_of`): the traces
+    of `children` children rewrites. A group goes with its trace (`group[0]`): the traces
     of the groups within AHEAD, in order, round robin from the second (the first stays
     with the parent, and so does a trace with no group within AHEAD), and with each
     trace every group of it, near or not. A child sends no graph, so a group of a trace
     the child made would otherwise be traced a second time in the parent."""
     least = min(bounds, default=0.0)
-    near = list(dict.fromkeys(trace_of(g) for g, b in zip(order, bounds) if b <= least * AHEAD))
+    near = list(dict.fromkeys(g[0] for g, b in zip(order, bounds) if b <= least * AHEAD))
     owner = {trace: k % children for k, trace in enumerate(near[1:])}
     shares: list[list[tuple]] = [[] for _ in range(children)]
     for group in order:
-        if trace_of(group) in owner:
-            shares[owner[trace_of(group)]].append(group)
+        if group[0] in owner:
+            shares[owner[group[0]]].append(group)
     return shares
