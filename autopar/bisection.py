@@ -382,6 +382,10 @@ def _outputs(gm: fx.GraphModule) -> list:
 
 # -- placements ----------------------------------------------------------------------------
 
+# the piece counts tried for a tensor-parallel value split in pieces, ("S", dim, pieces):
+# q/k/v (3), gate/up (2), four gates of an LSTM-like cell (4)
+PIECES = (2, 3, 4)
+
 # replicated, a partial sum, a partial mean (each rank's mean over its shard of a
 # fixed-size batch: the shards' average is the whole's), ("S", dim): split along dim
 R, P, A = ("R",), ("P",), ("A",)
@@ -389,7 +393,8 @@ R, P, A = ("R",), ("P",), ("A",)
 
 def _describe(placement: tuple, mesh) -> str:
     words = {"R": "replicated", "P": "partial sum", "A": "partial mean"}
-    parts = [f"{dim}: " + (words[p[0]] if p[0] in words else f"split on dim {p[1]}")
+    parts = [f"{dim}: " + (words[p[0]] if p[0] in words else f"split on dim {p[1]}"
+                           + (f" in {p[2]} pieces" if len(p) > 2 else ""))
              for (dim, size), p in zip(mesh, placement) if size > 1]
     return ", ".join(parts) or "one rank"
 
@@ -405,11 +410,13 @@ def _coords(rank: int, mesh) -> tuple[int, ...]:
 def _candidates(local: tuple, ref: tuple, mesh, partial_ok: list[bool]) -> list[tuple]:
     """Placements (one per mesh dim) whose combined shape is the reference's."""
     options = []
-    for (_, size), may_sum in zip(mesh, partial_ok):
+    for (name, size), may_sum in zip(mesh, partial_ok):
         if size == 1:
             options.append([R])
             continue
         opts = [R] + [("S", d) for d in range(len(local))] + ([P, A] if may_sum else [])
+        if name == "tp":  # a fused projection's q, k and v each split (tp_rules.Strided)
+            opts += [("S", d, k) for d in range(len(local)) for k in PIECES if local[d] % k == 0]
         options.append(opts)
     out = []
     for combo in itertools.product(*options):
@@ -420,15 +427,21 @@ def _candidates(local: tuple, ref: tuple, mesh, partial_ok: list[bool]) -> list[
         if len(shape) == len(ref) and all(s == r or (s > r and s - r < _split(combo, mesh, d))
                                            for d, (s, r) in enumerate(zip(shape, ref))):
             out.append(combo)
-    return sorted(out, key=lambda c: [{"R": 0, "S": 1, "P": 2, "A": 3}[p[0]] for p in c])
+    return sorted(out, key=lambda c: [({"R": 0, "S": 1, "P": 2, "A": 3}[p[0]], len(p)) for p in c])
 
 
 def _split(combo, mesh, dim: int) -> int:
     n = 1
     for (_, size), p in zip(mesh, combo):
-        if p == ("S", dim):
+        if p[0] == "S" and p[1] == dim:
             n *= size
     return n
+
+
+def _rank_major(x: torch.Tensor, dim: int, pieces: int, size: int) -> torch.Tensor:
+    """x's dim from `pieces` pieces of `size` blocks to `size` groups of the blocks one
+    rank holds (a value split in pieces: each rank's part then lies together)."""
+    return x.unflatten(dim, (pieces, size, -1)).transpose(dim, dim + 1).flatten(dim, dim + 2)
 
 
 def _combine(values: dict[int, torch.Tensor], mesh, combo, ref_shape) -> list[tuple]:
@@ -450,7 +463,9 @@ def _combine(values: dict[int, torch.Tensor], mesh, combo, ref_shape) -> list[tu
                 value = sum(v for _, _, v in parts) / (len(parts) if p == A else 1)
             else:
                 dim = p[1]
-                value = torch.cat([v for _, _, v in parts], dim=dim)
+                pieces = p[2] if len(p) > 2 else 1
+                value = torch.cat([v.unflatten(dim, (pieces, -1)) for _, _, v in parts],
+                                  dim=dim + 1).flatten(dim, dim + 1)
                 want = -(-ref_shape[dim] // _split(combo[m + 1:], mesh[m + 1:], dim))
                 if value.shape[dim] > want:  # ZeRO's padded last block
                     value = value.narrow(dim, 0, want)
@@ -469,9 +484,12 @@ def _ranks_off(values: dict[int, torch.Tensor], mesh, combo, truth: torch.Tensor
         part, coords = truth, _coords(r, mesh)
         for dim in range(truth.dim()):
             splits = [(coords[m], size) for m, ((_, size), p) in enumerate(zip(mesh, combo))
-                      if p == ("S", dim)]
+                      if p[0] == "S" and p[1] == dim]
             if not splits:
                 continue
+            for (_, size), p in zip(mesh, combo):
+                if p[0] == "S" and p[1] == dim and len(p) > 2:
+                    part = _rank_major(part, dim, p[2], size)
             start, stride = 0, v.shape[dim]
             for c, size in splits:  # combined first (dp) is innermost
                 start += c * stride

@@ -11,14 +11,28 @@ from autopar.compiler.ir.program import TensorEntry, block_rows
 from autopar.runtime.mesh import Mesh
 
 
+def tp_block(t: torch.Tensor, dim: int, pieces: int, tp_rank: int, tp: int) -> torch.Tensor:
+    """Rank `tp_rank`'s tensor-parallel block of the whole tensor `t` along `dim`: 1/tp of
+    it, or, with `pieces` > 1, its 1/tp block of each of the dim's equal pieces, side by
+    side (tp_rules.Strided)."""
+    pieced = t.unflatten(dim, (pieces, t.shape[dim] // pieces))
+    size = pieced.shape[dim + 1] // tp
+    return pieced.narrow(dim + 1, tp_rank * size, size).flatten(dim, dim + 1)
+
+
+def join_tp_blocks(parts: list[torch.Tensor], dim: int, pieces: int) -> torch.Tensor:
+    """The whole tensor from every rank's `tp_block`, in rank order."""
+    return torch.cat([p.unflatten(dim, (pieces, -1)) for p in parts],
+                     dim=dim + 1).flatten(dim, dim + 1)
+
+
 def own_block(t: torch.Tensor, entry: TensorEntry, tp_rank: int, tp: int) -> torch.Tensor:
     """This rank's block of a split parameter, as a new Parameter (the tensor itself when
     the entry is whole). The block is 1/tp of the whole tensor along the split dim (not
     `entry.shape`, which ZeRO-3 cuts further into dim-0 blocks)."""
     if entry.shard_dim is None:
         return t
-    size = t.shape[entry.shard_dim] // tp
-    block = t.detach().narrow(entry.shard_dim, tp_rank * size, size)
+    block = tp_block(t.detach(), entry.shard_dim, entry.shard_pieces, tp_rank, tp)
     return torch.nn.Parameter(block.clone(), requires_grad=t.requires_grad)
 
 
@@ -29,7 +43,7 @@ def whole(t: torch.Tensor, entry: TensorEntry, tp_group, tp: int) -> torch.Tenso
         return t.detach().clone()
     parts = [torch.empty_like(t) for _ in range(tp)]
     dist.all_gather(parts, t.detach().contiguous(), group=tp_group)
-    return torch.cat(parts, dim=entry.shard_dim)
+    return join_tp_blocks(parts, entry.shard_dim, entry.shard_pieces)
 
 
 # -- ZeRO: dim-0 blocks over the data-parallel ranks ---------------------------------------
@@ -72,6 +86,28 @@ def gather_into(p: torch.Tensor, u: torch.Tensor, dp: int, group) -> None:
 
 
 # -- checkpoints: a block as a view of the whole tensor ----------------------------------
+
+def recut(t: torch.Tensor, dim: int, have: int, want: int, zero_rows: int | None,
+          mesh: Mesh) -> torch.Tensor:
+    """Collective over tp (and, for a ZeRO block, dp): this rank's tensor-parallel block
+    along `dim` of the whole tensor that every rank's `t` makes up, as `have` pieces
+    per block, re-cut in `want` pieces (`tp_block`): a new tensor of t's shape. With
+    `zero_rows`, `t` is this rank's padded ZeRO dim-0 block of a block of that many rows,
+    and so is the result. A checkpoint stores a tensor split in pieces as plain blocks
+    (torch.distributed.checkpoint writes one box of the whole per rank)."""
+    block = t.detach()
+    if zero_rows is not None:
+        block = gathered(block, zero_rows, dist.get_world_size(mesh.group("dp")),
+                         mesh.group("dp"))
+    group = mesh.group("tp")
+    tp = dist.get_world_size(group)
+    parts = [torch.empty_like(block) for _ in range(tp)]
+    dist.all_gather(parts, block.contiguous(), group=group)
+    out = tp_block(join_tp_blocks(parts, dim, have), dim, want, mesh.rank_in("tp"), tp)
+    if zero_rows is not None:
+        out = block_of(out, t.shape[0], mesh.rank_in("dp"))
+    return out.contiguous()
+
 
 def global_view(t: torch.Tensor, shape: torch.Size, shard_dim: int | None,
                 zero_rows: int | None, mesh: Mesh) -> torch.Tensor:

@@ -31,7 +31,7 @@ from autopar.compiler.ir.program import Program, TensorEntry
 from autopar.runtime import checkpoint as ckpt
 from autopar.runtime.loss_scaler import LossScaler
 from autopar.runtime.mesh import Mesh
-from autopar.runtime.shards import block_of, global_view
+from autopar.runtime.shards import block_of, global_view, recut
 
 STEPS_KEY = "autopar.steps"
 
@@ -104,16 +104,31 @@ class TrainingState:
 
     def _weight_view(self, h: HeldParam) -> torch.Tensor:
         t = h.updated if h.released else h.param
-        return global_view(t, self._whole[h.entry.name][0], h.entry.shard_dim,
-                           h.rows if h.released else None, self.mesh)
+        return self._view(h, t, h.rows if h.released else None)
 
     def _state_view(self, h: HeldParam, t: torch.Tensor) -> torch.Tensor:
         """An optimizer state tensor of `h` (shaped like what it updates) as a global view."""
         if t.shape != h.updated.shape:
             return t
         blocked = h.updated is not h.param
-        return global_view(t, self._whole[h.entry.name][0], h.entry.shard_dim,
-                           h.rows if blocked else None, self.mesh)
+        return self._view(h, t, h.rows if blocked else None)
+
+    def _view(self, h: HeldParam, t: torch.Tensor, zero_rows: int | None) -> torch.Tensor:
+        """`t` (h's block, or its ZeRO block) as a global view. A block in pieces is viewed
+        as a copy re-cut to a plain block (`recut`, collective): `_unview` writes a loaded
+        copy back."""
+        if h.entry.shard_pieces > 1:
+            t = recut(t, h.entry.shard_dim, h.entry.shard_pieces, 1, zero_rows, self.mesh)
+        return global_view(t, self._whole[h.entry.name][0], h.entry.shard_dim, zero_rows,
+                           self.mesh)
+
+    def _unview(self, h: HeldParam, loaded: torch.Tensor, into: torch.Tensor,
+                zero_rows: int | None) -> None:
+        """A block in pieces, loaded as its `_view`'s plain block, back into `into`."""
+        local = _pad_rows(loaded.to_local() if isinstance(loaded, DTensor) else loaded, into)
+        with torch.no_grad():
+            into.copy_(recut(local, h.entry.shard_dim, 1, h.entry.shard_pieces, zero_rows,
+                             self.mesh))
 
     def _named_tensors(self) -> dict[str, torch.Tensor]:
         named = {h.entry.name: self._weight_view(h) for h in self._held_params()}
@@ -173,11 +188,19 @@ class TrainingState:
                                      state_like, per_rank={**rng, **self._extra_per_rank})
         self.steps = int(named[STEPS_KEY])
         _set_rng_state(rng)  # unchanged unless saved in this layout and world size
-        updated = {h.entry.name: h.updated for h in held}
+        for h in held:  # blocks in pieces were loaded as plain blocks
+            if h.entry.shard_pieces > 1:
+                self._unview(h, named[h.entry.name], h.updated if h.released else h.param,
+                             h.rows if h.released else None)
+        by_name = {h.entry.name: h for h in held}
         for name, values in state["state"].items():  # the optimizer holds plain, padded blocks
+            h = by_name[name]
             for k, v in values.items():
-                if isinstance(v, DTensor):
-                    values[k] = _pad_rows(v.to_local(), updated[name])
+                if isinstance(v, DTensor) and h.entry.shard_pieces > 1:
+                    values[k] = torch.empty_like(h.updated)
+                    self._unview(h, v, values[k], h.rows if h.updated is not h.param else None)
+                elif isinstance(v, DTensor):
+                    values[k] = _pad_rows(v.to_local(), h.updated)
         ckpt.load_optimizer_state_by_name(self.optimizer, self._param_names(), state)
         with torch.no_grad():  # ZeRO-1/2: the blocks the optimizer updates, from the weights
             for h in held:

@@ -30,10 +30,10 @@ def _llama(seed=0):
 
 
 def matrix_case(name, factory, saved, loaded, world=2, optimizer=adamw, atol=1e-6,
-                background=False):
+                background=False, pieces=False):
     def run():
         check_resume_and_reshard(factory, L(**saved), L(**loaded), optimizer=optimizer,
-                                 atol=atol, background=background)
+                                 atol=atol, background=background, pieces=pieces)
     run.__name__ = name
     case(world=world)(run)
 
@@ -48,7 +48,8 @@ matrix_case("ckpt_pp2_zero_bubble_to_dp2_zero3_gpt2_odd", _gpt2_odd, PP_ZERO_BUB
             dict(dp=2, zero=3))
 matrix_case("ckpt_dp2_zero3_to_pp2_1f1b_llama_sgd", _llama, dict(dp=2, zero=3), PP_1F1B,
             optimizer=sgd)
-matrix_case("ckpt_tp2_to_pp2_interleaved_gpt2_tied", _gpt2, dict(tp=2), PP_INTERLEAVED)
+matrix_case("ckpt_tp2_to_pp2_interleaved_gpt2_tied", _gpt2, dict(tp=2), PP_INTERLEAVED,
+            pieces=True)
 matrix_case("ckpt_fp16_dp2_to_fp16_pp2_llama", _llama, dict(dp=2, amp="fp16"),
             dict(**PP_1F1B, amp="fp16"), atol=1e-4)
 # tensor parallelism and ZeRO both cut dim 0 (column-parallel weights, embeddings)
@@ -58,3 +59,9 @@ matrix_case("ckpt_dp4_to_dp2_pp2_gpt2_odd_sgd", _gpt2_odd, dict(dp=4),
             dict(dp=2, **PP_1F1B), world=4, optimizer=sgd)
 matrix_case("ckpt_dp2_pp2_zero3_to_dp2_tp2_zero3_gpt2_tied", _gpt2, dict(dp=2, **PP_1F1B, zero=3),
             dict(dp=2, tp=2, zero=3), world=4)
+# GPT-2's fused q/k/v weight and bias split in 3 pieces (tp_rules.Strided) and, under
+# ZeRO, their dim-0 blocks: stored as plain blocks of the whole (shards.recut)
+matrix_case("ckpt_dp2_tp2_zero3_to_dp2_pp2_zero1_gpt2_tied_sgd", _gpt2, dict(dp=2, tp=2, zero=3),
+            dict(dp=2, **PP_1F1B, zero=1), world=4, optimizer=sgd, pieces=True)
+matrix_case("ckpt_dp2_tp2_zero2_to_dp4_gpt2_tied", _gpt2, dict(dp=2, tp=2, zero=2), dict(dp=4),
+            world=4, pieces=True)

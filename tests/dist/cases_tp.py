@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 import autopar
 from autopar.compiler.passes import tp_comm
-from autopar.compiler.passes.tp_rules import P, R
-from autopar.examples import Example, gpt2, llama, mlp, neox
+from autopar.compiler.passes.tp_rules import P, R, Strided
+from autopar.examples import Example, gpt2, hf_tiny, llama, mlp, neox
+from autopar.runtime.shards import tp_block
 from autopar.testing import make_batches, reference_train
 from tests.dist.cases_dp import adamw, check_parity, sgd
 from tests.dist.registry import case
@@ -40,18 +41,28 @@ def _whole_entry(entry, tp):
     return TensorSpec(entry.name, tuple(shape), entry.dtype)
 
 
-def tp_case(name, factory, optimizer, world=2, **layout):
+def tp_case(name, factory, optimizer, world=2, pieces=None, **layout):
+    """`pieces`: the step holds some parameter split in that many pieces (tp_rules.Strided)."""
     def run():
         step = check_parity(factory(), optimizer, autopar.Layout(**layout))
         _check_sharded(step, layout["tp"])
+        if pieces is not None:
+            held = {e.name: e.shard_pieces for e in step.program.params}
+            assert pieces in held.values(), held
     run.__name__ = name
     case(world=world)(run)
 
 
 for _name, _factory in {"gpt2_tied": gpt2, "llama_gqa": llama, "mlp": mlp}.items():
+    _pieces = 3 if _name == "gpt2_tied" else None  # GPT-2's fused q/k/v projection
     for _opt in (adamw, sgd):
-        tp_case(f"tp2_parity_{_name}_{_opt.__name__}", _factory, _opt, tp=2)
-    tp_case(f"dp2_tp2_parity_{_name}_adamw", _factory, adamw, world=4, dp=2, tp=2)
+        tp_case(f"tp2_parity_{_name}_{_opt.__name__}", _factory, _opt, pieces=_pieces, tp=2)
+    tp_case(f"dp2_tp2_parity_{_name}_adamw", _factory, adamw, world=4, pieces=_pieces, dp=2,
+            tp=2)
+# Phi-3's fused gate and up projection, cut by chunk(2): in 2 pieces
+for _opt in (adamw, sgd):
+    tp_case(f"tp2_parity_phi3_gate_up_in_pieces_{_opt.__name__}", lambda: hf_tiny("phi3"), _opt,
+            pieces=2, tp=2)
 tp_case("dp2_tp2_parity_llama_gqa_sgd", llama, sgd, world=4, dp=2, tp=2)
 tp_case("tp2_sequence_parallel_parity_llama_gqa_adamw", llama, adamw, tp=2, sequence_parallel=True)
 tp_case("tp2_sequence_parallel_parity_gpt2_tied_sgd", gpt2, sgd, tp=2, sequence_parallel=True)
@@ -189,6 +200,55 @@ def tp2_redistributions_are_exact():
     check()
 
 
+@st.composite
+def _tensor_in_pieces(draw):
+    pieces = draw(st.integers(2, 4))
+    shape = draw(st.lists(st.integers(1, 3).map(lambda n: 2 * n), min_size=1, max_size=3))
+    dim = draw(st.integers(0, len(shape) - 1))
+    shape[dim] *= pieces
+    seed = draw(st.integers(0, 2**16))
+    whole = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    return whole, Strided(dim, pieces)
+
+
+@case(world=2)
+def tp2_redistributions_in_pieces_are_exact():
+    """Property: a value split in pieces (tp_rules.Strided) holds, on each rank, its block
+    of every piece (what the runtime's `tp_block` cuts from the whole); gathering it back
+    and reduce-scattering partial sums into it are exact, and so are their backwards, on
+    a real gloo group."""
+    group = tp_comm.TPGroup(dist.group.WORLD.group_name, 2, dist.get_rank())
+
+    @settings(derandomize=True, database=None, max_examples=30, deadline=None,
+              phases=[Phase.explicit, Phase.generate])
+    @given(_tensor_in_pieces())
+    def check(case_):
+        whole, p = case_
+        block = tp_comm.redistribute(whole, R, p, group)
+        mine = torch.cat([piece.chunk(2, p.dim)[dist.get_rank()]
+                          for piece in whole.chunk(p.pieces, p.dim)], dim=p.dim)
+        assert torch.equal(block, mine)
+        assert torch.equal(block, tp_block(whole, p.dim, p.pieces, dist.get_rank(), 2))
+        assert torch.equal(tp_comm.redistribute(block, p, R, group), whole)
+        term = whole * (dist.get_rank() + 1) / 3  # the terms sum to `whole`
+        assert torch.allclose(tp_comm.redistribute(term, P, p, group), mine, atol=1e-6)
+        weight = torch.arange(whole.numel(), dtype=whole.dtype).reshape(whole.shape)
+        for split_work in (False, True):
+            x = whole.clone().requires_grad_(True)
+            y = tp_comm.redistribute(tp_comm.redistribute(x, R, p, group), p, R, group,
+                                     split_work=split_work)
+            (y * weight).sum().backward()
+            # split work: each rank's gradient is a part of the whole one (here all of it,
+            # on both ranks), summed by the reduce-scatter
+            assert torch.equal(x.grad, weight * (2 if split_work else 1))
+        x = term.clone().requires_grad_(True)
+        (tp_comm.redistribute(x, P, p, group) * tp_comm.redistribute(weight, R, p, group)) \
+            .sum().backward()
+        assert torch.equal(x.grad, weight)  # a partial sum's gradient is the whole one
+
+    check()
+
+
 def _shared_dir() -> str:
     root = tempfile.mkdtemp(prefix="autopar-tp2-") if dist.get_rank() == 0 else None
     path = [f"{root}/ckpt"]
@@ -197,13 +257,14 @@ def _shared_dir() -> str:
 
 
 def check_resume_and_reshard(factory, layout, other_layout, batches=4, optimizer=None,
-                             atol=1e-6, background=False) -> None:
+                             atol=1e-6, background=False, pieces=False) -> None:
     """Save after two steps; a step of `layout` started from other weights loads it and
     then matches the uninterrupted run bit for bit; a step of `other_layout` loads the
     same checkpoint (resharded) with the saved weights exactly and trains on within
     rounding (`atol`) of the uninterrupted run. Both resumed steps count on from the
     saved step count. `background`: the save is written in the background while the
-    uninterrupted run trains on (it must hold the state of when it was called)."""
+    uninterrupted run trains on (it must hold the state of when it was called).
+    `pieces`: `layout` holds some parameter split in pieces (tp_rules.Strided)."""
     example = factory()
     data = make_batches(example.batch, batches)
 
@@ -213,6 +274,8 @@ def check_resume_and_reshard(factory, layout, other_layout, batches=4, optimizer
                                optimizer=optimizer or adamw, layout=lay)
 
     a = fresh(layout)
+    if pieces:
+        assert any(e.shard_pieces > 1 for e in a.program.params), a.program.params
     for b in data[:2]:
         a(*b)
     if a.loss_scaler is not None:  # a scale no fresh step starts from: load must restore it

@@ -157,6 +157,95 @@ def test_gpt2_eager_attention_split_by_heads():
     assert params(out)["transformer.h.0.attn.c_proj.weight"] == 0  # Conv1D: row-parallel
 
 
+def test_gpt2_fused_qkv_split_in_pieces_gives_megatron_layout():
+    """GPT-2's c_attn (Conv1D to 3h, then split into q, k, v): its weight and bias are
+    split in 3 pieces (rank r holds its block of each of q, k and v), so q, k and v come
+    out split by heads, sdpa runs on blocks of heads and c_proj is row-parallel. Nothing
+    of c_attn's output or the attention is gathered: Megatron's layout."""
+    ex = autopar.examples.gpt2(layers=2, hidden=256, heads=8, vocab=1024, batch=8, seq=256)
+    out, result = tp_graph(ex.model, ex.batch, ex.loss_fn)
+    placed = params(out)
+    for i in range(2):
+        assert placed[f"transformer.h.{i}.attn.c_attn.weight"] == "S(1)x3"
+        assert placed[f"transformer.h.{i}.attn.c_attn.bias"] == "S(0)x3"
+        assert placed[f"transformer.h.{i}.attn.c_proj.weight"] == 0  # Conv1D: row-parallel
+    sdpa = [r["strategy"] for r in out.attrs["tp"]["ops"]
+            if r["op"] == "aten.scaled_dot_product_attention.default"]
+    assert sdpa == ["S(1), S(1), S(1) -> S(1)"] * 2
+    gathered = [tuple(n.meta[M.VAL].shape) for n in out.call_nodes()
+                if n.target == c10d.all_gather_into_tensor.default]
+    assert not [s for s in gathered if len(s) == 4 or s[-1] == 3 * 256], gathered
+    spec = {p.name: p for p in out.signature.params}["transformer.h.0.attn.c_attn.weight"]
+    assert (spec.shape, spec.shard_dim, spec.shard_pieces) == ((256, 384), 1, 3)
+    assert result.stats["params"]["S(1)x3"] == 2
+
+
+class FusedProjection(torch.nn.Module):
+    """One linear to `pieces` x width, cut into its pieces by `cut`, then combined."""
+
+    def __init__(self, cut, width=16, pieces=3):
+        super().__init__()
+        self.proj = torch.nn.Linear(width, pieces * width)
+        self.out = torch.nn.Linear(width, width)
+        self.cut = cut
+
+    def forward(self, x):
+        parts = self.cut(torch.relu(self.proj(x) * 2))
+        return self.out(parts[0] * parts[1] + parts[-1])
+
+
+def _exported(module, x):
+    return torch.export.export(module, (x,), strict=False).graph
+
+
+@pytest.mark.parametrize("cut", [lambda y: y.split(16, dim=-1), lambda y: y.chunk(3, dim=2),
+                                 lambda y: torch.split(y, [16, 16, 16], -1)],
+                         ids=["split", "chunk", "split_with_sizes"])
+def test_strided_demand_reaches_the_weight_through_ops_that_keep_the_dim(cut):
+    """A split into equal pieces asks its input for the pieces placement; ops that map
+    the dim index by index (relu, a scalar mul, the linear's output dim) pass the ask on
+    to the weight and bias, and nothing else is asked."""
+    from autopar.compiler.passes.tp_rules import Strided, strided_demand
+
+    graph = _exported(FusedProjection(cut), torch.randn(2, 4, 16))
+    demand = {name: sorted(p for p in ps) for name, ps in strided_demand(graph, 2).items()
+              if ps}
+    linear, mul, relu = (n.name for n in graph.nodes if n.target in (
+        torch.ops.aten.linear.default, torch.ops.aten.mul.Tensor, torch.ops.aten.relu.default)
+        and n.meta["val"].shape[-1] == 48)
+    assert demand == {"p_proj_weight": [Strided(0, 3)], "p_proj_bias": [Strided(0, 3)],
+                      linear: [Strided(2, 3)], mul: [Strided(2, 3)], relu: [Strided(2, 3)]}
+
+
+def test_a_view_that_cuts_the_dim_asks_nothing_in_pieces():
+    """(b, s, 3w) viewed as (b, s, 3, w) then unbound: the view splits the dim, so its
+    pieces no longer lie side by side along one dim: nothing is offered in pieces."""
+    from autopar.compiler.passes.tp_rules import strided_demand
+
+    module = FusedProjection(lambda y: y.view(2, 4, 3, 16).unbind(2))
+    assert not any(strided_demand(_exported(module, torch.randn(2, 4, 16)), 2).values())
+
+
+def test_pieces_are_offered_only_where_each_piece_divides():
+    """3 pieces of 6 do not split over tp=4: no pieces placement for the weight."""
+    from autopar.compiler.passes.tp_rules import strided_demand
+
+    module = FusedProjection(lambda y: y.split(6, dim=-1), width=6)
+    assert not any(strided_demand(_exported(module, torch.randn(2, 4, 6)), 4).values())
+    assert any(strided_demand(_exported(module, torch.randn(2, 4, 6)), 2).values())
+
+
+def test_fused_projection_split_in_pieces_by_the_solver():
+    """The solver takes the pieces placement on a plain module too: the projection's
+    weight in 3 pieces, each piece's consumers on blocks, the output linear row-parallel,
+    and no gather of the projection's output."""
+    module = FusedProjection(lambda y: y.split(256, dim=-1), width=256)
+    out, _ = tp_graph(module, (torch.randn(8, 64, 256),), lambda y, x: y.square().mean())
+    placed = params(out)
+    assert placed["proj.weight"] == "S(0)x3" and placed["out.weight"] == 1
+    assert collectives(out, backward=False) == {"all_reduce": 1}
+
+
 def test_matmul_rule_broadcasts_batch_dims():
     """torch.matmul's strategies: a batch dim is split where an operand has it and the
     operand that broadcasts it stays whole; m, n split one operand; k is a partial sum."""

@@ -2,9 +2,10 @@
 
 Random chains of views, written as users write them, are exported as autopar captures
 a forward (`torch.export.export(..., strict=False)`). For every op of the graph that has
-a rule and every strategy that splits or partially sums an input, each rank runs the op
-on its part of a global input (with the view's size arguments rewritten by
-`local_view_args`, as the TensorParallel hook does) and must get its part of the global
+a rule and every strategy that splits or partially sums an input (in pieces too, where a
+split into equal pieces asks for them: `strided_demand`), each rank runs the op on its
+part of a global input (with the size arguments rewritten by `local_view_args` and
+`local_split_args`, as the TensorParallel hook does) and must get its part of the global
 output under the strategy's output placement; the vector-Jacobian product of the local op
 on the rank's part of a cotangent must be the rank's part of the global one (what
 autograd derives for the backward). Single process: the ranks are simulated."""
@@ -27,10 +28,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 import autopar
 from autopar.compiler.passes.defaults import run_passes
 from autopar.compiler.passes import tp_rules
-from autopar.compiler.passes.tensor_parallel import local_view_args
-from autopar.compiler.passes.tp_rules import (P, R, ShardingRuleError, Strategy, is_tensor_node,
-                                              strategies)
+from autopar.compiler.passes.tensor_parallel import local_split_args, local_view_args
+from autopar.compiler.passes.tp_rules import (P, R, ShardingRuleError, Strategy, Strided,
+                                              is_tensor_node, strategies)
 from autopar.examples import hf_tiny, llama
+from autopar.runtime.shards import tp_block
 
 aten = torch.ops.aten
 TP = 2
@@ -335,20 +337,23 @@ def export_chain(steps: Sequence[Step], x: torch.Tensor) -> fx.Graph:
 # -- the check: one op, one strategy, every rank ----------------------------------------------
 
 def part(t: torch.Tensor, p, r: int) -> torch.Tensor:
-    """Rank r's block of t when split on dim p; t itself when replicated or a partial sum's
-    cotangent."""
+    """Rank r's block of t when split on dim p (in pieces: its block of each piece, as the
+    runtime cuts a parameter); t itself when replicated or a partial sum's cotangent."""
+    if isinstance(p, Strided):
+        return tp_block(t, p.dim, p.pieces, r, TP)
     return torch.tensor_split(t, TP, p)[r] if isinstance(p, int) else t
 
 
-def run_op(node: fx.Node, tensors: Sequence[torch.Tensor], placement=None) -> tuple:
-    """node's op on `tensors` in place of its tensor arguments; with a placement, on local
+def run_op(node: fx.Node, tensors: Sequence[torch.Tensor], s: Strategy | None = None) -> tuple:
+    """node's op on `tensors` in place of its tensor arguments; with a strategy, on local
     blocks, its size arguments rewritten as the TensorParallel hook does."""
     flat, spec = tree_flatten((node.args, node.kwargs))
     values = iter(tensors)
     flat = [next(values) if is_tensor_node(a) else a for a in flat]
     args, kwargs = tree_unflatten(flat, spec)
-    if placement is not None:
-        args = local_view_args(node, args, placement, TP)
+    if s is not None:
+        args = local_view_args(node, args, s.output, TP)
+        args = local_split_args(node, args, s.inputs[0], TP)
     out = node.target(*args, **kwargs)
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
@@ -370,7 +375,7 @@ def check_strategy(node: fx.Node, s: Strategy, where: str) -> None:
         ins = [(x.detach() - n if r == 0 else n) if p == P else part(x.detach(), p, r)
                for x, n, p in zip(xs, noise, s.inputs)]
         ins = [t.contiguous().requires_grad_() for t in ins]
-        local = run_op(node, ins, s.output)
+        local = run_op(node, ins, s)
         assert len(local) == len(outs), where
         for k, (lo, o, p) in enumerate(zip(local, outs, s.outputs())):
             if p == P:
@@ -404,11 +409,12 @@ def _vjp(outs, xs, cots) -> list[torch.Tensor]:
 def check_graph(graph: fx.Graph, text: str) -> dict:
     """Every non-replicated strategy of every op with a rule; op -> strategies checked."""
     checked: dict = {}
+    demand = tp_rules.strided_demand(graph, TP)  # each split's pieces, back through views
     for node in graph.nodes:
         if node.op != "call_function" or tp_rules._rule_for(node.target) is None:
             continue
         checked.setdefault(node.target, 0)
-        for s in strategies(node, TP):
+        for s in strategies(node, TP, demand.get(node.name, ())):
             if all(p == R for p in s.inputs) or s.lowering:
                 continue
             shapes = [list(a.meta["val"].shape) for a in tp_rules.tensor_inputs(node)]

@@ -90,9 +90,10 @@ class TraceSource:
     # fp16 loss scaling: the step takes a trailing fp32 0-dim input LOSS_SCALE_INPUT and
     # differentiates loss * scale (the returned loss stays unscaled)
     loss_scale: bool = False
-    # tensor parallelism: parameter (exported name) -> (dim, parts, index): the step
-    # takes only that block of the parameter (its gradient is that block's too)
-    param_shards: tuple[tuple[str, tuple[int, int, int]], ...] = ()
+    # tensor parallelism: parameter (exported name) -> (dim, parts, index, pieces): the
+    # step takes only that block of the parameter (its gradient is that block's too);
+    # pieces > 1: the block of each of the dim's pieces (tp_rules.Strided)
+    param_shards: tuple[tuple[str, tuple[int, int, int, int]], ...] = ()
     # the device whose kernels the trace takes where a CPU's differ ("cpu" or "gpu",
     # DeviceSpec.kind): "gpu" runs every exported op through GPU_KERNELS, innermost
     kernels: str = "cpu"
@@ -133,7 +134,7 @@ def trace_train_step(model: torch.nn.Module, example_inputs: Sequence[Any],
 
 
 def retrace(tg: TrainGraph, hook: ForwardHook, *, loss_scale: bool | None = None,
-            param_shards: dict[str, tuple[int, int, int]] | None = None,
+            param_shards: dict[str, tuple[int, int, int, int]] | None = None,
             deferred: bool = False) -> TrainGraph:
     """The joint graph traced again from tg's source with one more forward hook
     (and, if `loss_scale` is given, with loss scaling switched on or off; with
@@ -497,12 +498,12 @@ def _fake(t: torch.Tensor, fake_mode: FakeTensorMode) -> torch.Tensor:
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
 
 
-def _param_input(t: torch.Tensor, shard: tuple[int, int, int] | None,
+def _param_input(t: torch.Tensor, shard: tuple[int, int, int, int] | None,
                  fake_mode: FakeTensorMode) -> torch.Tensor:
     """The fake value a parameter enters the joint graph as: whole, or one block."""
     if shard is None:
         return _fake(t.detach(), fake_mode).requires_grad_(True)
-    dim, parts, _ = shard
+    dim, parts = shard[0], shard[1]
     shape = list(t.shape)
     shape[dim] //= parts
     device = "cpu" if _on_meta(t) else t.device
@@ -527,7 +528,7 @@ def strip_wrapper(name: str) -> str:
 
 def _specs(names: list[str], state: dict[str, torch.Tensor],
            aliases: dict[str, tuple[str, ...]],
-           shards: dict[str, tuple[int, int, int]] | None = None) -> tuple[TensorSpec, ...]:
+           shards: dict[str, tuple[int, int, int, int]] | None = None) -> tuple[TensorSpec, ...]:
     out = []
     for name in names:
         t = state[name]
@@ -538,7 +539,8 @@ def _specs(names: list[str], state: dict[str, torch.Tensor],
         if shard is not None:
             shape[shard[0]] //= shard[1]
         out.append(TensorSpec(short, tuple(shape), t.dtype, others,
-                              shard_dim=shard[0] if shard else None))
+                              shard_dim=shard[0] if shard else None,
+                              shard_pieces=shard[3] if shard else 1))
     return tuple(out)
 
 

@@ -8,7 +8,8 @@ from autopar.layout import Layout
 
 
 def _entry(spec: TensorSpec) -> TensorEntry:
-    return TensorEntry(spec.name, spec.shape, spec.dtype, spec.aliases, spec.shard_dim)
+    return TensorEntry(spec.name, spec.shape, spec.dtype, spec.aliases, spec.shard_dim,
+                       spec.shard_pieces)
 
 
 def mesh_dims(layout: Layout) -> tuple[tuple[str, int], ...]:

@@ -272,7 +272,8 @@ def _prefetch_module(gm: fx.GraphModule, pull_nodes: list[fx.Node]) -> fx.GraphM
 
 
 def _entry(spec: TensorSpec) -> TensorEntry:
-    return TensorEntry(spec.name, spec.shape, spec.dtype, spec.aliases, spec.shard_dim)
+    return TensorEntry(spec.name, spec.shape, spec.dtype, spec.aliases, spec.shard_dim,
+                       spec.shard_pieces)
 
 
 def _meta(role: M.Role) -> dict:

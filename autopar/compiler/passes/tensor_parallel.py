@@ -62,8 +62,12 @@ from autopar.compiler.passes.tp_rules import (
     Placement,
     R,
     Strategy,
+    Strided,
+    equal_pieces,
     is_tensor_node,
+    pieces_of,
     show,
+    split_dim,
 )
 from autopar.compiler.passes.tp_solver import TPCosts, TPPlan, solve
 
@@ -72,9 +76,22 @@ aten = torch.ops.aten
 
 def local_shape(shape, placement: Placement, tp: int) -> list[int]:
     out = list(shape)
-    if isinstance(placement, int):
-        out[placement] //= tp
+    d = split_dim(placement)
+    if d is not None:
+        out[d] //= tp
     return out
+
+
+def local_split_args(node: fx.Node, args: tuple, placement: Placement, tp: int) -> tuple:
+    """A split of a Strided dim into its pieces, rewritten for the local block: each
+    piece's size over tp (chunk counts pieces, and runs as it is)."""
+    if not isinstance(placement, Strided) or equal_pieces(node) is None:
+        return args
+    if node.target == aten.split.Tensor:
+        return (args[0], args[1] // tp) + tuple(args[2:])
+    if node.target == aten.split_with_sizes.default:
+        return (args[0], [s // tp for s in args[1]]) + tuple(args[2:])
+    return args
 
 
 def local_view_args(node: fx.Node, args: tuple, placement: Placement, tp: int) -> tuple:
@@ -112,6 +129,8 @@ class TensorParallelHook:
                 slot += 1
         args, kwargs = tree_unflatten(flat, spec)
         args = local_view_args(node, args, strategy.output, self.group.size)
+        if strategy.inputs:
+            args = local_split_args(node, args, strategy.inputs[0], self.group.size)
         if strategy.lowering:
             return _LOWERINGS[strategy.lowering](self, node, args, kwargs, run)
         return run(args, kwargs)
@@ -232,9 +251,9 @@ class TensorParallel(GraphPass):
                                               sequence_parallel=ctx.layout.sequence_parallel)
         rank = ctx.options.tp_rank
         hook = TensorParallelHook(plan, tp_comm.TPGroup(mesh_group_tag("tp"), tp, rank))
-        shards = {target: (plan.placement[name], tp, rank)
+        shards = {target: (split_dim(p), tp, rank, pieces_of(p))
                   for name, target in exported.items()
-                  if isinstance(plan.placement[name], int)}
+                  if split_dim(p := plan.placement[name]) is not None}
         # NOTE: the result is the plan's, not the trace's: when AMP follows, its re-trace
         # runs this hook too, and this one is left to it
         out = retrace(tg, hook, param_shards=shards, deferred=ctx.may_defer_retrace)
@@ -361,7 +380,8 @@ def placement_table(graph: fx.Graph, plan: TPPlan, params_of: dict[str, str]) ->
     for node in graph.nodes:
         if node.op == "placeholder" and node.name in params_of:
             name = strip_wrapper(params_of[node.name])
-            params[name] = plan.placement[node.name]
+            p = plan.placement[node.name]
+            params[name] = show(p) if isinstance(p, Strided) else p  # (JSON-able)
             if plan.options.get(node.name, 1) == 1:
                 why[name] = (f"no dim of {list(node.meta['val'].shape)} divides by "
                              f"tp={plan.tp}: kept whole (replicated)")
@@ -374,7 +394,8 @@ def placement_table(graph: fx.Graph, plan: TPPlan, params_of: dict[str, str]) ->
 
 def format_placements(table: dict[str, Any]) -> str:
     """The placement table as text: one line per parameter, then per op."""
-    lines = ["parameter placements (R: replicated, S(d): split on dim d):"]
+    lines = ["parameter placements (R: replicated, S(d): split on dim d, S(d)xk: each of its "
+             "k pieces split on dim d):"]
     lines += [f"  {name:<60} {show(p)}" for name, p in table["params"].items()]
     lines.append("op strategies (inputs -> output):")
     lines += [f"  {r['node']:<28} {r['op']:<36} {r['module'] or '':<32} {r['strategy']}"

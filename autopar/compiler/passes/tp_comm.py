@@ -11,6 +11,10 @@ collectives by construction.
     grad_split(R)    nothing                       all_reduce(sum)  (Megatron's "f")
     S(d) -> R, split all_gather along d            reduce_scatter along d
 
+A Strided placement (d in k pieces, rank r holding block r of each) converts as S(d)
+does, with the elements of d reordered so that each rank's blocks lie together
+(`_rank_major`): R <-> Strided and P -> Strided, and the split form of Strided -> R.
+
 `grad_split` marks a replicated value whose consumers split their work: each rank's
 backward then yields only its part of the value's gradient. A value gathered for such
 consumers (sequence parallelism's all-gather before a column-parallel matmul) sums
@@ -26,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autopar.compiler.passes.tp_rules import P, Placement, R
+from autopar.compiler.passes.tp_rules import P, Placement, R, Strided
 
 c10d = torch.ops._c10d_functional
 
@@ -79,6 +83,31 @@ def local_block(x: torch.Tensor, dim: int, group: TPGroup) -> torch.Tensor:
     return x.narrow(dim, group.rank * size, size)
 
 
+def _rank_major(x: torch.Tensor, p: Strided, tp: int) -> torch.Tensor:
+    """x's dim p.dim reordered from pieces (k pieces of tp blocks) to ranks (tp groups of
+    the k blocks one rank holds): then rank r's Strided block is the r-th plain block."""
+    d = p.dim
+    return x.unflatten(d, (p.pieces, tp, -1)).transpose(d, d + 1).flatten(d, d + 2)
+
+
+def _piece_major(x: torch.Tensor, p: Strided, tp: int) -> torch.Tensor:
+    """The inverse of `_rank_major`."""
+    d = p.dim
+    return x.unflatten(d, (tp, p.pieces, -1)).transpose(d, d + 1).flatten(d, d + 2)
+
+
+def _gather_pieces(x: torch.Tensor, p: Strided, group: TPGroup) -> torch.Tensor:
+    return _piece_major(all_gather(x, p.dim, group), p, group.size).contiguous()
+
+
+def _block_of_pieces(x: torch.Tensor, p: Strided, group: TPGroup) -> torch.Tensor:
+    return local_block(_rank_major(x, p, group.size), p.dim, group).contiguous()
+
+
+def _reduce_scatter_pieces(x: torch.Tensor, p: Strided, group: TPGroup) -> torch.Tensor:
+    return reduce_scatter(_rank_major(x, p, group.size), p.dim, group)
+
+
 def _differentiable(name: str, forward, backward):
     """An autograd function whose forward is `forward(x, *args)` and whose backward maps
     the gradient by `backward(grad, *args)` (args: dims and the group, not differentiated)."""
@@ -111,6 +140,12 @@ _AllToAll = _differentiable("_AllToAll", all_to_all,
                             lambda grad, src, dst, group: all_to_all(grad, dst, src, group))
 _GradSplit = _differentiable("_GradSplit", lambda x, group: x.view_as(x), all_reduce)
 _GatherForSplitWork = _differentiable("_GatherForSplitWork", all_gather, reduce_scatter)
+_ScatterPieces = _differentiable("_ScatterPieces", _block_of_pieces, _gather_pieces)
+_GatherPieces = _differentiable("_GatherPieces", _gather_pieces, _block_of_pieces)
+_ReduceScatterPieces = _differentiable("_ReduceScatterPieces", _reduce_scatter_pieces,
+                                       _gather_pieces)
+_GatherPiecesForSplitWork = _differentiable("_GatherPiecesForSplitWork", _gather_pieces,
+                                            _reduce_scatter_pieces)
 
 
 def sum_partials(x: torch.Tensor, group: TPGroup) -> torch.Tensor:
@@ -128,17 +163,29 @@ def redistribute(x: torch.Tensor, have: Placement, want: Placement, group: TPGro
     if split_work:
         if isinstance(have, int) and want == R:
             return _GatherForSplitWork.apply(x, have, group)
+        if isinstance(have, Strided) and want == R:
+            return _GatherPiecesForSplitWork.apply(x, have, group)
         return grad_split(redistribute(x, have, want, group), group)
     if have == want:
         return x
-    if have == P and want == R:
-        return _SumPartials.apply(x, group)
-    if have == P and isinstance(want, int):
-        return _ReduceScatter.apply(x, want, group)
-    if have == R and isinstance(want, int):
-        return _Scatter.apply(x, want, group)
-    if isinstance(have, int) and want == R:
-        return _Gather.apply(x, have, group)
-    if isinstance(have, int) and isinstance(want, int):
-        return _AllToAll.apply(x, have, want, group)
-    raise ValueError(f"no redistribution from {have} to {want}")
+    convert = _CONVERSIONS.get((_kind(have), _kind(want)))
+    if convert is None:  # (the solver prices these as impossible: TPCosts.redistribute)
+        raise ValueError(f"no redistribution from {have} to {want}")
+    return convert(x, have, want, group)
+
+
+def _kind(p: Placement) -> str:
+    return p if p in (P, R) else "pieces" if isinstance(p, Strided) else "S"
+
+
+# (kind of have, kind of want) -> conversion(x, have, want, group), the module docstring's table
+_CONVERSIONS = {
+    (P, R): lambda x, have, want, group: _SumPartials.apply(x, group),
+    (P, "S"): lambda x, have, want, group: _ReduceScatter.apply(x, want, group),
+    (R, "S"): lambda x, have, want, group: _Scatter.apply(x, want, group),
+    ("S", R): lambda x, have, want, group: _Gather.apply(x, have, group),
+    ("S", "S"): lambda x, have, want, group: _AllToAll.apply(x, have, want, group),
+    (P, "pieces"): lambda x, have, want, group: _ReduceScatterPieces.apply(x, want, group),
+    (R, "pieces"): lambda x, have, want, group: _ScatterPieces.apply(x, want, group),
+    ("pieces", R): lambda x, have, want, group: _GatherPieces.apply(x, have, group),
+}

@@ -6,6 +6,9 @@ A placement says how one tensor lives on the `tp` ranks:
     "R"   replicated: every rank holds all of it
     "P"   partial sum: every rank holds a full-shaped term, the value is their sum
     d     (an int) sharded: rank r holds the r-th of tp equal blocks along dim d
+    Strided(d, k)  sharded in pieces: dim d is k equal pieces side by side (q, k and v
+          of a fused projection) and rank r holds the r-th block of each piece, so that
+          splitting d into its k pieces leaves each piece sharded on d
 
 A Strategy of an op names the placement each tensor input must have, the placement
 of its output(s), which fraction of the op's work one rank does, and (for the few
@@ -32,7 +35,7 @@ a traced program does not go through. See docs/tensor_parallel.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
@@ -52,14 +55,43 @@ from autopar.compiler.ir.annotate import module_of, source_of
 
 aten = torch.ops.aten
 
-Placement = Union[str, int]
+
+
+@dataclass(frozen=True)
+class Strided:
+    """Dim `dim` seen as `pieces` equal pieces, each split in tp blocks: rank r holds
+    block r of every piece, side by side. GPT-2's fused projection writes q, k and v
+    side by side along one dim: with its weight Strided(1, 3), q, k and v each come out
+    split by heads. On one mesh dim it is DTensor's `_StridedShard(dim,
+    split_factor=pieces)`; a checkpoint stores it re-cut to plain blocks
+    (runtime/shards.py `recut`), as DCP writes one box of the whole per rank."""
+
+    dim: int
+    pieces: int
+
+
+Placement = Union[str, int, Strided]
 R: Placement = "R"
 P: Placement = "P"
+
+
+def split_dim(p: Placement) -> int | None:
+    """The dim a split placement splits (Shard or Strided); None for R and P."""
+    if isinstance(p, Strided):
+        return p.dim
+    return p if isinstance(p, int) else None
+
+
+def pieces_of(p: Placement) -> int:
+    """How many pieces a split dim holds side by side (1: one block per rank)."""
+    return p.pieces if isinstance(p, Strided) else 1
 
 
 def show(p: Placement | tuple) -> str:
     if isinstance(p, tuple):
         return "(" + ", ".join(show(x) for x in p) + ")"
+    if isinstance(p, Strided):
+        return f"S({p.dim})x{p.pieces}"
     return f"S({p})" if isinstance(p, int) else p
 
 
@@ -131,10 +163,12 @@ def output_vals(node: fx.Node) -> tuple[torch.Tensor | None, ...]:
 
 
 def fits(val: torch.Tensor | None, p: Placement, tp: int) -> bool:
-    """Whether a tensor can take placement p on tp ranks (a sharded dim must divide)."""
-    if not isinstance(p, int):
+    """Whether a tensor can take placement p on tp ranks (a sharded dim must divide, each
+    of its pieces too)."""
+    d = split_dim(p)
+    if d is None:
         return True
-    return val is not None and 0 <= p < val.dim() and val.shape[p] % tp == 0
+    return val is not None and 0 <= d < val.dim() and val.shape[d] % (tp * pieces_of(p)) == 0
 
 
 def replicated(node: fx.Node) -> Strategy:
@@ -144,8 +178,9 @@ def replicated(node: fx.Node) -> Strategy:
     return Strategy(tuple(R for _ in tensor_inputs(node)), out)
 
 
-def strategies(node: fx.Node, tp: int) -> list[Strategy]:
-    """Every valid strategy of `node` on tp ranks, all-replicated first."""
+def strategies(node: fx.Node, tp: int, strided: Iterable[Strided] = ()) -> list[Strategy]:
+    """Every valid strategy of `node` on tp ranks, all-replicated first; `strided`: the
+    Strided placements its output may take as well (see `strided_demand`)."""
     options = [replicated(node)]
     rule = _rule_for(node.target)
     if rule is not None:
@@ -154,6 +189,8 @@ def strategies(node: fx.Node, tp: int) -> list[Strategy]:
             found = rule(node, tp)
         except Exception as exc:  # noqa: BLE001 - re-raised naming the op and the user's line
             raise ShardingRuleError(node, tp, exc) from exc
+        found += [v for want in strided for s in found
+                  if (v := _strided_variant(node, s, want)) is not None]
         for s in found:
             if s in options or len(s.inputs) != len(ins):
                 continue
@@ -161,6 +198,58 @@ def strategies(node: fx.Node, tp: int) -> list[Strategy]:
                     and all(fits(v, p, tp) for v, p in zip(outs, s.outputs()) if v is not None):
                 options.append(s)
     return options
+
+
+def _strided_variant(node: fx.Node, s: Strategy, want: Strided) -> Strategy | None:
+    """Strategy `s` with its split output dim taken in pieces (`want`), if `s` maps that
+    dim index by index from inputs split on the same dim size: then each input split dim
+    takes the same pieces. Every rule's strategy with one split output does, except a
+    view that merges or splits the dim (its pieces would no longer lie side by side)."""
+    if s.output != want.dim or s.lowering is not None:
+        return None
+    if node.target in VIEWS and not isinstance(_view_spec(node)[want.dim], InputDim):
+        return None
+    inputs = tuple(Strided(p, want.pieces) if isinstance(p, int) else p for p in s.inputs)
+    return Strategy(inputs, want, s.work, None, s.comm)
+
+
+def equal_pieces(node: fx.Node) -> tuple[int, int] | None:
+    """(dim, pieces) of a split, split_with_sizes or chunk into 2+ equal pieces."""
+    if node.target not in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
+        return None
+    x = node.args[0].meta["val"]
+    dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % x.dim()
+    sizes = {v.shape[dim] for v in output_vals(node) if v is not None}
+    n = len(output_vals(node))
+    if n < 2 or len(sizes) != 1 or sizes.pop() * n != x.shape[dim]:
+        return None
+    return dim, n
+
+
+def strided_demand(graph: fx.Graph, tp: int) -> dict[str, set[Strided]]:
+    """node -> the Strided placements worth offering its output: what a split into equal
+    pieces takes as input (each piece then comes out split), traced back through the
+    strategies that carry the pieces, to the parameters. Only those values get strided
+    options, so the placement program grows by a few variables per fused projection."""
+    demand: dict[str, set[Strided]] = {}
+    for node in reversed(graph.nodes):
+        if node.op != "call_function":
+            continue
+        wanted = demand.get(node.name, set())
+        found = equal_pieces(node)
+        if found is not None and is_tensor_node(node.args[0]):
+            want = Strided(*found)
+            if fits(node.args[0].meta["val"], want, tp):
+                demand.setdefault(node.args[0].name, set()).add(want)
+        if not wanted:
+            continue
+        ins = tensor_inputs(node)
+        for s in strategies(node, tp, wanted):
+            if isinstance(s.output, Strided):
+                for a, p in zip(ins, s.inputs):
+                    if isinstance(p, Strided):
+                        demand.setdefault(a.name, set()).add(p)
+    return demand
 
 
 # -- the rules ------------------------------------------------------------------------------
@@ -511,9 +600,15 @@ def _cat_rule(node: fx.Node, tp: int) -> list[Strategy]:
 @_rule(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
 def _split_rule(node: fx.Node, tp: int) -> list[Strategy]:
     """Split or chunk along one dim: any other dim may be split across ranks (the pieces
-    are then split on it too)."""
+    are then split on it too); into equal pieces, the dim itself may be split if it
+    holds them as Strided, each rank a block of each piece (the hook divides the
+    sizes by tp)."""
     x = node.args[0].meta["val"]
     dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
     n = len(output_vals(node))
-    return [Strategy((d,), tuple(d for _ in range(n)), 1 / tp) for d in _other_dims(x, dim)]
+    options = [Strategy((d,), tuple(d for _ in range(n)), 1 / tp) for d in _other_dims(x, dim)]
+    found = equal_pieces(node)
+    if found is not None:
+        options.append(Strategy((Strided(*found),), tuple(found[0] for _ in range(n)), 1 / tp))
+    return options
 

@@ -45,10 +45,14 @@ from autopar.compiler.passes.tp_rules import (
     Placement,
     R,
     Strategy,
+    Strided,
+    fits,
     is_tensor_node,
     output_vals,
     show,
+    split_dim,
     strategies,
+    strided_demand,
     tensor_inputs,
 )
 from autopar.costs import collective_time, op_time
@@ -107,6 +111,8 @@ class TPCosts:
         if dst == R:  # gather the blocks; the backward keeps its own block (or, when the
             # consumers split their work, reduce-scatters: priced as their all-reduce)
             return self.collective("all_gather", n)
+        if isinstance(src, Strided) or isinstance(dst, Strided):
+            return INF  # pieces to another split: not converted (tp_comm.redistribute)
         # one split dim for another: an all-to-all moves (tp-1)/tp of each rank's block, as
         # an all-gather of one block's size would (and the same back in backward)
         return self.collective("all_gather", n / self.tp) + grad("all_gather") / self.tp
@@ -115,7 +121,7 @@ class TPCosts:
         return sum(self.collective(kind, n) for kind, n in strategy.comm)
 
     def optimizer_update(self, val: torch.Tensor, placement: Placement) -> float:
-        share = 1 / self.tp if isinstance(placement, int) else 1.0
+        share = 1 / self.tp if split_dim(placement) is not None else 1.0
         return share * OPTIMIZER_TOUCHES * tensor_bytes(val) / self.cluster.device.memory_bandwidth
 
 
@@ -172,18 +178,17 @@ def data_dims(graph: fx.Graph, inputs: dict[str, Iterable[int]]) -> dict[str, se
         ins = tensor_inputs(node)
         found: set[int] = set()
         for s in strategies(node, 1):
-            if any(isinstance(p, int) and p in out.get(a.name, ()) for a, p in zip(ins, s.inputs)):
-                found.update(p for p in s.outputs() if isinstance(p, int))
+            if any(split_dim(p) in out.get(a.name, ()) for a, p in zip(ins, s.inputs)):
+                found.update(split_dim(p) for p in s.outputs() if split_dim(p) is not None)
         if found:
             out[node.name] = found
     return out
 
 
 def _splits_data(s: Strategy, node: fx.Node, data: dict[str, set[int]]) -> bool:
-    if any(isinstance(p, int) and p in data.get(a.name, ())
-           for a, p in zip(tensor_inputs(node), s.inputs)):
+    if any(split_dim(p) in data.get(a.name, ()) for a, p in zip(tensor_inputs(node), s.inputs)):
         return True
-    return any(isinstance(p, int) and p in data.get(node.name, ()) for p in s.outputs())
+    return any(split_dim(p) in data.get(node.name, ()) for p in s.outputs())
 
 
 def solve(graph: fx.Graph, tp: int, costs: TPCosts, param_options: dict[str, list[Placement]],
@@ -201,7 +206,9 @@ def solve(graph: fx.Graph, tp: int, costs: TPCosts, param_options: dict[str, lis
     grads = needs_grad(graph, set(param_options))
     banned = data_dims(graph, unsplit or {})
     wanted = {n: dims - banned.get(n, set()) for n, dims in data_dims(graph, split or {}).items()}
-    options = _options(graph, tp, param_options, costs, banned, wanted)
+    demand = strided_demand(graph, tp)
+    param_options = with_strided(graph, param_options, demand, tied, tp)
+    options = _options(graph, tp, param_options, costs, banned, wanted, demand)
     model = _Model(costs)
     x = {name: model.choose(name, opts) for name, opts in options.items()}
     for group in tied:
@@ -267,14 +274,33 @@ def _param_bytes(graph: fx.Graph, x: dict, tied: Iterable[list[str]], tp: int) -
     for node in graph.nodes:
         if node.op == "placeholder" and node.name in x and node.name not in repeats:
             full = tensor_bytes(node.meta["val"])
-            terms += [(var, full / tp if isinstance(s.output, int) else full)
+            terms += [(var, full / tp if split_dim(s.output) is not None else full)
                       for var, s in x[node.name]]
     return terms
 
 
+def with_strided(graph: fx.Graph, param_options: dict[str, list[Placement]],
+                 demand: dict[str, set[Strided]], tied: Iterable[list[str]],
+                 tp: int) -> dict[str, list[Placement]]:
+    """`param_options` with the Strided placements demanded of each parameter that fit
+    it; tied parameters (one tensor under several names) get the union, in one order,
+    as the program equates their choices option by option."""
+    vals = {n.name: n.meta["val"] for n in graph.nodes if n.op == "placeholder"}
+    groups = {name: [name] for name in param_options}
+    for group in tied:
+        for name in group:
+            groups[name] = list(group)
+    out = {}
+    for name, places in param_options.items():
+        extra = {p for member in groups[name] for p in demand.get(member, ())}
+        out[name] = list(places) + sorted((p for p in extra if fits(vals[name], p, tp)),
+                                          key=lambda p: (p.dim, p.pieces))
+    return out
+
+
 def _options(graph: fx.Graph, tp: int, param_options: dict[str, list[Placement]],
-             costs: TPCosts, banned: dict[str, set[int]],
-             wanted: dict[str, set[int]]) -> dict[str, list[tuple[Strategy, float]]]:
+             costs: TPCosts, banned: dict[str, set[int]], wanted: dict[str, set[int]],
+             demand: dict[str, set[Strided]]) -> dict[str, list[tuple[Strategy, float]]]:
     """node -> [(strategy, its own cost)] for every node whose output is a tensor (or tuple)."""
     out: dict[str, list[tuple[Strategy, float]]] = {}
     for node in graph.nodes:
@@ -287,7 +313,9 @@ def _options(graph: fx.Graph, tp: int, param_options: dict[str, list[Placement]]
                                if node.name in param_options else 0.0) for p in places]
         elif node.op == "call_function" and node.target is not operator.getitem \
                 and output_vals(node):
-            allowed = [s for s in strategies(node, tp) if not _splits_data(s, node, banned)]
+            allowed = [s for s in strategies(node, tp, sorted(
+                demand.get(node.name, ()), key=lambda p: (p.dim, p.pieces)))
+                if not _splits_data(s, node, banned)]
             if any(p in wanted.get(node.name, ()) for s in allowed for p in s.outputs()):
                 allowed = [s for s in allowed if any(p != R for p in s.outputs())]
             out[node.name] = [(s, costs.compute(node, s) + costs.lowering(s)) for s in allowed]

@@ -136,7 +136,8 @@ def tables(plan: Plan) -> list[tuple[str, list[str], list[list[str]]]]:
                 ["group", "MB"], comm_rows(plan)))
     table = plan.details.get("tp_placements")
     if table:
-        out.append(("Tensor-parallel placements (R: replicated, S(d): split on dim d)",
+        out.append(("Tensor-parallel placements (R: replicated, S(d): split on dim d, "
+                    "S(d)xk: each of its k pieces split on dim d)",
                     ["parameter", "placement"],
                     [[name, show(tuple(pl) if isinstance(pl, list) else pl)]
                      for name, pl in table["params"].items()]))
