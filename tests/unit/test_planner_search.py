@@ -85,6 +85,38 @@ def test_the_chosen_layout_is_the_fastest_that_fits(shape, blocks, bounded, data
     assert all(reason for _, reason in plan.skipped)
 
 
+def _parts(compute: float, exposed: float, memory: int) -> Prediction:
+    parts = {"compute": compute, "exposed_comm": exposed, "bubble": 0.0, "optimizer": 0.0,
+             "comm": exposed}
+    return Prediction(compute + exposed, 1e12, 1.0, 0.5, memory, 0.0, parts,
+                      {"activations": memory})
+
+
+def test_recomputing_that_hides_communication_is_not_pruned_by_the_step_without_it():
+    """A layout over memory whose step is slower than a fitting one, but whose selective
+    recomputation moves its collectives and hides most of them (as ZeRO-3's gathers on
+    the 18.4B Megatron row): skipped on its step time, it is still tried recomputing,
+    because its compute floor is below the fastest fitting step; with its step as the
+    floor (no `compute_floor`) the search would keep the slower plan."""
+    c = cluster(nodes=1, per_node=4)  # 10 GB devices, 9 GB allowed
+    fitting = autopar.Layout(dp=2, tp=2)
+    hiding = autopar.Layout(dp=4, zero=3)
+    table = {fitting: _parts(0.6, 0.3, 5 * 10**9),
+             hiding: _parts(0.5, 0.5, 20 * 10**9),  # 1.0 s, over memory
+             hiding.replace(recompute="full"): _parts(0.7, 0.4, 4 * 10**9),  # 1.1 s
+             hiding.replace(recompute="selective"): _parts(0.52, 0.18, 7 * 10**9)}  # 0.7 s
+
+    def costing(**floor):
+        return S.Costing(table.__getitem__, timed=lambda lay: table[lay].step_time_s,
+                         variants=S.recompute_variants({}), **floor)
+
+    floor = {"compute_floor": lambda lay: table[lay].breakdown["compute"]}
+    plan = S.search([fitting, hiding], costing(**floor), c)
+    assert plan.layout == hiding.replace(recompute="selective")
+    assert any(lay == hiding and S.TIMED_ONLY in why for lay, why in plan.skipped)
+    assert S.search([fitting, hiding], costing(), c).layout == fitting  # the unsound floor
+
+
 @settings(max_examples=40, deadline=None)
 @given(st.sampled_from([(1, 4), (2, 4), (1, 8)]), st.floats(0.2, 3.0),
        st.sampled_from([0.3, 1.0, 3.0]), st.data())

@@ -131,6 +131,17 @@ class Estimator:
         summary, stages, _ = self.rewritten(layout, timing=True)
         return self._step_times(layout, summary, stages).total_s
 
+    def compute_floor(self, layout: Layout) -> float:
+        """`layout`'s predicted compute and optimizer seconds (a pipeline's critical
+        rank's), as `step_time` times them: what the same layout recomputing cannot beat
+        (search.Costing.compute_floor)."""
+        if layout in self._predictions:
+            parts = self._predictions[layout].breakdown
+            return parts["compute"] + parts["optimizer"]
+        summary, stages, _ = self.rewritten(layout, timing=True)
+        times = self._step_times(layout, summary, stages)
+        return times.compute_s + times.optimizer_s
+
     def schedule_floor(self, layout: Layout) -> float:
         """Seconds below `layout`'s predicted step from its stages' phase times, without
         simulating its schedule (pipeline_cost.schedule_floor); 0 for a step without a

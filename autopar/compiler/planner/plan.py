@@ -180,6 +180,7 @@ def planner_costing(estimator: Estimator, bound: Callable[[Layout], float] | Non
         prepare=lambda lay: estimator.prepare(widest.get(template_key(lay), lay)),
         prepared=lambda lay: estimator.is_prepared(widest.get(template_key(lay), lay)),
         timed=estimator.step_time, floor=estimator.schedule_floor,
+        compute_floor=estimator.compute_floor,
         memory_floor=lambda lay: estimator.memory_floor(lay, capacity),
         variants=recompute_variants(fixed))
 
@@ -209,8 +210,8 @@ def _smallest_peak_error(exc: PlanError, estimator: Estimator, costed: list[Layo
         return exc
     floor = _static_bound(estimator.model, estimator.optimizer)
     costing = Costing(predict=estimator.predict, memory_bound=floor,
-                      timed=estimator.step_time, memory_floor=estimator.memory_floor,
-                      variants=recompute_variants(fixed))
+                      timed=estimator.step_time, compute_floor=estimator.compute_floor,
+                      memory_floor=estimator.memory_floor, variants=recompute_variants(fixed))
     try:
         search(costed + sorted((lay for lay, _ in pruned), key=floor), costing, cluster,
                fraction, None, refinements(fixed, recompute=False, cluster=cluster))

@@ -22,9 +22,13 @@ end ranks replayed) is over the memory allowed. What the search has learnt is a
 Recomputation is tried as the candidates are costed (`Costing.variants`,
 `recompute_variants`): a layout found over memory is queued again with full
 recomputation (first, while nothing fits), and one with full recomputation not found
-over memory with selective (it keeps more: it cannot fit where full does not);
-recomputing only adds time, so a variant whose layout without recomputation is
-already slower than one that fits is skipped. Then `refinements` add layouts worth
+over memory with selective (it keeps more: it cannot fit where full does not).
+Recomputing adds compute, but it also moves collectives in the step (ZeRO-3's
+gathers, the gradient reductions) and so can hide more of them: a recomputing
+variant's step is bounded below by its layout's compute and optimizer time without
+recomputation (`Costing.compute_floor`), not by that layout's step. A variant is
+skipped when that floor is slower than a layout that fits, and a layout skipped on
+its step time is still tried recomputing when its floor is not. Then `refinements` add layouts worth
 costing given what was learnt, each round ranked with the rest: the fastest fitting
 data-parallel layout with other gradient bucket sizes (and, for a caller without
 `variants`, rounds that retry a layout over memory faster than the fastest fitting
@@ -234,8 +238,9 @@ Refinement = Callable[[list[tuple[Layout, Prediction]], float], list[Layout]]
 def _worth_recomputing(costed, capacity, among: Callable[[Layout], bool] = lambda lay: True
                        ) -> list[Layout]:
     """Layouts over memory that recomputation could make the plan (of those `among`
-    keeps): without it, they are faster than the fastest that fits (recomputing only
-    adds time), or nothing fits (their step times are not asked then: _OverMemory)."""
+    keeps): without it, their compute and optimizer time is below the fastest step that
+    fits (Costing.compute_floor), or nothing fits (their step times are not asked then:
+    _OverMemory)."""
     fits = [p.step_time_s for _, p in costed if p.peak_memory_bytes <= capacity]
     best = min(fits, default=math.inf)
     return [lay for lay, p in costed if p.peak_memory_bytes > capacity
@@ -245,24 +250,30 @@ def _worth_recomputing(costed, capacity, among: Callable[[Layout], bool] = lambd
 def _faster(p, seconds: float) -> bool:
     if seconds == math.inf:
         return True
-    return p.faster_than(seconds) if isinstance(p, _OverMemory) else p.step_time_s < seconds
+    if isinstance(p, _OverMemory):
+        return p.faster_than(seconds)
+    if "compute" not in p.breakdown:  # (a Prediction without its parts)
+        return p.step_time_s < seconds
+    return p.breakdown["compute"] + p.breakdown.get("optimizer", 0.0) < seconds
 
 
 class _OverMemory:
     """What the refinements read of a layout skipped on its memory floor (over the
-    memory allowed): that floor as its peak, and whether its step is faster than a
-    time, asked of its bound first and then of its step time (costed without its
-    memory, once)."""
+    memory allowed): that floor as its peak, its step time (costed without its memory,
+    once), and whether recomputing it could beat a time, asked of its bound first and
+    then of its compute floor (Costing.compute_floor)."""
 
     def __init__(self, layout: Layout, floor: float, step_time: Callable[[Layout], float],
-                 bound: Callable[[Layout], float] | None):
+                 bound: Callable[[Layout], float] | None,
+                 compute_floor: Callable[[Layout], float] | None = None):
         self.layout, self.peak_memory_bytes = layout, floor
         self._step_time, self._bound = step_time, bound
+        self._compute_floor = compute_floor or step_time
 
     def faster_than(self, seconds: float) -> bool:
         if self._bound is not None and self._bound(self.layout) >= seconds:
             return False
-        return self.step_time_s < seconds
+        return self._compute_floor(self.layout) < seconds
 
     @functools.cached_property
     def step_time_s(self) -> float:
@@ -381,9 +392,15 @@ class Costing:
     prepare: Callable[[Layout], None] | None = None
     # whether `prepare` has nothing left to do; where it has, a layout that recomputes is
     # first skipped if the same layout without recomputation, found over memory before,
-    # is slower than the fastest fitting step (recomputing only adds time; its step is
-    # cheaper to ask than a rewrite)
+    # has a compute floor slower than the fastest fitting step (cheaper to ask than a
+    # rewrite)
     prepared: Callable[[Layout], bool] | None = None
+    # seconds of a layout's step that its collectives' placement does not change: its
+    # compute and optimizer time (a pipeline's critical rank's), which recomputing only
+    # adds to. The same layout recomputing cannot be faster; its step can be, as the
+    # recomputed ops move collectives and hide more of them. Without it, the layout's
+    # step time stands in (an unsound floor where recomputation hides communication)
+    compute_floor: Callable[[Layout], float] | None = None
     # the step time `predict` would give, without costing the memory (cheaper): a layout
     # slower than the fastest fitting one costed so far cannot be the plan whatever its
     # memory, and is skipped with both figures
@@ -401,10 +418,10 @@ class Costing:
     memory_floor: Callable[[Layout], float] | None = None
     # layouts to cost once a candidate (or one of its variants) is found over memory
     # (over=True: by its prediction or its memory floor), fitting (False) or slower than
-    # the fastest fitting step so far (None: its memory unknown). `recompute_variants`
+    # the fastest fitting step so far (None: its memory unknown; its recomputing
+    # variants are then queued if its compute floor is not slower). `recompute_variants`
     # gives the same layout recomputing, where the recomputation rounds would add it only
-    # if the layout is faster than the fastest fitting step: recomputing only adds time,
-    # so the extra layouts tried cannot be the plan. While nothing fits the variants are
+    # if the layout is faster than the fastest fitting step. While nothing fits the variants are
     # costed first, so that a fitting step, which the bounds prune against, is known
     # early; a variant whose bound is already above it is not tried
     variants: Callable[[Layout, bool | None], Iterable[Layout]] | None = None
@@ -444,6 +461,11 @@ class SearchState:
     over_memory: dict[Layout, _OverMemory] = field(default_factory=dict)  # on memory_floor
     times: dict[Layout, float] = field(default_factory=dict)  # `timed`'s, asked again later
     predicted: dict[Layout, Prediction] = field(default_factory=dict)
+
+    def compute_floor(self, layout: Layout) -> float:
+        """What the same layout recomputing cannot beat (Costing.compute_floor)."""
+        floor = self.costing.compute_floor
+        return self.step_time(layout) if floor is None else floor(layout)
 
     def step_time(self, layout: Layout) -> float:
         if layout in self.predicted:
@@ -568,8 +590,8 @@ class CostingRound:
 
     def _slower_unrecomputed(self, layout: Layout) -> bool:
         """Skip a layout that recomputes, before `prepare` rewrites for it, when the same
-        layout without recomputation, found over memory (or costed), is slower than the
-        fastest fitting step: recomputing only adds time."""
+        layout without recomputation, found over memory (or costed), has a compute floor
+        slower than the fastest fitting step (Costing.compute_floor)."""
         state, prepared = self.state, self.state.costing.prepared
         if layout.recompute == "none" or state.best == math.inf:
             return False
@@ -577,8 +599,8 @@ class CostingRound:
         if not (base in state.over_memory or base in state.predicted) or prepared is None \
                 or prepared(layout):
             return False
-        return state.over_best(layout, state.step_time(base),
-                               "without recomputation its step takes {ms} ms")
+        return state.over_best(layout, state.compute_floor(base),
+                               "without recomputation its compute and optimizer take {ms} ms")
 
     def _over_memory_bound(self, layout: Layout) -> bool:
         state, memory_bound = self.state, self.state.costing.memory_bound
@@ -598,7 +620,8 @@ class CostingRound:
         state.skipped.append((layout, f"not costed: its first and last pipeline ranks alone "
                                       f"need at least {_gb(held)} per device, over the "
                                       f"{_gb(state.capacity)} allowed ({MEMORY_FLOOR_ONLY})"))
-        state.over_memory[layout] = _OverMemory(layout, held, state.step_time, costing.bound)
+        state.over_memory[layout] = _OverMemory(layout, held, state.step_time, costing.bound,
+                                                state.compute_floor)
         self._vary(layout, True)
         return True
 
@@ -613,11 +636,18 @@ class CostingRound:
                                    f"its step takes {{ms}} ms ({TIMED_ONLY})")):
             return False
         self._vary(layout, None)
+        if layout.recompute == "none" and layout in state.times \
+                and state.compute_floor(layout) <= state.best:
+            # recomputing selectively (the least compute added) may hide enough of its
+            # communication to be the plan; full recomputation adds a forward
+            for more in self.state.costing.variants(layout, True) if self.varies else ():
+                self._vary(more, False)
         return True
 
     def _vary(self, layout: Layout, over: bool | None) -> None:
-        """Queue `layout`'s variants (Costing.variants), those a bound does not rule out;
-        among ties they rank in the order they are added."""
+        """Queue `layout`'s variants (Costing.variants, as found `over` memory or not),
+        those a bound does not rule out; among ties they rank in the order they are
+        added."""
         if not self.varies:
             return
         state = self.state
