@@ -69,7 +69,10 @@ def layout_of(row: Row, micro_batch: int, schedule: str) -> autopar.Layout:
     """The paper's layout with `micro_batch` sequences per micro-batch. Without a
     pipeline the rank's whole share is one micro-batch: the paper gives no micro-batch
     size for those rows, and `autopar.plan`, which tries accumulation there, chooses
-    none on them (docs/published_results.md)."""
+    none on them (docs/published_results.md). The gradient all-reduce is not overlapped
+    with the backward (`overlap_comm=False`): Megatron-LM's own data parallelism of 2021
+    (`DDP_impl="local"`) called `allreduce_gradients()` after the whole forward and
+    backward of the step."""
     per_rank = row.batch // row.dp
     if row.pp == 1:
         micro_batch = per_rank
@@ -79,7 +82,7 @@ def layout_of(row: Row, micro_batch: int, schedule: str) -> autopar.Layout:
     virtual = 2 if schedule == "interleaved" and row.pp > 1 else 1
     return autopar.Layout(dp=row.dp, tp=row.tp, pp=row.pp, microbatches=per_rank // micro_batch,
                           schedule=schedule if row.pp > 1 else "1f1b", virtual_stages=virtual,
-                          amp="fp16", recompute="full")
+                          amp="fp16", recompute="full", overlap_comm=False)
 
 
 def gpt(row: Row, attention: str, arch: str = "gpt2"):
@@ -127,11 +130,12 @@ def predict(row: Row, layout: autopar.Layout, attention: str,
                      trace_blocks=trace_blocks).predict(layout)
 
 
-def plan_row(row: Row, attention: str = "sdpa", arch: str = "gpt2"):
+def plan_row(row: Row, attention: str = "sdpa", arch: str = "gpt2", kernels: str = "fused"):
     """`autopar.plan` of the row's model on its cluster with the planner's defaults (fp16,
-    as the paper trained): (plan, seconds the call took)."""
+    as the paper trained): (plan, seconds the call took). `kernels`: the cluster's
+    attention kernels (`cluster_of`), "fused" as the preset has them."""
     model, batch = gpt(row, attention, arch)
-    cluster = autopar.ClusterSpec.preset("dgx-a100-80gb", nodes=row.gpus // 8)
+    cluster = cluster_of(row, kernels)
     start = time.perf_counter()
     plan = autopar.plan(model, cluster, batch, causal_lm_loss, amp="fp16", optimizer=OPTIMIZER)
     return plan, time.perf_counter() - start
@@ -156,13 +160,13 @@ def plan_table(rows: list[Row], args) -> None:
     for row in rows:
         flops = paper_flops(row.batch, row.layers, row.hidden)
         try:
-            plan, seconds = plan_row(row, args.attention, args.arch)
+            plan, seconds = plan_row(row, args.attention, args.arch, args.kernels)
         except Exception as exc:  # report the failing row, do not hide it
             print(f"| {row.billions}B | error: {type(exc).__name__}: {exc} | | | | | | | |",
                   flush=True)
             continue
         layout = layout_of(row, args.micro_batch, args.schedule)
-        paper = predict(row, layout, args.attention, arch=args.arch)
+        paper = predict(row, layout, args.attention, arch=args.arch, kernels=args.kernels)
         chosen_rate = flops / plan.predicted.step_time_s / row.gpus / 1e12
         paper_rate = flops / paper.step_time_s / row.gpus / 1e12
         error = paper_rate / row.tflops - 1
@@ -203,6 +207,7 @@ def main() -> None:
     logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
     rows = {row.billions: row for row in TABLE_1}
     if args.plan:
+        print(f"arch={args.arch} attention={args.attention} kernels={args.kernels}")
         plan_table([rows[b] for b in args.rows], args)
         return
     print(f"arch={args.arch} attention={args.attention} micro_batch={args.micro_batch} "
