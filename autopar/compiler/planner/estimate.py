@@ -132,15 +132,17 @@ class Estimator:
         return self._step_times(layout, summary, stages).total_s
 
     def compute_floor(self, layout: Layout) -> float:
-        """`layout`'s predicted compute and optimizer seconds (a pipeline's critical
-        rank's), as `step_time` times them: what the same layout recomputing cannot beat
-        (search.Costing.compute_floor)."""
+        """`layout`'s predicted step less its exposed communication: its compute,
+        pipeline bubble and optimizer seconds (a pipeline's critical rank's), as
+        `step_time` times them. Recomputing adds compute to every stage (and so to the
+        bubble between them) and can only move collectives: what the same layout
+        recomputing cannot beat (search.Costing.compute_floor)."""
         if layout in self._predictions:
-            parts = self._predictions[layout].breakdown
-            return parts["compute"] + parts["optimizer"]
+            pred = self._predictions[layout]
+            return pred.step_time_s - pred.breakdown["exposed_comm"]
         summary, stages, _ = self.rewritten(layout, timing=True)
         times = self._step_times(layout, summary, stages)
-        return times.compute_s + times.optimizer_s
+        return times.total_s - times.exposed_comm_s
 
     def schedule_floor(self, layout: Layout) -> float:
         """Seconds below `layout`'s predicted step from its stages' phase times, without
