@@ -56,8 +56,7 @@ from autopar.compiler.ir.annotate import module_of, source_of
 aten = torch.ops.aten
 
 
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, order=True)
 class Strided:
     """Dim `dim` seen as `pieces` equal pieces, each split in tp blocks: rank r holds
     block r of every piece, side by side. GPT-2's fused projection writes q, k and v

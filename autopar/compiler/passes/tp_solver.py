@@ -293,8 +293,7 @@ def with_strided(graph: fx.Graph, param_options: dict[str, list[Placement]],
     out = {}
     for name, places in param_options.items():
         extra = {p for member in groups[name] for p in demand.get(member, ())}
-        out[name] = list(places) + sorted((p for p in extra if fits(vals[name], p, tp)),
-                                          key=lambda p: (p.dim, p.pieces))
+        out[name] = list(places) + sorted(p for p in extra if fits(vals[name], p, tp))
     return out
 
 
@@ -313,9 +312,9 @@ def _options(graph: fx.Graph, tp: int, param_options: dict[str, list[Placement]]
                                if node.name in param_options else 0.0) for p in places]
         elif node.op == "call_function" and node.target is not operator.getitem \
                 and output_vals(node):
-            allowed = [s for s in strategies(node, tp, sorted(
-                demand.get(node.name, ()), key=lambda p: (p.dim, p.pieces)))
-                if not _splits_data(s, node, banned)]
+            offered = sorted(demand.get(node.name, ()))
+            allowed = [s for s in strategies(node, tp, offered)
+                       if not _splits_data(s, node, banned)]
             if any(p in wanted.get(node.name, ()) for s in allowed for p in s.outputs()):
                 allowed = [s for s in allowed if any(p != R for p in s.outputs())]
             out[node.name] = [(s, costs.compute(node, s) + costs.lowering(s)) for s in allowed]

@@ -138,8 +138,7 @@ class Estimator:
         bubble between them) and can only move collectives: what the same layout
         recomputing cannot beat (search.Costing.compute_floor)."""
         if layout in self._predictions:
-            pred = self._predictions[layout]
-            return pred.step_time_s - pred.breakdown["exposed_comm"]
+            return self._predictions[layout].compute_floor_s
         summary, stages, _ = self.rewritten(layout, timing=True)
         times = self._step_times(layout, summary, stages)
         return times.total_s - times.exposed_comm_s

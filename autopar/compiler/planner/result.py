@@ -36,6 +36,13 @@ class Prediction:
     # each step (cost_model.uncompressed_bytes), to set against comm_bytes; else 0
     uncompressed_bytes: int = 0
 
+    @property
+    def compute_floor_s(self) -> float:
+        """The step less its exposed communication (compute, optimizer and a pipeline's
+        bubble): what the same layout recomputing cannot beat (search.Costing.compute_floor).
+        The step itself for a Prediction without its parts."""
+        return self.step_time_s - self.breakdown.get("exposed_comm", 0.0)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

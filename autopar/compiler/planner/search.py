@@ -25,10 +25,11 @@ recomputation (first, while nothing fits), and one with full recomputation not f
 over memory with selective (it keeps more: it cannot fit where full does not).
 Recomputing adds compute, but it also moves collectives in the step (ZeRO-3's
 gathers, the gradient reductions) and so can hide more of them: a recomputing
-variant's step is bounded below by its layout's compute and optimizer time without
-recomputation (`Costing.compute_floor`), not by that layout's step. A variant is
-skipped when that floor is slower than a layout that fits, and a layout skipped on
-its step time is still tried recomputing when its floor is not. Then `refinements` add layouts worth
+variant's step is bounded below by its layout's step less its exposed communication
+(`Costing.compute_floor`: compute, optimizer and a pipeline's bubble), not by that
+layout's step. A variant is skipped when that floor is slower than a layout that
+fits, and a layout skipped on its step time is still tried recomputing selectively
+when its floor is not. Then `refinements` add layouts worth
 costing given what was learnt, each round ranked with the rest: the fastest fitting
 data-parallel layout with other gradient bucket sizes (and, for a caller without
 `variants`, rounds that retry a layout over memory faster than the fastest fitting
@@ -238,8 +239,8 @@ Refinement = Callable[[list[tuple[Layout, Prediction]], float], list[Layout]]
 def _worth_recomputing(costed, capacity, among: Callable[[Layout], bool] = lambda lay: True
                        ) -> list[Layout]:
     """Layouts over memory that recomputation could make the plan (of those `among`
-    keeps): without it, their compute and optimizer time is below the fastest step that
-    fits (Costing.compute_floor), or nothing fits (their step times are not asked then:
+    keeps): without it, their step less its exposed communication is below the fastest
+    step that fits (Costing.compute_floor), or nothing fits (their step times are not asked then:
     _OverMemory)."""
     fits = [p.step_time_s for _, p in costed if p.peak_memory_bytes <= capacity]
     best = min(fits, default=math.inf)
@@ -252,9 +253,7 @@ def _faster(p, seconds: float) -> bool:
         return True
     if isinstance(p, _OverMemory):
         return p.faster_than(seconds)
-    if "compute" not in p.breakdown:  # (a Prediction without its parts)
-        return p.step_time_s < seconds
-    return p.breakdown["compute"] + p.breakdown.get("optimizer", 0.0) < seconds
+    return p.compute_floor_s < seconds
 
 
 class _OverMemory:
@@ -395,9 +394,10 @@ class Costing:
     # has a compute floor slower than the fastest fitting step (cheaper to ask than a
     # rewrite)
     prepared: Callable[[Layout], bool] | None = None
-    # seconds of a layout's step that its collectives' placement does not change: its
-    # compute and optimizer time (a pipeline's critical rank's), which recomputing only
-    # adds to. The same layout recomputing cannot be faster; its step can be, as the
+    # seconds of a layout's step that its collectives' placement does not change: the
+    # step less its exposed communication (compute, optimizer and a pipeline's bubble, its
+    # critical rank's), which recomputing only adds to. The same layout recomputing
+    # cannot be faster than that; faster than its step it can be, as the
     # recomputed ops move collectives and hide more of them. Without it, the layout's
     # step time stands in (an unsound floor where recomputation hides communication)
     compute_floor: Callable[[Layout], float] | None = None
@@ -600,7 +600,8 @@ class CostingRound:
                 or prepared(layout):
             return False
         return state.over_best(layout, state.compute_floor(base),
-                               "without recomputation its compute and optimizer take {ms} ms")
+                               "without recomputation its step less its exposed "
+                               "communication takes {ms} ms")
 
     def _over_memory_bound(self, layout: Layout) -> bool:
         state, memory_bound = self.state, self.state.costing.memory_bound
@@ -636,12 +637,14 @@ class CostingRound:
                                    f"its step takes {{ms}} ms ({TIMED_ONLY})")):
             return False
         self._vary(layout, None)
-        if layout.recompute == "none" and layout in state.times \
+        # timed (not left out on its pipeline floor): recomputing selectively, the least
+        # compute added, may hide enough of its communication to be the plan. Its full
+        # variant (which adds a forward) is not queued, only what `variants` gives for it
+        # as not over memory: the selective one
+        if self.varies and layout.recompute == "none" and layout in state.times \
                 and state.compute_floor(layout) <= state.best:
-            # recomputing selectively (the least compute added) may hide enough of its
-            # communication to be the plan; full recomputation adds a forward
-            for more in self.state.costing.variants(layout, True) if self.varies else ():
-                self._vary(more, False)
+            for full in costing.variants(layout, True):
+                self._vary(full, False)
         return True
 
     def _vary(self, layout: Layout, over: bool | None) -> None:
