@@ -78,7 +78,8 @@ def test_scaled_predictions_match_exact_ones(fields):
     c = autopar.ClusterSpec.preset("dgx-h100")
     layout = autopar.Layout(**fields)
     exact = Estimator(model, c, batch, causal_lm_loss, trace_blocks="exact").predict(layout)
-    approx = Estimator(model, c, batch, causal_lm_loss, trace_blocks=2).predict(layout)
+    scaled = Estimator(model, c, batch, causal_lm_loss, trace_blocks=2)
+    approx = scaled.predict(layout)
     assert approx.flops_per_step == exact.flops_per_step
     # ZeRO-3 gathers a block's parameters together, issued while the block before runs:
     # a scaled block's copies run back to back (OpRecord.repeat), so only the traced
@@ -97,6 +98,26 @@ def test_scaled_predictions_match_exact_ones(fields):
     assert approx.peak_memory_bytes == pytest.approx(exact.peak_memory_bytes, rel=rel)
     with pytest.raises(ValueError, match=r"trace_blocks must be 'auto', 'exact'"):
         Estimator(model, c, batch, causal_lm_loss, trace_blocks=0)
+
+
+def test_a_scaled_trace_counts_the_flops_of_every_block_it_stands_for():
+    """The FLOPs the kernels of a step perform (GraphSummary.flops: the planner's FLOP
+    bound divides them over the devices) count each op of a scaled block as often as it
+    runs (OpRecord.repeat), as the cost model times it: the same count as the whole
+    model's trace. Counting each traced op once made the bound of a 32-block GPT 12x too
+    low, and the search costed pipelines it could have left out."""
+    model, batch = meta_gpt2(layers=8, hidden=256, heads=8, vocab=1000, batch=16, seq=64)
+    c = autopar.ClusterSpec.preset("dgx-h100")
+    for layout in (autopar.Layout(dp=8), autopar.Layout(dp=4, microbatches=2, recompute="full")):
+        exact = Estimator(model, c, batch, causal_lm_loss, trace_blocks="exact")
+        scaled = Estimator(model, c, batch, causal_lm_loss, trace_blocks=2)
+        assert scaled.traces.get(layout).scaling is not None
+        whole = exact.step_executed_flops(layout)
+        assert scaled.step_executed_flops(layout) == pytest.approx(whole, rel=1e-9)
+        # and so does the dtype carrying most FLOPs (the head's fp32 against the blocks')
+        summary = S.scale_summary(summarize(scaled.traced(layout)), scaled.traced(layout),
+                                  scaled.traces.get(layout).scaling.counts)
+        assert summary.flops == scaled.traces.get(layout).executed_flops
 
 
 @pytest.mark.parametrize("fields", [dict(dp=8, zero=2, bucket_mb=1),

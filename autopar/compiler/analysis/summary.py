@@ -132,7 +132,9 @@ class GraphSummary:
 
     @property
     def flops(self) -> int:
-        return sum(op.flops for op in self.ops)
+        """FLOPs the step's kernels perform: each op's as often as it runs (`repeat`: the
+        copies of a block a scaled trace stands for), as the cost model times them."""
+        return sum(op.flops * op.repeat for op in self.ops)
 
     @property
     def model_flops(self) -> int:
@@ -146,7 +148,7 @@ class GraphSummary:
         for i, op in enumerate(self.ops):
             if op.flops and op.dtype:
                 weight = copies[i] if copies is not None else 1
-                by_dtype[op.dtype] = by_dtype.get(op.dtype, 0) + op.flops * weight
+                by_dtype[op.dtype] = by_dtype.get(op.dtype, 0) + op.flops * op.repeat * weight
         return max(by_dtype, key=by_dtype.__getitem__) if by_dtype else "fp32"
 
 
