@@ -248,7 +248,10 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
     counts), and no op runs faster than at the highest peak among the
     dtypes it can compute in (fp32, the parameters' and buffers', the layout's AMP
     dtype) times the compute efficiency and the smallest fitted op factor below 1
-    (cost_model.kernel_time).
+    (cost_model.kernel_time). A pipeline's pp ranks share 1/dp of the batch, so they
+    compute at least pp times that share together, and under 1F1B and GPipe the
+    slowest at least bubble_factor times it (the fill and drain: below, with that share
+    for c).
 
     From a costed reference, once the search has rewritten it: the unpipelined layout
     R of the same devices with `layout`'s tp, AMP and recomputation (dp * pp ranks of
@@ -392,7 +395,8 @@ def compute_bound(estimator: Estimator, candidates: list[Layout], eff: Efficienc
         slowest, mean = reference(layout)
         work, after, fill = from_template(layout)
         whole = tail(layout) * BOUND_MARGIN if layout.pp == layout.microbatches == 1 else 0.0
-        return max(slowest, sibling(layout), max(flops, mean, work) + after, whole, fill)
+        return max(slowest, sibling(layout), max(flops, mean, work) + after, whole, fill,
+                   flops * bubble_factor(layout))
 
     return bound
 
