@@ -78,8 +78,7 @@ def test_scaled_predictions_match_exact_ones(fields):
     c = autopar.ClusterSpec.preset("dgx-h100")
     layout = autopar.Layout(**fields)
     exact = Estimator(model, c, batch, causal_lm_loss, trace_blocks="exact").predict(layout)
-    scaled = Estimator(model, c, batch, causal_lm_loss, trace_blocks=2)
-    approx = scaled.predict(layout)
+    approx = Estimator(model, c, batch, causal_lm_loss, trace_blocks=2).predict(layout)
     assert approx.flops_per_step == exact.flops_per_step
     # ZeRO-3 gathers a block's parameters together, issued while the block before runs:
     # a scaled block's copies run back to back (OpRecord.repeat), so only the traced
@@ -114,7 +113,7 @@ def test_a_scaled_trace_counts_the_flops_of_every_block_it_stands_for():
         assert scaled.traces.get(layout).scaling is not None
         whole = exact.step_executed_flops(layout)
         assert scaled.step_executed_flops(layout) == pytest.approx(whole, rel=1e-9)
-        # and so does the dtype carrying most FLOPs (the head's fp32 against the blocks')
+        # the scaled summary's own count is the one the trace keeps
         summary = S.scale_summary(summarize(scaled.traced(layout)), scaled.traced(layout),
                                   scaled.traces.get(layout).scaling.counts)
         assert summary.flops == scaled.traces.get(layout).executed_flops
@@ -196,3 +195,16 @@ def test_per_block_and_exact_plans_choose_layouts_equally_fast(layers, hidden, h
     costed = Estimator(model, cluster, batch, causal_lm_loss, trace_blocks="exact")
     times = [costed.predict(p.layout).step_time_s for p in (fast, exact)]
     assert times[0] == pytest.approx(times[1], rel=0.05), (fast.layout, exact.layout, times)
+
+
+def test_the_dtype_carrying_most_flops_counts_a_scaled_blocks_copies():
+    """GraphSummary.compute_dtype weighs each op by how often it runs: two traced bf16
+    blocks standing for 16 outweigh an fp32 head that outweighs the two alone."""
+    from autopar.compiler.analysis.summary import GraphSummary, OpRecord
+
+    block = OpRecord("mm", "forward", flops=10, dtype="bf16", repeat=8)
+    head = OpRecord("mm_1", "forward", flops=50, dtype="fp32")
+    summary = GraphSummary(ops=(block, block, head), param_numel=(), param_itemsize=(),
+                           buffer_bytes=0, output_storages=frozenset())
+    assert summary.compute_dtype() == "bf16"
+    assert summary.flops == 2 * 10 * 8 + 50
