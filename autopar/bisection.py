@@ -43,6 +43,7 @@ import dataclasses
 import itertools
 import json
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,7 @@ from torch.utils._pytree import tree_map
 from autopar.api import build_step
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.batch import Batch, LossFn, Objective
+from autopar.compiler.ir.pieces import Pieces, join_blocks, rank_major
 from autopar.compiler.ir.program import MESH_TAG_PREFIX, mesh_group_tag
 from autopar.compiler.ir.trace import trace_train_step
 from autopar.compiler.passes.defaults import run_passes
@@ -407,8 +409,11 @@ def _coords(rank: int, mesh) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _candidates(local: tuple, ref: tuple, mesh, partial_ok: list[bool]) -> list[tuple]:
-    """Placements (one per mesh dim) whose combined shape is the reference's."""
+def _candidates(local: tuple, ref: tuple, mesh, partial_ok: list[bool],
+                unequal: Iterable[tuple[int, ...]] = ()) -> list[tuple]:
+    """Placements (one per mesh dim) whose combined shape is the reference's. `unequal`:
+    the pieces of unequal sizes the step's parameters are held in (a value computed
+    from one, as a fused projection's output, is split in the same pieces)."""
     options = []
     for (name, size), may_sum in zip(mesh, partial_ok):
         if size == 1:
@@ -417,6 +422,8 @@ def _candidates(local: tuple, ref: tuple, mesh, partial_ok: list[bool]) -> list[
         opts = [R] + [("S", d) for d in range(len(local))] + ([P, A] if may_sum else [])
         if name == "tp":  # a fused projection's q, k and v each split (tp_rules.Strided)
             opts += [("S", d, k) for d in range(len(local)) for k in PIECES if local[d] % k == 0]
+            opts += [("S", d, k) for d in range(len(local)) for k in unequal
+                     if sum(k) == local[d] * size]
         options.append(opts)
     out = []
     for combo in itertools.product(*options):
@@ -438,10 +445,10 @@ def _split(combo, mesh, dim: int) -> int:
     return n
 
 
-def _rank_major(x: torch.Tensor, dim: int, pieces: int, size: int) -> torch.Tensor:
-    """x's dim from `pieces` pieces of `size` blocks to `size` groups of the blocks one
-    rank holds (a value split in pieces: each rank's part then lies together)."""
-    return x.unflatten(dim, (pieces, size, -1)).transpose(dim, dim + 1).flatten(dim, dim + 2)
+def _rank_major(x: torch.Tensor, dim: int, pieces: Pieces, size: int) -> torch.Tensor:
+    """x's dim from pieces of `size` blocks each to `size` groups of the blocks one rank
+    holds (a value split in pieces: each rank's part then lies together)."""
+    return rank_major(x, dim, pieces, size)
 
 
 def _combine(values: dict[int, torch.Tensor], mesh, combo, ref_shape) -> list[tuple]:
@@ -464,8 +471,7 @@ def _combine(values: dict[int, torch.Tensor], mesh, combo, ref_shape) -> list[tu
             else:
                 dim = p[1]
                 pieces = p[2] if len(p) > 2 else 1
-                value = torch.cat([v.unflatten(dim, (pieces, -1)) for _, _, v in parts],
-                                  dim=dim + 1).flatten(dim, dim + 1)
+                value = join_blocks([v for _, _, v in parts], dim, pieces)
                 want = -(-ref_shape[dim] // _split(combo[m + 1:], mesh[m + 1:], dim))
                 if value.shape[dim] > want:  # ZeRO's padded last block
                     value = value.narrow(dim, 0, want)
@@ -606,6 +612,7 @@ def _compare(step, reference, everyone: list[dict], exact: dict, fp32: dict, lay
                 returned.add(mine.name)
     walk = _programs_of(step)
     mesh = walk.mesh
+    unequal = {e.shard_pieces for e in step.program.params if isinstance(e.shard_pieces, tuple)}
     placement: dict[str, tuple] = {}
     whole = tuple([R] * len(mesh))
     constants: set[str] = set()
@@ -628,7 +635,8 @@ def _compare(step, reference, everyone: list[dict], exact: dict, fp32: dict, lay
             partial_ok = [s and node.name not in returned for s in spread]
             candidates = [] if ref_name is None or ref_name not in exact or values is None \
                 or shaped else _candidates(tuple(next(iter(values.values())).shape),
-                                           tuple(exact[ref_name].shape), mesh, partial_ok)
+                                           tuple(exact[ref_name].shape), mesh, partial_ok,
+                                           unequal)
             if not candidates:  # no reference, or one no placement gives the shape of
                 if shaped:
                     constants.add(node.name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -207,9 +208,11 @@ _TINY_HF = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_
                 attn_pdrop=0.0)
 
 
-def hf_tiny(model_type: str, batch: int = 8, seq: int = 32, seed: int = 0) -> Example:
+def hf_tiny(model_type: str, batch: int = 8, seq: int = 32, seed: int = 0,
+            **config: Any) -> Example:
     """A tiny randomly initialised model of any transformers architecture, by its config
-    name ("qwen2", "mistral", "gpt_neox", "bert", ...), trained as a causal LM."""
+    name ("qwen2", "mistral", "gpt_neox", "bert", ...), trained as a causal LM; `config`
+    overrides the tiny sizes (num_key_value_heads=4, ...)."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
@@ -220,7 +223,7 @@ def hf_tiny(model_type: str, batch: int = 8, seq: int = 32, seed: int = 0) -> Ex
         hint = f" (did you mean {', '.join(near)}?)" if near else ""
         raise KeyError(f"{model_type!r} is neither a built-in example ({', '.join(EXAMPLES)}) "
                        f"nor a transformers model type{hint}")
-    config = transformers.AutoConfig.for_model(model_type, **_TINY_HF)
+    config = transformers.AutoConfig.for_model(model_type, **{**_TINY_HF, **config})
     torch.manual_seed(seed)
     for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM):
         if type(config) in auto._model_mapping:

@@ -7,23 +7,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from autopar.compiler.ir.pieces import Pieces, block_of_pieces, join_blocks
 from autopar.compiler.ir.program import TensorEntry, block_rows
 from autopar.runtime.mesh import Mesh
 
 
-def tp_block(t: torch.Tensor, dim: int, pieces: int, tp_rank: int, tp: int) -> torch.Tensor:
+def tp_block(t: torch.Tensor, dim: int, pieces: Pieces, tp_rank: int, tp: int) -> torch.Tensor:
     """Rank `tp_rank`'s tensor-parallel block of the whole tensor `t` along `dim`: 1/tp of
-    it, or, with `pieces` > 1, its 1/tp block of each of the dim's equal pieces, side by
-    side (tp_rules.Strided)."""
-    pieced = t.unflatten(dim, (pieces, t.shape[dim] // pieces))
-    size = pieced.shape[dim + 1] // tp
-    return pieced.narrow(dim + 1, tp_rank * size, size).flatten(dim, dim + 1)
+    it, or, with pieces (compiler/ir/pieces.py), its 1/tp block of each of the dim's
+    pieces, side by side (tp_rules.Strided)."""
+    return block_of_pieces(t, dim, pieces, tp_rank, tp)
 
 
-def join_tp_blocks(parts: list[torch.Tensor], dim: int, pieces: int) -> torch.Tensor:
+def join_tp_blocks(parts: list[torch.Tensor], dim: int, pieces: Pieces) -> torch.Tensor:
     """The whole tensor from every rank's `tp_block`, in rank order."""
-    return torch.cat([p.unflatten(dim, (pieces, -1)) for p in parts],
-                     dim=dim + 1).flatten(dim, dim + 1)
+    return join_blocks(parts, dim, pieces)
 
 
 def own_block(t: torch.Tensor, entry: TensorEntry, tp_rank: int, tp: int) -> torch.Tensor:
@@ -87,7 +85,7 @@ def gather_into(p: torch.Tensor, u: torch.Tensor, dp: int, group) -> None:
 
 # -- checkpoints: a block as a view of the whole tensor ----------------------------------
 
-def recut(t: torch.Tensor, dim: int, have: int, want: int, zero_rows: int | None,
+def recut(t: torch.Tensor, dim: int, have: Pieces, want: Pieces, zero_rows: int | None,
           mesh: Mesh) -> torch.Tensor:
     """Collective over tp (and, for a ZeRO block, dp): this rank's tensor-parallel block
     along `dim` of the whole tensor that every rank's `t` makes up, as `have` pieces

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
+from autopar.compiler.ir.pieces import is_pieced
 from autopar.compiler.ir.program import Program, TensorEntry
 from autopar.runtime import checkpoint as ckpt
 from autopar.runtime.loss_scaler import LossScaler
@@ -117,7 +118,7 @@ class TrainingState:
         """`t` (h's block, or its ZeRO block) as a global view. A block in pieces is viewed
         as a copy re-cut to a plain block (`recut`, collective): `_unview` writes a loaded
         copy back."""
-        if h.entry.shard_pieces > 1:
+        if is_pieced(h.entry.shard_pieces):
             t = recut(t, h.entry.shard_dim, h.entry.shard_pieces, 1, zero_rows, self.mesh)
         return global_view(t, self._whole[h.entry.name][0], h.entry.shard_dim, zero_rows,
                            self.mesh)
@@ -189,14 +190,14 @@ class TrainingState:
         self.steps = int(named[STEPS_KEY])
         _set_rng_state(rng)  # unchanged unless saved in this layout and world size
         for h in held:  # blocks in pieces were loaded as plain blocks
-            if h.entry.shard_pieces > 1:
+            if is_pieced(h.entry.shard_pieces):
                 self._unview(h, named[h.entry.name], h.updated if h.released else h.param,
                              h.rows if h.released else None)
         by_name = {h.entry.name: h for h in held}
         for name, values in state["state"].items():  # the optimizer holds plain, padded blocks
             h = by_name[name]
             for k, v in values.items():
-                if isinstance(v, DTensor) and h.entry.shard_pieces > 1:
+                if isinstance(v, DTensor) and is_pieced(h.entry.shard_pieces):
                     values[k] = torch.empty_like(h.updated)
                     self._unview(h, v, values[k], h.rows if h.updated is not h.param else None)
                 elif isinstance(v, DTensor):

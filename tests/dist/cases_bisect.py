@@ -34,6 +34,8 @@ _CORRECT_2 = [
     (lambda layers: gpt2(layers=layers, vocab=255), autopar.Layout(dp=2, zero=3)),  # odd rows
     # transformers models from small configs, as users build them
     (lambda layers: hf_tiny("qwen2"), autopar.Layout(tp=2)),
+    # its fused q/k/v in pieces of unequal sizes (tp_rules.Strided)
+    (lambda layers: hf_tiny("phi3"), autopar.Layout(tp=2)),
     (lambda layers: hf_tiny("opt"), autopar.Layout(pp=2, microbatches=2)),
 ]
 _CORRECT_4 = [

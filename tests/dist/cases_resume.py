@@ -6,7 +6,7 @@ with ZeRO on the same dim, and fp16's loss scaler."""
 from __future__ import annotations
 
 import autopar
-from autopar.examples import gpt2, llama
+from autopar.examples import gpt2, hf_tiny, llama
 from tests.dist.cases_dp import adamw, sgd
 from tests.dist.cases_tp import check_resume_and_reshard
 from tests.dist.registry import case
@@ -27,6 +27,10 @@ def _gpt2_odd(seed=0):
 
 def _llama(seed=0):
     return llama(layers=4, seed=seed)
+
+
+def _phi3(seed=0):
+    return hf_tiny("phi3", seed=seed)
 
 
 def matrix_case(name, factory, saved, loaded, world=2, optimizer=adamw, atol=1e-6,
@@ -65,3 +69,6 @@ matrix_case("ckpt_dp2_tp2_zero3_to_dp2_pp2_zero1_gpt2_tied_sgd", _gpt2, dict(dp=
             dict(dp=2, **PP_1F1B, zero=1), world=4, optimizer=sgd, pieces=True)
 matrix_case("ckpt_dp2_tp2_zero2_to_dp4_gpt2_tied", _gpt2, dict(dp=2, tp=2, zero=2), dict(dp=4),
             world=4, pieces=True)
+# Phi-3's fused q/k/v with grouped key-value heads: pieces of unequal sizes (64, 32, 32)
+matrix_case("ckpt_tp2_to_dp2_phi3_gqa_unequal_pieces_sgd", _phi3, dict(tp=2), dict(dp=2),
+            optimizer=sgd, pieces=True)

@@ -12,8 +12,9 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import autopar
+from autopar.compiler.ir.pieces import is_pieced, piece_sizes
 from autopar.compiler.passes import tp_comm
-from autopar.compiler.passes.tp_rules import P, R, Strided
+from autopar.compiler.passes.tp_rules import P, R, Strided, as_pieces
 from autopar.examples import Example, gpt2, hf_tiny, llama, mlp, neox
 from autopar.runtime.shards import tp_block
 from autopar.testing import make_batches, reference_train
@@ -63,6 +64,14 @@ for _name, _factory in {"gpt2_tied": gpt2, "llama_gqa": llama, "mlp": mlp}.items
 for _opt in (adamw, sgd):
     tp_case(f"tp2_parity_phi3_gate_up_in_pieces_{_opt.__name__}", lambda: hf_tiny("phi3"), _opt,
             pieces=2, tp=2)
+# Phi-3 slices q, k and v out of its fused projection's output (`qkv[..., :h]`): with as
+# many key-value heads as heads, 3 equal pieces; with grouped ones (hf_tiny's 4 heads, 2
+# key-value heads, hidden 64) pieces of 64, 32 and 32
+for _opt in (adamw, sgd):
+    tp_case(f"tp2_parity_phi3_sliced_qkv_in_pieces_{_opt.__name__}",
+            lambda: hf_tiny("phi3", num_key_value_heads=4), _opt, pieces=3, tp=2)
+    tp_case(f"tp2_parity_phi3_gqa_sliced_qkv_in_unequal_pieces_{_opt.__name__}",
+            lambda: hf_tiny("phi3"), _opt, pieces=(64, 32, 32), tp=2)
 tp_case("dp2_tp2_parity_llama_gqa_sgd", llama, sgd, world=4, dp=2, tp=2)
 tp_case("tp2_sequence_parallel_parity_llama_gqa_adamw", llama, adamw, tp=2, sequence_parallel=True)
 tp_case("tp2_sequence_parallel_parity_gpt2_tied_sgd", gpt2, sgd, tp=2, sequence_parallel=True)
@@ -202,10 +211,17 @@ def tp2_redistributions_are_exact():
 
 @st.composite
 def _tensor_in_pieces(draw):
-    pieces = draw(st.integers(2, 4))
+    """A tensor and a Strided placement of one of its dims: 2-4 pieces, equal or of
+    unequal sizes (each even: tp=2 splits it)."""
     shape = draw(st.lists(st.integers(1, 3).map(lambda n: 2 * n), min_size=1, max_size=3))
     dim = draw(st.integers(0, len(shape) - 1))
-    shape[dim] *= pieces
+    if draw(st.booleans()):
+        pieces = draw(st.integers(2, 4))
+        shape[dim] *= pieces
+    else:
+        sizes = draw(st.lists(st.integers(1, 4).map(lambda n: 2 * n), min_size=2, max_size=4))
+        pieces = as_pieces(sizes)
+        shape[dim] = sum(sizes)
     seed = draw(st.integers(0, 2**16))
     whole = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
     return whole, Strided(dim, pieces)
@@ -213,8 +229,9 @@ def _tensor_in_pieces(draw):
 
 @case(world=2)
 def tp2_redistributions_in_pieces_are_exact():
-    """Property: a value split in pieces (tp_rules.Strided) holds, on each rank, its block
-    of every piece (what the runtime's `tp_block` cuts from the whole); gathering it back
+    """Property: a value split in pieces (tp_rules.Strided, equal or not) holds, on each
+    rank, its block of every piece (what the runtime's `tp_block` cuts from the whole);
+    gathering it back
     and reduce-scattering partial sums into it are exact, and so are their backwards, on
     a real gloo group."""
     group = tp_comm.TPGroup(dist.group.WORLD.group_name, 2, dist.get_rank())
@@ -225,8 +242,9 @@ def tp2_redistributions_in_pieces_are_exact():
     def check(case_):
         whole, p = case_
         block = tp_comm.redistribute(whole, R, p, group)
+        sizes = piece_sizes(p.pieces, whole.shape[p.dim])
         mine = torch.cat([piece.chunk(2, p.dim)[dist.get_rank()]
-                          for piece in whole.chunk(p.pieces, p.dim)], dim=p.dim)
+                          for piece in whole.split(sizes, p.dim)], dim=p.dim)
         assert torch.equal(block, mine)
         assert torch.equal(block, tp_block(whole, p.dim, p.pieces, dist.get_rank(), 2))
         assert torch.equal(tp_comm.redistribute(block, p, R, group), whole)
@@ -275,7 +293,7 @@ def check_resume_and_reshard(factory, layout, other_layout, batches=4, optimizer
 
     a = fresh(layout)
     if pieces:
-        assert any(e.shard_pieces > 1 for e in a.program.params), a.program.params
+        assert any(is_pieced(e.shard_pieces) for e in a.program.params), a.program.params
     for b in data[:2]:
         a(*b)
     if a.loss_scaler is not None:  # a scale no fresh step starts from: load must restore it

@@ -180,6 +180,29 @@ def test_gpt2_fused_qkv_split_in_pieces_gives_megatron_layout():
     assert result.stats["params"]["S(1)x3"] == 2
 
 
+@pytest.mark.parametrize("kv_heads,pieces", [(8, "3"), (2, "(256+64+64)")])
+def test_phi3_sliced_qkv_in_pieces_gives_megatron_layout(kv_heads, pieces):
+    """Phi-3 slices q, k and v out of its fused projection (`qkv[..., :h]`, `qkv[...,
+    h:h + kv]`, `qkv[..., h + kv:]`): 3 equal pieces with as many key-value heads as
+    heads, pieces of h, kv and kv with grouped ones. qkv_proj's weight is held in those
+    pieces, each slice gives its piece split by heads, o_proj is row-parallel, and the
+    projection's output is not gathered."""
+    ex = autopar.examples.hf_tiny("phi3", num_key_value_heads=kv_heads, num_attention_heads=8,
+                                  hidden_size=256, intermediate_size=512, seq=256)
+    out, _ = tp_graph(ex.model, ex.batch, ex.loss_fn)
+    placed = params(out)
+    for i in range(2):
+        assert placed[f"model.layers.{i}.self_attn.qkv_proj.weight"] == f"S(0)x{pieces}"
+        assert placed[f"model.layers.{i}.self_attn.o_proj.weight"] == 1
+    sliced = [r["strategy"] for r in out.attrs["tp"]["ops"]
+              if r["op"] == "aten.slice.Tensor" and "S(2)x" in r["strategy"]]
+    assert sliced == [f"S(2)x{pieces} -> S(2)"] * 6
+    width = 256 + 2 * 256 * kv_heads // 8
+    gathered = [tuple(n.meta[M.VAL].shape) for n in out.call_nodes()
+                if n.target == c10d.all_gather_into_tensor.default]
+    assert not [s for s in gathered if s[-1] == width], gathered
+
+
 class FusedProjection(torch.nn.Module):
     """One linear to `pieces` x width, cut into its pieces by `cut`, then combined."""
 
@@ -199,10 +222,14 @@ def _exported(module, x):
 
 
 @pytest.mark.parametrize("cut", [lambda y: y.split(16, dim=-1), lambda y: y.chunk(3, dim=2),
-                                 lambda y: torch.split(y, [16, 16, 16], -1)],
-                         ids=["split", "chunk", "split_with_sizes"])
+                                 lambda y: torch.split(y, [16, 16, 16], -1),
+                                 lambda y: (y[..., :16], y[..., 16:32], y[..., 32:]),
+                                 lambda y: (y.narrow(2, 0, 16), y.narrow(-1, 16, 16),
+                                            y[:, :, -16:])],
+                         ids=["split", "chunk", "split_with_sizes", "slices", "narrow"])
 def test_strided_demand_reaches_the_weight_through_ops_that_keep_the_dim(cut):
-    """A split into equal pieces asks its input for the pieces placement; ops that map
+    """A split into equal pieces, or slices of such pieces (Phi-3's `qkv[..., :h]`), asks
+    its input for the pieces placement; ops that map
     the dim index by index (relu, a scalar mul, the linear's output dim) pass the ask on
     to the weight and bias, and nothing else is asked."""
     from autopar.compiler.passes.tp_rules import Strided, strided_demand
@@ -226,6 +253,40 @@ def test_a_view_that_cuts_the_dim_asks_nothing_in_pieces():
     assert not any(strided_demand(_exported(module, torch.randn(2, 4, 16)), 2).values())
 
 
+@pytest.mark.parametrize("cut", [lambda y: (y[..., :24], y[..., 24:36], y[..., 36:]),
+                                 lambda y: y.split([24, 12, 12], dim=-1)],
+                         ids=["slices", "split_with_sizes"])
+def test_unequal_pieces_ask_for_their_sizes(cut):
+    """Slices that tile the dim in unequal pieces (q and the narrower k and v of grouped
+    key-value heads), or a split into them, ask for pieces of those sizes."""
+    from autopar.compiler.passes.tp_rules import Strided, strided_demand
+
+    class Unequal(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 48)
+
+        def forward(self, x):
+            q, k, v = cut(self.proj(x))
+            return (q[..., :12] * k + v).sum()
+
+    graph = _exported(Unequal(), torch.randn(2, 4, 16))
+    demand = strided_demand(graph, 2)
+    assert demand["p_proj_weight"] == {Strided(0, (24, 12, 12))}
+
+
+@pytest.mark.parametrize("cut", [lambda y: (y[..., 1:17], y[..., 17:33], y[..., 31:47]),
+                                 lambda y: (y[..., ::3], y[..., 1::3], y[..., 2::3])],
+                         ids=["off_the_pieces", "strided"])
+def test_a_slice_that_is_not_one_equal_piece_asks_nothing_in_pieces(cut):
+    """Slices off the pieces' bounds, or with a step, do not cut the dim into pieces that
+    lie side by side: nothing is offered in pieces."""
+    from autopar.compiler.passes.tp_rules import strided_demand
+
+    module = FusedProjection(cut)
+    assert not any(strided_demand(_exported(module, torch.randn(2, 4, 16)), 2).values())
+
+
 def test_pieces_are_offered_only_where_each_piece_divides():
     """3 pieces of 6 do not split over tp=4: no pieces placement for the weight."""
     from autopar.compiler.passes.tp_rules import strided_demand
@@ -235,11 +296,14 @@ def test_pieces_are_offered_only_where_each_piece_divides():
     assert any(strided_demand(_exported(module, torch.randn(2, 4, 6)), 2).values())
 
 
-def test_fused_projection_split_in_pieces_by_the_solver():
+@pytest.mark.parametrize("cut", [lambda y: y.split(256, dim=-1),
+                                 lambda y: (y[..., :256], y[..., 256:512], y[..., 512:])],
+                         ids=["split", "slices"])
+def test_fused_projection_split_in_pieces_by_the_solver(cut):
     """The solver takes the pieces placement on a plain module too: the projection's
     weight in 3 pieces, each piece's consumers on blocks, the output linear row-parallel,
     and no gather of the projection's output."""
-    module = FusedProjection(lambda y: y.split(256, dim=-1), width=256)
+    module = FusedProjection(cut, width=256)
     out, _ = tp_graph(module, (torch.randn(8, 64, 256),), lambda y, x: y.square().mean())
     placed = params(out)
     assert placed["proj.weight"] == "S(0)x3" and placed["out.weight"] == 1

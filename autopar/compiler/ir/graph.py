@@ -32,9 +32,10 @@ class TensorSpec:
     aliases: tuple[str, ...] = ()  # other names of the same tensor (tied weights)
     # tensor parallelism: the dim this rank holds one block of (shape is the block's)
     shard_dim: int | None = None
-    # > 1: shard_dim is that many equal pieces side by side, and the rank holds one
-    # block of each (tp_rules.Strided)
-    shard_pieces: int = 1
+    # > 1 (or a tuple of the pieces' sizes): shard_dim is that many equal pieces (or
+    # pieces of those sizes) side by side, and the rank holds one block of each
+    # (tp_rules.Strided, compiler/ir/pieces.py)
+    shard_pieces: int | tuple[int, ...] = 1
 
     @property
     def numel(self) -> int:

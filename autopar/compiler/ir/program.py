@@ -46,9 +46,10 @@ class TensorEntry:
     # tensor parallelism: the dim along which this rank holds one of the `tp` mesh
     # dimension's equal blocks (shape is the block's); None: the whole tensor
     shard_dim: int | None = None
-    # > 1: shard_dim is that many equal pieces side by side, and this rank holds its
-    # block of each, side by side (tp_rules.Strided)
-    shard_pieces: int = 1
+    # > 1 (or a tuple of the pieces' sizes): shard_dim is that many equal pieces (or
+    # pieces of those sizes) side by side, and this rank holds its block of each, side
+    # by side (tp_rules.Strided, compiler/ir/pieces.py)
+    shard_pieces: int | tuple[int, ...] = 1
 
 
 @dataclass

@@ -92,8 +92,9 @@ class TraceSource:
     loss_scale: bool = False
     # tensor parallelism: parameter (exported name) -> (dim, parts, index, pieces): the
     # step takes only that block of the parameter (its gradient is that block's too);
-    # pieces > 1: the block of each of the dim's pieces (tp_rules.Strided)
-    param_shards: tuple[tuple[str, tuple[int, int, int, int]], ...] = ()
+    # pieces > 1 (or the pieces' sizes): the block of each of the dim's pieces
+    # (tp_rules.Strided)
+    param_shards: tuple[tuple[str, tuple[int, int, int, int | tuple[int, ...]]], ...] = ()
     # the device whose kernels the trace takes where a CPU's differ ("cpu" or "gpu",
     # DeviceSpec.kind): "gpu" runs every exported op through GPU_KERNELS, innermost
     kernels: str = "cpu"

@@ -63,11 +63,13 @@ from autopar.compiler.passes.tp_rules import (
     R,
     Strategy,
     Strided,
-    equal_pieces,
     is_tensor_node,
+    local_slice_args,
+    piece_slice,
     pieces_of,
     show,
     split_dim,
+    split_pieces,
 )
 from autopar.compiler.passes.tp_solver import TPCosts, TPPlan, solve
 
@@ -84,8 +86,13 @@ def local_shape(shape, placement: Placement, tp: int) -> list[int]:
 
 def local_split_args(node: fx.Node, args: tuple, placement: Placement, tp: int) -> tuple:
     """A split of a Strided dim into its pieces, rewritten for the local block: each
-    piece's size over tp (chunk counts pieces, and runs as it is)."""
-    if not isinstance(placement, Strided) or equal_pieces(node) is None:
+    piece's size over tp (chunk counts pieces, and runs as it is); a slice of one piece,
+    its bounds over tp."""
+    if not isinstance(placement, Strided):
+        return args
+    if piece_slice(node) is not None:
+        return local_slice_args(node, args, tp)
+    if split_pieces(node) is None:
         return args
     if node.target == aten.split.Tensor:
         return (args[0], args[1] // tp) + tuple(args[2:])

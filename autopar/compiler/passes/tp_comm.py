@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from autopar.compiler.ir.pieces import piece_major, rank_major
 from autopar.compiler.passes.tp_rules import P, Placement, R, Strided
 
 c10d = torch.ops._c10d_functional
@@ -84,16 +85,14 @@ def local_block(x: torch.Tensor, dim: int, group: TPGroup) -> torch.Tensor:
 
 
 def _rank_major(x: torch.Tensor, p: Strided, tp: int) -> torch.Tensor:
-    """x's dim p.dim reordered from pieces (k pieces of tp blocks) to ranks (tp groups of
-    the k blocks one rank holds): then rank r's Strided block is the r-th plain block."""
-    d = p.dim
-    return x.unflatten(d, (p.pieces, tp, -1)).transpose(d, d + 1).flatten(d, d + 2)
+    """x's dim p.dim reordered from pieces (each piece's tp blocks together) to ranks (the
+    blocks one rank holds together): then rank r's Strided block is the r-th plain block."""
+    return rank_major(x, p.dim, p.pieces, tp)
 
 
 def _piece_major(x: torch.Tensor, p: Strided, tp: int) -> torch.Tensor:
     """The inverse of `_rank_major`."""
-    d = p.dim
-    return x.unflatten(d, (tp, p.pieces, -1)).transpose(d, d + 1).flatten(d, d + 2)
+    return piece_major(x, p.dim, p.pieces, tp)
 
 
 def _gather_pieces(x: torch.Tensor, p: Strided, group: TPGroup) -> torch.Tensor:

@@ -52,21 +52,36 @@ from torch.distributed.tensor._ops._view_ops import (
 from torch.utils._pytree import tree_flatten
 
 from autopar.compiler.ir.annotate import module_of, source_of
+from autopar.compiler.ir.pieces import Pieces, pieces_fit
 
 aten = torch.ops.aten
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class Strided:
-    """Dim `dim` seen as `pieces` equal pieces, each split in tp blocks: rank r holds
-    block r of every piece, side by side. GPT-2's fused projection writes q, k and v
+    """Dim `dim` seen as pieces side by side, each split in tp blocks: rank r holds
+    block r of every piece, side by side. `pieces`: k equal pieces, or the pieces' sizes
+    along the dim (compiler/ir/pieces.py). GPT-2's fused projection writes q, k and v
     side by side along one dim: with its weight Strided(1, 3), q, k and v each come out
-    split by heads. On one mesh dim it is DTensor's `_StridedShard(dim,
+    split by heads; Phi-3's with grouped key-value heads, Strided(0, (h, kv, kv)). With
+    equal pieces, on one mesh dim, it is DTensor's `_StridedShard(dim,
     split_factor=pieces)`; a checkpoint stores it re-cut to plain blocks
     (runtime/shards.py `recut`), as DCP writes one box of the whole per rank."""
 
     dim: int
-    pieces: int
+    pieces: Pieces
+
+    def _key(self) -> tuple:
+        sizes = self.pieces if isinstance(self.pieces, tuple) else (self.pieces,)
+        return self.dim, isinstance(self.pieces, tuple), sizes
+
+    def __lt__(self, other: Strided) -> bool:  # the solver offers them in a fixed order
+        return self._key() < other._key()
+
+
+def as_pieces(sizes: Sequence[int]) -> Pieces:
+    """Pieces of these sizes: their count when they are equal, else the sizes."""
+    return len(sizes) if len(set(sizes)) == 1 else tuple(sizes)
 
 
 Placement = Union[str, int, Strided]
@@ -81,8 +96,8 @@ def split_dim(p: Placement) -> int | None:
     return p if isinstance(p, int) else None
 
 
-def pieces_of(p: Placement) -> int:
-    """How many pieces a split dim holds side by side (1: one block per rank)."""
+def pieces_of(p: Placement) -> Pieces:
+    """The pieces a split dim holds side by side (1: one block per rank)."""
     return p.pieces if isinstance(p, Strided) else 1
 
 
@@ -90,6 +105,8 @@ def show(p: Placement | tuple) -> str:
     if isinstance(p, tuple):
         return "(" + ", ".join(show(x) for x in p) + ")"
     if isinstance(p, Strided):
+        if isinstance(p.pieces, tuple):
+            return f"S({p.dim})x({'+'.join(map(str, p.pieces))})"
         return f"S({p.dim})x{p.pieces}"
     return f"S({p})" if isinstance(p, int) else p
 
@@ -167,7 +184,7 @@ def fits(val: torch.Tensor | None, p: Placement, tp: int) -> bool:
     d = split_dim(p)
     if d is None:
         return True
-    return val is not None and 0 <= d < val.dim() and val.shape[d] % (tp * pieces_of(p)) == 0
+    return val is not None and 0 <= d < val.dim() and pieces_fit(val.shape[d], pieces_of(p), tp)
 
 
 def replicated(node: fx.Node) -> Strategy:
@@ -212,22 +229,82 @@ def _strided_variant(node: fx.Node, s: Strategy, want: Strided) -> Strategy | No
     return Strategy(inputs, want, s.work, None, s.comm)
 
 
-def equal_pieces(node: fx.Node) -> tuple[int, int] | None:
-    """(dim, pieces) of a split, split_with_sizes or chunk into 2+ equal pieces."""
+def split_pieces(node: fx.Node) -> tuple[int, Pieces] | None:
+    """(dim, pieces) of a split, split_with_sizes or chunk into 2+ pieces along dim: their
+    count when equal, else their sizes (`Strided`). A chunk into unequal pieces is
+    not one: chunk's sizes on a rank's block would differ from the pieces' blocks."""
     if node.target not in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
         return None
     x = node.args[0].meta["val"]
     dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % x.dim()
-    sizes = {v.shape[dim] for v in output_vals(node) if v is not None}
-    n = len(output_vals(node))
-    if n < 2 or len(sizes) != 1 or sizes.pop() * n != x.shape[dim]:
+    vals = output_vals(node)
+    if len(vals) < 2 or any(v is None for v in vals):
         return None
-    return dim, n
+    sizes = [v.shape[dim] for v in vals]
+    if sum(sizes) != x.shape[dim] or min(sizes) < 1:
+        return None
+    pieces = as_pieces(sizes)
+    if node.target == aten.chunk.default and isinstance(pieces, tuple):
+        return None
+    return dim, pieces
+
+
+def _slice_bounds(node: fx.Node) -> tuple[int, int, int] | None:
+    """(dim, start, end) of a slice or narrow with step 1 and static bounds, normalised
+    to its input's dim size; None for anything else."""
+    if node.target not in (aten.slice.Tensor, aten.narrow.default):
+        return None
+    x, out = node.args[0].meta.get("val"), node.meta.get("val")
+    if not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return None
+    dim = (node.args[1] if len(node.args) > 1 else 0) % x.dim()
+    n, size = x.shape[dim], out.shape[dim]
+    start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
+    step = node.args[4] if node.target == aten.slice.Tensor and len(node.args) > 4 else 1
+    if not all(isinstance(v, int) for v in (n, size, start, step)) or step != 1:
+        return None
+    start = min(max(start + n if start < 0 else start, 0), n)
+    return dim, start, start + size
+
+
+def piece_slice(node: fx.Node) -> tuple[int, Pieces] | None:
+    """(dim, pieces) of a slice or narrow that takes exactly one piece of its input along
+    dim, with step 1: the pieces that its sibling slices of the same input tile the dim
+    with (Phi-3's `qkv[..., :h]`, `qkv[..., h:h + kv]`, `qkv[..., h + kv:]`: (h, kv, kv)),
+    or else, alone, one of 2+ equal pieces (`y[..., h:2 * h]` of a 3h dim: 3)."""
+    bounds = _slice_bounds(node)
+    if bounds is None:
+        return None
+    dim, start, end = bounds
+    n = node.args[0].meta["val"].shape[dim]
+    if end - start < 1 or end - start == n:
+        return None
+    spans = sorted({b[1:] for u in node.args[0].users
+                    if (b := _slice_bounds(u)) is not None and b[0] == dim})
+    tiled = len(spans) > 1 and spans[0][0] == 0 and spans[-1][1] == n and all(
+        a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    if tiled:
+        return dim, as_pieces([e - s for s, e in spans])
+    size = end - start
+    if n % size or start % size:
+        return None
+    return dim, n // size
+
+
+def local_slice_args(node: fx.Node, args: tuple, tp: int) -> tuple:
+    """A slice (or narrow) of one piece of a Strided dim (`piece_slice`), rewritten for
+    the local block: the piece's bounds over tp (the pieces before it hold start / tp
+    of the rank's block)."""
+    _, start, end = _slice_bounds(node)
+    if node.target == aten.narrow.default:
+        return (args[0], args[1], start // tp, (end - start) // tp)
+    return (args[0], args[1], start // tp, end // tp) + tuple(args[4:])
 
 
 def strided_demand(graph: fx.Graph, tp: int) -> dict[str, set[Strided]]:
     """node -> the Strided placements worth offering its output: what a split into equal
-    pieces takes as input (each piece then comes out split), traced back through the
+    pieces, or a slice of one such piece, takes as input (each piece then comes out
+    split), traced back through the
     strategies that carry the pieces, to the parameters. Only those values get strided
     options, so the placement program grows by a few variables per fused projection."""
     demand: dict[str, set[Strided]] = {}
@@ -235,7 +312,7 @@ def strided_demand(graph: fx.Graph, tp: int) -> dict[str, set[Strided]]:
         if node.op != "call_function":
             continue
         wanted = demand.get(node.name, set())
-        found = equal_pieces(node)
+        found = split_pieces(node) or piece_slice(node)
         if found is not None and is_tensor_node(node.args[0]):
             want = Strided(*found)
             if fits(node.args[0].meta["val"], want, tp):
@@ -562,9 +639,17 @@ def _other_dims(x: torch.Tensor, dim: int) -> list[int]:
 
 @_rule(aten.slice.Tensor, aten.narrow.default)
 def _slice_rule(node: fx.Node, tp: int) -> list[Strategy]:
+    """Any other dim may be split; a slice of exactly one of the dim's equal pieces
+    (`piece_slice`: Phi-3's `qkv[..., :h]`) takes the dim itself as Strided, each rank a
+    block of each piece, and gives its piece split plainly (the hook divides the bounds
+    by tp)."""
     x = node.args[0].meta["val"]
     dim = node.args[1] if len(node.args) > 1 else 0
-    return [Strategy((d,), d, 1 / tp) for d in _other_dims(x, dim)] + [Strategy((P,), P)]
+    options = [Strategy((d,), d, 1 / tp) for d in _other_dims(x, dim)] + [Strategy((P,), P)]
+    found = piece_slice(node)
+    if found is not None:
+        options.append(Strategy((Strided(*found),), found[0], 1 / tp))
+    return options
 
 
 @_rule(aten.select.int)
@@ -599,14 +684,14 @@ def _cat_rule(node: fx.Node, tp: int) -> list[Strategy]:
 @_rule(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
 def _split_rule(node: fx.Node, tp: int) -> list[Strategy]:
     """Split or chunk along one dim: any other dim may be split across ranks (the pieces
-    are then split on it too); into equal pieces, the dim itself may be split if it
-    holds them as Strided, each rank a block of each piece (the hook divides the
-    sizes by tp)."""
+    are then split on it too); into its pieces (`split_pieces`), the dim itself may be
+    split if it holds them as Strided, each rank a block of each piece (the hook divides
+    the sizes by tp)."""
     x = node.args[0].meta["val"]
     dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
     n = len(output_vals(node))
     options = [Strategy((d,), tuple(d for _ in range(n)), 1 / tp) for d in _other_dims(x, dim)]
-    found = equal_pieces(node)
+    found = split_pieces(node)
     if found is not None:
         options.append(Strategy((Strided(*found),), tuple(found[0] for _ in range(n)), 1 / tp))
     return options
