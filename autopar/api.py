@@ -143,7 +143,8 @@ def build_step(model: torch.nn.Module, cluster: ClusterSpec | None, example_inpu
         step = LocalSGDPipelineStep(lower_pipeline(tg, layout), model, optimizer,
                                     objective=objective, period=layout.local_sgd,
                                     warmup=layout.local_sgd_warmup,
-                                    adaptive=layout.local_sgd_adaptive)
+                                    adaptive=layout.local_sgd_adaptive,
+                                    **_pipeline_levels(layout, cluster, options))
     elif is_pipelined(layout):
         step = PipelineStep(lower_pipeline(tg, layout), model, optimizer, objective=objective,
                             **_pipeline_levels(layout, cluster, options))
@@ -156,9 +157,11 @@ def build_step(model: torch.nn.Module, cluster: ClusterSpec | None, example_inpu
     elif layout.local_sgd is not None:
         local = _local_program(traced, layout, cluster, passes, options)
         _check_collectives_across_ranks(local)
+        levels = _pipeline_levels(layout, cluster, options)
         step = LocalSGDStep(to_program(tg, layout), local, model, optimizer, objective=objective,
                             period=layout.local_sgd, warmup=layout.local_sgd_warmup,
-                            adaptive=layout.local_sgd_adaptive)
+                            adaptive=layout.local_sgd_adaptive,
+                            hierarchy_form=levels.get("hierarchy_form", "leaders"))
     else:
         step = DistributedStep(to_program(tg, layout), model, optimizer, objective=objective)
     _check_collectives_across_ranks(step.program)
@@ -261,7 +264,8 @@ def _unique_per_pull(program, model: torch.nn.Module, local: tuple) -> list[int]
 def _pipeline_levels(layout: Layout, cluster: ClusterSpec | None,
                      options: PassOptions) -> dict[str, Any]:
     """PipelineStep's node split and form for Layout.allreduce="hierarchical" (the
-    pipeline runtime sums the gradients after the schedule, outside the graph)."""
+    pipeline runtime sums the gradients after the schedule, outside the graph; Local
+    SGD's average takes the same form)."""
     if layout.allreduce != "hierarchical":
         return {}
     if cluster is None:

@@ -216,6 +216,26 @@ def collective_time(kind: str, nbytes: float, group_size: int, cluster: ClusterS
                                    cluster.inter_node, eff.link)
 
 
+def dp_sum_time(nbytes: float, cluster: ClusterSpec, layout: Layout,
+                eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
+    """The runtime's sum of `nbytes` over dp outside a graph (runtime/mesh.py
+    `Mesh.sum_over_dp`: a pipeline's gradients, Local SGD's average): one all-reduce, or
+    Layout.allreduce="hierarchical"'s three levels
+    in the cluster's form (reduce, all-reduce among the node leaders, broadcast on gloo;
+    reduce-scatter, all-reduce of the shards, all-gather on NCCL)."""
+    if layout.allreduce != "hierarchical":
+        return collective_time("all_reduce", nbytes, layout.dp, cluster, layout.tp, eff)
+    local, nodes = dp_node_split(layout, cluster)
+    among = layout.tp * local  # one rank of each node's run
+    if cluster.backend == "nccl":
+        return (collective_time("reduce_scatter", nbytes, local, cluster, layout.tp, eff)
+                + collective_time("all_reduce", nbytes / local, nodes, cluster, among, eff)
+                + collective_time("all_gather", nbytes, local, cluster, layout.tp, eff))
+    return (collective_time("reduce", nbytes, local, cluster, layout.tp, eff)
+            + collective_time("all_reduce", nbytes, nodes, cluster, among, eff)
+            + collective_time("broadcast", nbytes, local, cluster, layout.tp, eff))
+
+
 def group_spans_nodes(group_size: int, stride: int, cluster: ClusterSpec) -> bool:
     """Whether a mesh dimension's group crosses a node boundary. Its ranks are `stride`
     apart (the product of the inner mesh dimensions: 1 for dp while tp = pp = 1)."""

@@ -8,7 +8,8 @@ after them the local program runs, compiled as dp=1 on this rank's share of the 
 parameters are averaged after local step 0, H, 2H, ...: ceil((T - W) / H) averagings
 in T steps, as torch's PeriodicModelAverager counts them.
 
-The average is one all-reduce of every parameter packed together over the dp group,
+The average is one all-reduce of every parameter packed together over the dp group
+(with `Layout.allreduce="hierarchical"`, the gradients' three levels: Mesh.sum_over_dp),
 divided by dp and copied back in place into the tensors the optimizer updates (torch's
 averager rebinds `p.data`, which would leave an optimizer holding the old tensors).
 Optimizer state (momentum, Adam's moments) stays each rank's own, as in Lin et al.'s
@@ -167,7 +168,7 @@ class _Averaging:
             for dtype in dict.fromkeys(p.dtype for p in params):
                 mine = [p for p in params if p.dtype == dtype]
                 flat = torch.cat([p.reshape(-1) for p in mine])
-                dist.all_reduce(flat, group=group)
+                self._sum_over_dp(flat)
                 flat /= dp
                 for p, part in zip(mine, flat.split([p.numel() for p in mine])):
                     p.copy_(part.view_as(p))
@@ -186,11 +187,18 @@ class LocalSGDStep(_Averaging, DistributedStep):
 
     def __init__(self, program: Program, local_program: Program, model: torch.nn.Module,
                  optimizer, *, objective=None, period: int, warmup: int = 0,
-                 adaptive: bool = False):
+                 adaptive: bool = False, hierarchy_form: str = "leaders"):
         super().__init__(program, model, optimizer, objective=objective)
         self.local_gm = bind_groups(local_program.gm, self.mesh.group_names) \
             if self.mesh.group_names else local_program.gm
+        self.hierarchy_form = hierarchy_form  # of the average, as the gradients' sum has it
         self._init_averaging(period, warmup, adaptive)
+
+    def _sum_over_dp(self, flat: torch.Tensor) -> None:
+        """The average's sum: with Layout.allreduce="hierarchical" in the gradients' levels
+        (Mesh.sum_over_dp), so that only one rank of each node (leaders) or each rank's
+        shard (shards) crosses the network."""
+        self.mesh.sum_over_dp(flat, self.program.node_split, self.hierarchy_form)
 
     @property
     def dp_size(self) -> int:
@@ -217,8 +225,10 @@ class LocalSGDPipelineStep(_Averaging, PipelineStep):
     returns is its own pipeline's (summed over pp only)."""
 
     def __init__(self, program, model: torch.nn.Module, optimizer, *, objective=None,
-                 period: int, warmup: int = 0, adaptive: bool = False):
-        super().__init__(program, model, optimizer, objective=objective)
+                 period: int, warmup: int = 0, adaptive: bool = False, node_split: int = 1,
+                 hierarchy_form: str = "leaders"):
+        super().__init__(program, model, optimizer, objective=objective,
+                         node_split=node_split, hierarchy_form=hierarchy_form)
         self._init_averaging(period, warmup, adaptive)
 
     @property

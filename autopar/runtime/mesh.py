@@ -81,6 +81,33 @@ class Mesh:
                         self._subgroups[name] = group
                         self.group_names[name] = group.group_name
 
+    def sum_over_dp(self, flat: torch.Tensor, node_split: int = 1,
+                    form: str = "leaders") -> None:
+        """`flat` summed over the dp group in place: one all-reduce, or with a node split
+        (`split_dp`'s groups) in three levels, docs/communication.md: "leaders" reduces
+        inside each node to its first rank, all-reduces among those and broadcasts back
+        (gloo, where reduce_scatter is an all-reduce); "shards" reduce-scatters inside
+        the node, all-reduces each rank's shard among the nodes and all-gathers."""
+        if node_split <= 1:
+            dist.all_reduce(flat, group=self.group("dp"))
+            return
+        inner, outer = self.group("dp.local"), self.group("dp.node")
+        if form == "leaders":
+            here = self.rank_in("dp")
+            leader = self.global_rank(dp=here - here % node_split)
+            dist.reduce(flat, dst=leader, group=inner)
+            if here % node_split == 0:
+                dist.all_reduce(flat, group=outer)
+            dist.broadcast(flat, src=leader, group=inner)
+            return
+        padded = flat.new_zeros(-(-flat.numel() // node_split) * node_split)
+        padded[:flat.numel()] = flat
+        shard = padded.new_empty(padded.numel() // node_split)
+        dist.reduce_scatter_tensor(shard, padded, group=inner)
+        dist.all_reduce(shard, group=outer)
+        dist.all_gather_into_tensor(padded, shard, group=inner)
+        flat.copy_(padded[:flat.numel()])
+
     def global_rank(self, **coords: int) -> int:
         """The rank at these mesh coordinates; dimensions not named are this rank's own."""
         if self.device_mesh is None:

@@ -339,26 +339,8 @@ class PipelineStep(TrainingState):
 
     def _sum_over_dp(self, flat: torch.Tensor) -> None:
         """`flat` summed over the dp group in place: one all-reduce, or with a node split
-        in three levels (inside the node, among the nodes, back; docs/communication.md)."""
-        if self.node_split <= 1:
-            dist.all_reduce(flat, group=self.mesh.group("dp"))
-            return
-        local, inner, outer = self.node_split, self.mesh.group("dp.local"), \
-            self.mesh.group("dp.node")
-        if self.hierarchy_form == "leaders":
-            leader = self.mesh.global_rank(dp=self.dp_rank - self.dp_rank % local)
-            dist.reduce(flat, dst=leader, group=inner)
-            if self.dp_rank % local == 0:
-                dist.all_reduce(flat, group=outer)
-            dist.broadcast(flat, src=leader, group=inner)
-            return
-        padded = flat.new_zeros(-(-flat.numel() // local) * local)
-        padded[:flat.numel()] = flat
-        shard = padded.new_empty(padded.numel() // local)
-        dist.reduce_scatter_tensor(shard, padded, group=inner)
-        dist.all_reduce(shard, group=outer)
-        dist.all_gather_into_tensor(padded, shard, group=inner)
-        flat.copy_(padded[:flat.numel()])
+        in three levels (inside the node, among the nodes, back; Mesh.sum_over_dp)."""
+        self.mesh.sum_over_dp(flat, self.node_split, self.hierarchy_form)
 
     def _on_wire(self, t: torch.Tensor) -> torch.Tensor:
         """Layout.grad_comm_dtype: gradients cross the network in half precision."""

@@ -47,14 +47,20 @@ class _IntegerLinear(torch.nn.Module):
         return self.fc(x)
 
 
-def _integer_grads(layout, form):
-    """The weights after 3 steps of SGD (lr 1) on integer data: every gradient is an
-    integer over 4 (the batch mean over dp = 4), so sums are exact in any order."""
+def _integer_step(layout, form):
+    """The integer model's step under `layout` with SGD (lr 1), and its integer batch."""
     torch.manual_seed(0)
     model = _IntegerLinear()
     x = torch.randint(-3, 4, (8, 5)).float()
     loss_fn = lambda out, x: (out * torch.arange(1.0, 4.0)).sum()
     step, _ = step_of(model, (x,), loss_fn, lambda p: torch.optim.SGD(p, lr=1.0), layout, form)
+    return step, x
+
+
+def _integer_grads(layout, form):
+    """The weights after 3 steps of SGD (lr 1) on integer data: every gradient is an
+    integer over 4 (the batch mean over dp = 4), so sums are exact in any order."""
+    step, x = _integer_step(layout, form)
     for k in range(3):
         step(x + k)
     return step.full_state_dict()
@@ -162,3 +168,52 @@ def hierarchical_on_the_pipeline_runtime_both_forms():
     losses = [step(*objective.unflatten(b)[0]).item() for b in batches]
     report = compare(losses, ref_losses, step.full_state_dict(), ref_state, init, adam=False)
     assert report.ok, str(report)
+
+
+def _local_sgd(layout, form):
+    """Local SGD of the integer model, 4 steps of SGD (lr 1): each rank's own gradient is
+    an integer over 2 (its share's mean), so the parameters' sums and their mean over 4
+    ranks are exact in any order."""
+    step, x = _integer_step(layout, form)
+    for k in range(4):
+        step(x + k * dist.get_rank())  # the ranks' data differ: their steps move apart
+    return step
+
+
+@case(world=4)
+def hierarchical_local_sgd_average_equals_flat_and_only_leaders_cross():
+    """Local SGD's parameter average with Layout.allreduce="hierarchical" takes the
+    gradients' three levels (Mesh.sum_over_dp), on both runtimes (micro-batches run on
+    the pipeline's): the parameters equal the flat average's bitwise, and in the
+    leaders form only the first rank of each node uses the inter-node group."""
+    ops = ("all_reduce", "reduce", "broadcast", "reduce_scatter_tensor", "all_gather_into_tensor")
+    for extra in ({}, {"microbatches": 2}):
+        flat = _local_sgd(autopar.Layout(dp=4, local_sgd=2, **extra), "auto").full_state_dict()
+        for form in ("leaders", "shards"):
+            calls, saved = [], {op: getattr(dist, op) for op in ops}
+
+            def recorder(op):
+                def call(*args, group=None, **kwargs):
+                    calls.append((op, "WORLD" if group is None else group.group_name))
+                    return saved[op](*args, group=group, **kwargs)
+                return call
+
+            for op in ops:
+                setattr(dist, op, recorder(op))
+            try:
+                step = _local_sgd(autopar.Layout(dp=4, local_sgd=2, allreduce="hierarchical",
+                                                 **extra), form)
+            finally:
+                for op, fn in saved.items():
+                    setattr(dist, op, fn)
+            assert step.schedule.averagings == 2, step.schedule
+            got = step.full_state_dict()
+            for name, value in flat.items():
+                assert torch.equal(got[name], value), (extra, form, name, got[name], value)
+            names = step.mesh.group_names
+            crossing = [c for c in calls if c[1] == names["dp.node"]]
+            inside = [c for c in calls if c[1] == names["dp.local"]]
+            leader = dist.get_rank() % 2 == 0
+            expected = 2 if leader or form == "shards" else 0  # one per averaging
+            assert len(crossing) == expected, (extra, form, dist.get_rank(), calls)
+            assert len(inside) == 4, (extra, form, calls)  # two per averaging

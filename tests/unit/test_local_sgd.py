@@ -150,3 +150,22 @@ def test_an_adaptive_schedule_goes_on_from_its_saved_state():
     other = AveragingSchedule(3, 2)  # another schedule's state: placed by the step count
     other.restore(saved.state(), 9)
     assert other.next_local == 9 and other.period == 3
+
+
+def test_a_hierarchical_average_is_priced_in_the_gradients_levels():
+    """With allreduce="hierarchical" the average every H steps is priced as the runtime
+    sums it (costs.dp_sum_time: on gloo a reduce inside each node, an all-reduce among
+    the nodes' first ranks, a broadcast), below gloo's flat ring over the slow link."""
+    from autopar.costs import collective_time, dp_sum_time
+
+    ex = gpt2(layers=2, hidden=128, vocab=1024, batch=8, seq=64)
+    slow = _slow_cluster()
+    layouts = [autopar.Layout(dp=4, local_sgd=4, allreduce=form)
+               for form in ("flat", "hierarchical")]
+    flat, hier = (autopar.estimate(ex.model, slow, lay, ex.batch, ex.loss_fn,
+                                   optimizer="sgd-momentum") for lay in layouts)
+    held = sum(p.numel() * 4 for p in ex.model.parameters())
+    whole = collective_time("all_reduce", held, 4, slow)
+    levels = dp_sum_time(held, slow, layouts[1])
+    assert levels < whole
+    assert flat.step_time_s - hier.step_time_s == pytest.approx((whole - levels) / 4, rel=0.02)

@@ -30,6 +30,7 @@ from autopar.costs import (
     dgc_compressed,
     dgc_kept,
     dgc_select_time,
+    dp_sum_time,
     kernel_time,
     mesh_dim_sizes,
     optimizer_time,
@@ -229,13 +230,14 @@ def averaging_time(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
                    eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
     """Local SGD (Layout.local_sgd = H): the all-reduce of a rank's parameters over dp
     that follows every H-th step (runtime/local_sgd.py), amortised over the H steps and
-    exposed (nothing runs beside it). The steady state's: the warm-up's synchronous
-    steps, and an adaptive period's changes, are not in it. 0 without Local SGD."""
+    exposed (nothing runs beside it); with Layout.allreduce="hierarchical" in the
+    gradients' three levels (costs.dp_sum_time). The steady state's: the warm-up's
+    synchronous steps, and an adaptive period's changes, are not in it. 0 without Local
+    SGD."""
     if layout.local_sgd is None:
         return 0.0
-    size, stride = mesh_dim_sizes(layout)["dp"]
     held = held_parameter_bytes(summary, layout)[0]
-    return collective_time("all_reduce", held, size, cluster, stride, eff) / layout.local_sgd
+    return dp_sum_time(held, cluster, layout, eff) / layout.local_sgd
 
 
 def layer_costs(tg, cluster: ClusterSpec) -> list[dict[str, Any]]:

@@ -51,9 +51,9 @@ from autopar.costs import (
     Efficiency,
     collective_time,
     dgc_compressed,
-    dp_node_split,
     dgc_kept,
     dgc_select_time,
+    dp_sum_time,
     group_spans_nodes,
     optimizer_time,
 )
@@ -195,30 +195,10 @@ def grad_sync_time(summary: GraphSummary, stages: StageSummary, cluster: Cluster
         if layout.dgc is not None:
             out[rank] += dgc_rank_time(summary, params, cluster, layout, eff)
         elif layout.local_sgd is not None:  # the parameter average every H steps instead
-            out[rank] += collective_time("all_reduce", whole, layout.dp, cluster, layout.tp,
-                                         eff) / layout.local_sgd
+            out[rank] += dp_sum_time(whole, cluster, layout, eff) / layout.local_sgd
         else:
             out[rank] += dp_sum_time(_wire(whole, summary, layout), cluster, layout, eff)
     return out
-
-
-def dp_sum_time(nbytes: float, cluster: ClusterSpec, layout: Layout,
-                eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
-    """The pipeline runtime's sum of `nbytes` over dp (runtime/pipeline.py
-    `_sum_over_dp`): one all-reduce, or Layout.allreduce="hierarchical"'s three levels
-    in the cluster's form (reduce, all-reduce among the node leaders, broadcast on gloo;
-    reduce-scatter, all-reduce of the shards, all-gather on NCCL)."""
-    if layout.allreduce != "hierarchical":
-        return collective_time("all_reduce", nbytes, layout.dp, cluster, layout.tp, eff)
-    local, nodes = dp_node_split(layout, cluster)
-    among = layout.tp * local  # one rank of each node's run
-    if cluster.backend == "nccl":
-        return (collective_time("reduce_scatter", nbytes, local, cluster, layout.tp, eff)
-                + collective_time("all_reduce", nbytes / local, nodes, cluster, among, eff)
-                + collective_time("all_gather", nbytes, local, cluster, layout.tp, eff))
-    return (collective_time("reduce", nbytes, local, cluster, layout.tp, eff)
-            + collective_time("all_reduce", nbytes, nodes, cluster, among, eff)
-            + collective_time("broadcast", nbytes, local, cluster, layout.tp, eff))
 
 
 def dgc_rank_time(summary: GraphSummary, params: list[tuple[int, int]],
@@ -309,8 +289,7 @@ def after_schedule_floor(params: Sequence[tuple[tuple[int, ...], int]], cluster:
     if layout.dgc is not None:  # its exchange can be far below the all-reduce: nothing
         sync = 0.0
     elif layout.local_sgd is not None:  # as grad_sync_time: an average every H steps
-        sync = collective_time("all_reduce", held, layout.dp, cluster, layout.tp,
-                               eff) / layout.local_sgd
+        sync = dp_sum_time(held, cluster, layout, eff) / layout.local_sgd
     if layout.zero >= 2:
         sync = min(sync, collective_time("reduce_scatter", wire, layout.dp, cluster, layout.tp, eff))
     gather = collective_time("all_gather", gathered, layout.dp, cluster, layout.tp, eff) \
