@@ -287,6 +287,25 @@ def test_a_slice_that_is_not_one_equal_piece_asks_nothing_in_pieces(cut):
     assert not any(strided_demand(_exported(module, torch.randn(2, 4, 16)), 2).values())
 
 
+def test_an_ask_that_stops_at_a_view_offers_nothing():
+    """Rotary embeddings slice each head in halves (`x[..., :d // 2]`, `x[..., d // 2:]`)
+    after a view that cut the projection's dim into heads: the halves' ask stops at the
+    view, reaches no parameter, and no value is offered pieces."""
+    from autopar.compiler.passes.tp_rules import strided_demand
+
+    class HalvesOfHeads(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 48)
+
+        def forward(self, x):
+            heads = self.proj(x).view(2, 4, 3, 16)
+            first, second = heads[..., :8], heads[..., 8:]
+            return torch.cat([-second, first], dim=-1).sum()
+
+    assert not any(strided_demand(_exported(HalvesOfHeads(), torch.randn(2, 4, 16)), 2).values())
+
+
 def test_pieces_are_offered_only_where_each_piece_divides():
     """3 pieces of 6 do not split over tp=4: no pieces placement for the weight."""
     from autopar.compiler.passes.tp_rules import strided_demand

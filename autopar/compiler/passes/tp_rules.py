@@ -305,8 +305,9 @@ def strided_demand(graph: fx.Graph, tp: int) -> dict[str, set[Strided]]:
     """node -> the Strided placements worth offering its output: what a split into equal
     pieces, or a slice of one such piece, takes as input (each piece then comes out
     split), traced back through the
-    strategies that carry the pieces, to the parameters. Only those values get strided
-    options, so the placement program grows by a few variables per fused projection."""
+    strategies that carry the pieces, to the parameters (or other graph inputs): only
+    the values on such a path get strided options, so the placement program grows by a
+    few variables per fused projection."""
     demand: dict[str, set[Strided]] = {}
     for node in reversed(graph.nodes):
         if node.op != "call_function":
@@ -325,7 +326,14 @@ def strided_demand(graph: fx.Graph, tp: int) -> dict[str, set[Strided]]:
                 for a, p in zip(ins, s.inputs):
                     if isinstance(p, Strided):
                         demand.setdefault(a.name, set()).add(p)
-    return demand
+    # an ask that stops short of the graph's inputs (a view cut the dim: a rotary
+    # embedding's halves of each head) would only add options no value arrives in
+    reached: set[str] = set()
+    for node in graph.nodes:
+        if node.name in demand and (node.op == "placeholder" or any(
+                a.name in reached for a in tensor_inputs(node))):
+            reached.add(node.name)
+    return {name: wants for name, wants in demand.items() if name in reached}
 
 
 # -- the rules ------------------------------------------------------------------------------
