@@ -9,7 +9,8 @@ steps in turn (step k of every side, then step k+1), so machine noise hits all a
 - DDP with PowerSGD (torch's gradient compression hook, rank 1, error feedback);
 - DDP with PostLocalSGDOptimizer (torch's Local SGD: PeriodicModelAverager, no gradient
   sum after the warm-up);
-- autopar dp=4 (flat), autopar hierarchical, autopar Local SGD (the same H and warm-up);
+- autopar dp=4 (flat), autopar hierarchical, autopar Local SGD (the same H and warm-up),
+  flat and hierarchical (its warm-up's gradients and its averages in two levels);
 - autopar DGC at sparsity 0.999 after the same warm-up (dense) and a ramp-up of as many
   steps, with exact and with sampled top-k.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import statistics
@@ -48,8 +50,8 @@ import autopar
 from autopar.examples import gpt2
 
 
-def sgd(params):
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+def sgd(params, lr: float = 0.05):
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
 
 
 def learnable(batch: int, seq: int, steps: int, vocab: int) -> list[torch.Tensor]:
@@ -63,12 +65,12 @@ def learnable(batch: int, seq: int, steps: int, vocab: int) -> list[torch.Tensor
     return out
 
 
-def ddp_side(model, loss_fn, rank, world, hook=None, local=None):
+def ddp_side(model, loss_fn, rank, world, hook=None, local=None, lr=0.05):
     # PowerSGD issues its collectives from futures' callbacks; with several buckets, gloo
     # saw them in different orders on different ranks (a size mismatch abort, torch
     # 2.13), so its gradients travel as one bucket
     ddp = DDP(model, bucket_cap_mb=10_000) if hook == "powersgd" else DDP(model)
-    opt = sgd(list(ddp.parameters()))
+    opt = sgd(list(ddp.parameters()), lr)
     if hook == "powersgd":
         state = powerSGD.PowerSGDState(process_group=None, matrix_approximation_rank=1,
                                        start_powerSGD_iter=local[1])
@@ -92,6 +94,15 @@ def main() -> None:
     parser.add_argument("--rate-bytes", type=float, default=125e6)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=0.05, help="SGD's learning rate, every side")
+    parser.add_argument("--dgc-sparsity", type=float, default=0.999)
+    parser.add_argument("--dgc-rampup", type=int, default=None,
+                        help="DGC's sparsity ramp-up in steps (default: --warmup)")
+    parser.add_argument("--smooth", type=int, default=1,
+                        help="the time to target reads the mean loss of the last k steps "
+                             "(DDP's target too): a per-step loss on fresh batches is noisy")
+    parser.add_argument("--sides", nargs="+", default=None,
+                        help="run only these sides (names as printed; DDP always runs)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -101,21 +112,33 @@ def main() -> None:
 
     def ours(**fields):
         return autopar.compile(copy.deepcopy(example.model), cluster, example.batch, loss_fn,
-                               optimizer=sgd, layout=autopar.Layout(dp=world, **fields))
+                               optimizer=functools.partial(sgd, lr=args.lr),
+                               layout=autopar.Layout(dp=world, **fields))
 
-    sides = {
-        "DDP": ddp_side(copy.deepcopy(example.model), loss_fn, rank, world),
-        "DDP + PowerSGD": ddp_side(copy.deepcopy(example.model), loss_fn, rank, world,
-                                   "powersgd", local),
-        "DDP + PostLocalSGD": ddp_side(copy.deepcopy(example.model), loss_fn, rank, world,
-                                       "localsgd", local),
-        "autopar dp": ours(),
-        "autopar hierarchical": ours(allreduce="hierarchical"),
-        "autopar Local SGD": ours(local_sgd=args.period, local_sgd_warmup=args.warmup),
-        "autopar DGC exact": ours(dgc=0.999, dgc_warmup=args.warmup, dgc_rampup=args.warmup),
-        "autopar DGC sampled": ours(dgc=0.999, dgc_warmup=args.warmup, dgc_rampup=args.warmup,
-                                    dgc_topk="sampled"),
+    model, rampup = example.model, args.dgc_rampup or args.warmup
+    builders = {
+        "DDP": lambda: ddp_side(copy.deepcopy(model), loss_fn, rank, world, lr=args.lr),
+        "DDP + PowerSGD": lambda: ddp_side(copy.deepcopy(model), loss_fn, rank, world,
+                                           "powersgd", local, args.lr),
+        "DDP + PostLocalSGD": lambda: ddp_side(copy.deepcopy(model), loss_fn, rank, world,
+                                               "localsgd", local, args.lr),
+        "autopar dp": lambda: ours(),
+        "autopar hierarchical": lambda: ours(allreduce="hierarchical"),
+        "autopar Local SGD": lambda: ours(local_sgd=args.period, local_sgd_warmup=args.warmup),
+        # the warm-up's gradients and the averages in two levels (node, then among nodes)
+        "autopar Local SGD hierarchical": lambda: ours(local_sgd=args.period,
+                                                       local_sgd_warmup=args.warmup,
+                                                       allreduce="hierarchical"),
+        "autopar DGC exact": lambda: ours(dgc=args.dgc_sparsity, dgc_warmup=args.warmup,
+                                          dgc_rampup=rampup),
+        "autopar DGC sampled": lambda: ours(dgc=args.dgc_sparsity, dgc_warmup=args.warmup,
+                                            dgc_rampup=rampup, dgc_topk="sampled"),
     }
+    unknown = sorted(set(args.sides or ()) - set(builders))
+    if unknown:
+        raise SystemExit(f"--sides: unknown {unknown}; the sides are {sorted(builders)}")
+    sides = {n: build() for n, build in builders.items()
+             if args.sides is None or n == "DDP" or n in args.sides}
     batches = learnable(16, 128, args.steps, 4096)
     times = {n: [] for n in sides}
     sent = {n: [] for n in sides}
@@ -133,11 +156,15 @@ def main() -> None:
             mean = loss.detach().clone().float()
             dist.all_reduce(mean)  # untimed: the loss the ranks' models reach together
             losses[name].append(float(mean) / world)
+    def smoothed(values):
+        return [statistics.mean(values[max(0, k + 1 - args.smooth):k + 1])
+                for k in range(len(values))]
+
     target_step = (args.target_step or args.steps) - 1
-    target = losses["DDP"][target_step]
+    target = smoothed(losses["DDP"])[target_step]
 
     def to_target(name):
-        for k, value in enumerate(losses[name]):
+        for k, value in enumerate(smoothed(losses[name])):
             if value <= target:
                 return sum(times[name][:k + 1])
         return None
@@ -146,7 +173,8 @@ def main() -> None:
         after = slice(args.warmup, None)
         result = {"benchmark": "comm_efficient", "world": world, "steps": args.steps,
                   "layers": args.layers, "hidden": args.hidden,
-                  "period": args.period, "warmup": args.warmup,
+                  "period": args.period, "warmup": args.warmup, "lr": args.lr,
+                  "dgc_sparsity": args.dgc_sparsity, "dgc_rampup": rampup, "smooth": args.smooth,
                   "link": os.environ.get("AUTOPAR_BENCH_RATE", "unshaped"),
                   "target_loss": target, "target_step": target_step + 1,
                   "sides": {n: {"median_step_s": statistics.median(times[n][after]),
@@ -155,8 +183,12 @@ def main() -> None:
                                 "link_bytes_last_quarter": statistics.mean(
                                     sent[n][-max(1, args.steps // 4):]),
                                 "final_loss": losses[n][-1],
+                                "final_loss_smoothed": smoothed(losses[n])[-1],
                                 "time_to_target_s": to_target(n),
-                                "total_s": sum(times[n])} for n in sides},
+                                "total_s": sum(times[n]),
+                                # per step, to read a time to target off any other step
+                                "losses": [round(v, 5) for v in losses[n]],
+                                "step_s": [round(t, 5) for t in times[n]]} for n in sides},
                   "torch": torch.__version__}
         ddp_time = result["sides"]["DDP"]["time_to_target_s"]
         for side in result["sides"].values():
