@@ -22,6 +22,8 @@ from torch.distributed.pipelining import Schedule1F1B, SplitPoint, pipeline
 
 import autopar
 import common  # benchmarks/common.py (the script's own folder is on sys.path)
+from autopar.api import build_step
+from autopar.compiler.ir.batch import Objective
 from autopar.examples import causal_lm_loss
 from autopar.compiler.ir.schedule import simulate
 
@@ -87,13 +89,21 @@ def measured_vs_simulated_bubble(step) -> dict:
 
 def main() -> None:
     parser = common.parser(__doc__.splitlines()[0], steps=4)
+    parser.add_argument("--cut", default=None,
+                        help="autopar's stage cut, as a module path (transformer.h.2: the "
+                             "peer's middle cut on 4 blocks); default: assign_stages's own")
     args = parser.parse_args()
     rank, _, example = common.start(args)
     batch = example.batch
     start = time.perf_counter()
-    ours = autopar.compile(copy.deepcopy(example.model), None, batch, example.loss_fn,
-                           optimizer=adamw,
-                           layout=autopar.Layout(pp=2, microbatches=MICROBATCHES, schedule="1f1b"))
+    layout = autopar.Layout(pp=2, microbatches=MICROBATCHES, schedule="1f1b")
+    if args.cut is None:
+        ours = autopar.compile(copy.deepcopy(example.model), None, batch, example.loss_fn,
+                               optimizer=adamw, layout=layout)
+    else:
+        objective, flat = Objective.from_example(batch, None, example.loss_fn)
+        ours = build_step(copy.deepcopy(example.model), None, flat, objective, adamw, layout,
+                          pass_options={"pipeline_cuts": [args.cut]})
     compile_s = time.perf_counter() - start
     theirs = pipelining_step_fn(copy.deepcopy(example.model), batch, rank)
     medians = common.alternate({"autopar": ours, "pipelining": theirs}, batch, args.rounds,
@@ -108,7 +118,7 @@ def main() -> None:
     dist.all_gather_object(every, peaks)
     if rank == 0:
         common.report(args, {
-            "benchmark": "pp_vs_pipelining", "model": args.model,
+            "benchmark": "pp_vs_pipelining", "model": args.model, "cut": args.cut,
             "shape": common.shape_overrides(args),
             "microbatches": MICROBATCHES, "rounds": args.rounds,
             "steps_per_round": args.steps, "median_step_s": medians,
