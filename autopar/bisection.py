@@ -55,7 +55,7 @@ from torch.utils._pytree import tree_map
 from autopar.api import build_step
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.batch import Batch, LossFn, Objective
-from autopar.compiler.ir.pieces import Pieces, join_blocks, rank_major
+from autopar.compiler.ir.pieces import join_blocks, rank_major
 from autopar.compiler.ir.program import MESH_TAG_PREFIX, mesh_group_tag
 from autopar.compiler.ir.trace import trace_train_step
 from autopar.compiler.passes.defaults import run_passes
@@ -445,12 +445,6 @@ def _split(combo, mesh, dim: int) -> int:
     return n
 
 
-def _rank_major(x: torch.Tensor, dim: int, pieces: Pieces, size: int) -> torch.Tensor:
-    """x's dim from pieces of `size` blocks each to `size` groups of the blocks one rank
-    holds (a value split in pieces: each rank's part then lies together)."""
-    return rank_major(x, dim, pieces, size)
-
-
 def _combine(values: dict[int, torch.Tensor], mesh, combo, ref_shape) -> list[tuple]:
     """[(ranks, value)]: the ranks' values merged over the split and partial dims, in mesh
     order (dp before tp: a ZeRO block lies inside a tensor-parallel block); one entry per
@@ -495,7 +489,8 @@ def _ranks_off(values: dict[int, torch.Tensor], mesh, combo, truth: torch.Tensor
                 continue
             for (_, size), p in zip(mesh, combo):
                 if p[0] == "S" and p[1] == dim and len(p) > 2:
-                    part = _rank_major(part, dim, p[2], size)
+                    # a value in pieces: each rank's part then lies together
+                    part = rank_major(part, dim, p[2], size)
             start, stride = 0, v.shape[dim]
             for c, size in splits:  # combined first (dp) is innermost
                 start += c * stride

@@ -223,6 +223,17 @@ def hf_tiny(model_type: str, batch: int = 8, seq: int = 32, seed: int = 0,
         hint = f" (did you mean {', '.join(near)}?)" if near else ""
         raise KeyError(f"{model_type!r} is neither a built-in example ({', '.join(EXAMPLES)}) "
                        f"nor a transformers model type{hint}")
+    if config:
+        default = transformers.AutoConfig.for_model(model_type)
+        known = {**default.to_dict(), **default.attribute_map}
+        unknown = sorted(set(config) - set(known))
+        if unknown:
+            import difflib
+
+            near = difflib.get_close_matches(unknown[0], known, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise KeyError(f"{model_type!r} configs have no field {unknown[0]!r}{hint}: "
+                           f"name a field of transformers' {model_type} config")
     config = transformers.AutoConfig.for_model(model_type, **{**_TINY_HF, **config})
     torch.manual_seed(seed)
     for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM):

@@ -80,3 +80,13 @@ def test_train_layout_flags():
     assert _train_layout(parse(["train", "mlp", "--plan"])) == autopar.Layout()
     with pytest.raises(autopar.LayoutError, match="--plan chooses the layout; drop --tp, --zero"):
         _train_layout(parse(["train", "mlp", "--plan", "--tp", "2", "--zero", "1"]))
+
+
+def test_a_tiny_models_config_override_names_an_unknown_field():
+    """hf_tiny's config overrides: a field the architecture's config does not have is
+    refused, naming the nearest one (transformers would keep it as an unused attribute)."""
+    from autopar.examples import hf_tiny
+
+    with pytest.raises(KeyError, match="no field 'num_key_value_head'.*'num_key_value_heads'"):
+        hf_tiny("phi3", num_key_value_head=4)
+    assert hf_tiny("phi3", num_key_value_heads=4).model.config.num_key_value_heads == 4

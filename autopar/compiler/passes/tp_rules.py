@@ -279,8 +279,10 @@ def piece_slice(node: fx.Node) -> tuple[int, Pieces] | None:
     n = node.args[0].meta["val"].shape[dim]
     if end - start < 1 or end - start == n:
         return None
+    # the sibling slices along dim, less any of the whole dim (a no-op `x[..., :]`)
     spans = sorted({b[1:] for u in node.args[0].users
-                    if (b := _slice_bounds(u)) is not None and b[0] == dim})
+                    if (b := _slice_bounds(u)) is not None and b[0] == dim
+                    and b[2] - b[1] < n})
     tiled = len(spans) > 1 and spans[0][0] == 0 and spans[-1][1] == n and all(
         a[1] == b[0] for a, b in zip(spans, spans[1:]))
     if tiled:
@@ -302,12 +304,11 @@ def local_slice_args(node: fx.Node, args: tuple, tp: int) -> tuple:
 
 
 def strided_demand(graph: fx.Graph, tp: int) -> dict[str, set[Strided]]:
-    """node -> the Strided placements worth offering its output: what a split into equal
-    pieces, or a slice of one such piece, takes as input (each piece then comes out
-    split), traced back through the
-    strategies that carry the pieces, to the parameters (or other graph inputs): only
-    the values on such a path get strided options, so the placement program grows by a
-    few variables per fused projection."""
+    """node -> the Strided placements worth offering its output: what a split into its
+    pieces, or a slice of one piece, takes as input (each piece then comes out split),
+    traced back through the strategies that carry the pieces, to the parameters (or
+    other graph inputs): only the values on such a path get strided options, so the
+    placement program grows by a few variables per fused projection."""
     demand: dict[str, set[Strided]] = {}
     for node in reversed(graph.nodes):
         if node.op != "call_function":
@@ -647,7 +648,7 @@ def _other_dims(x: torch.Tensor, dim: int) -> list[int]:
 
 @_rule(aten.slice.Tensor, aten.narrow.default)
 def _slice_rule(node: fx.Node, tp: int) -> list[Strategy]:
-    """Any other dim may be split; a slice of exactly one of the dim's equal pieces
+    """Any other dim may be split; a slice of exactly one of the dim's pieces
     (`piece_slice`: Phi-3's `qkv[..., :h]`) takes the dim itself as Strided, each rank a
     block of each piece, and gives its piece split plainly (the hook divides the bounds
     by tp)."""
