@@ -281,7 +281,7 @@ def _not_causal(mask: torch.Tensor, q: fx.Node, k: fx.Node) -> str | None:
     if mask.dim() < 2 or mask.shape[-2:] != (lq, lk):
         return f"its shape {tuple(mask.shape)} is not broadcast over ... x {lq} x {lk}"
     mask = _one_row(mask)  # a batch or head dimension it is expanded in: checked once
-    keep = torch.ones(lq, lk, dtype=torch.bool).tril()
+    keep = torch.ones(lq, lk, dtype=torch.bool, device=mask.device).tril()
     if mask.dtype == torch.bool:
         causal = bool((mask == keep).all())
     elif mask.is_floating_point():
