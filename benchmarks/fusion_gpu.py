@@ -10,7 +10,14 @@ against eager PyTorch, torch.compile and autopar without fusion. One process, CU
   dtypes (triton.testing.do_bench); its bytes (inputs read + outputs written) over the
   kernel's time, against the device's memory bandwidth;
 - the step: forward + loss + backward + SGD of GPT-2 (transformers, a small config),
-  median over timed steps after warm-up, each side in turn.
+  median over timed steps after warm-up, each side in turn;
+- `--launch`: what one region's call costs the host, per path to its kernel (the
+  custom op the graph calls, `FusedRegion.launch`, Triton's `fn[grid](...)` with the
+  outputs allocated beforehand, the compiled kernel launched directly, the outputs'
+  allocation alone, the eager fallback): host microseconds per call, the GPU not waited
+  for;
+- `--profile`: torch.profiler over a few steps of the fused and the unfused step: host
+  time per op, GPU time per kernel and by kind, and the GPU's busy share of the step.
 
 Figures and the conditions they were taken in: docs/benchmarks.md ("On a GPU").
 """
@@ -49,13 +56,17 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def per_region(tg, bandwidth: float) -> list[dict]:
-    rows = []
+def _fused_calls(tg):
+    """Each fused region the step calls: its key, the region, its input nodes."""
     for node in tg.call_nodes():
-        if node.target is not kernels.FUSED_OP:
-            continue
-        key, args = node.args
-        region = kernels.region(key)
+        if node.target is kernels.FUSED_OP:
+            key, args = node.args
+            yield key, kernels.region(key), args
+
+
+def per_region(tg, bandwidth: float, inductor: bool = True) -> list[dict]:
+    rows = []
+    for key, region, args in _fused_calls(tg):
         row = {"region": region.name, "key": key}
         try:
             inputs = [_random_like(a.meta[M.VAL]) for a in args]
@@ -64,11 +75,12 @@ def per_region(tg, bandwidth: float) -> list[dict]:
             row["max_abs_err"] = max(
                 ((o.float() - r.float()).abs().max().item() if o.is_floating_point() else
                  float((o != r).sum().item())) for o, r in zip(outs, ref)) if outs else 0.0
-            compiled = torch.compile(region.gm)
-            compiled(*inputs)
             row["triton_ms"] = triton.testing.do_bench(lambda r=region, x=inputs: r.launch(x))
             row["eager_ms"] = triton.testing.do_bench(lambda r=region, x=inputs: r.fallback(x))
-            row["inductor_ms"] = triton.testing.do_bench(lambda c=compiled, x=inputs: c(*x))
+            if inductor:
+                compiled = torch.compile(region.gm)
+                compiled(*inputs)
+                row["inductor_ms"] = triton.testing.do_bench(lambda c=compiled, x=inputs: c(*x))
             row["bytes"] = _nbytes(inputs) + _nbytes(outs)
             row["roofline"] = row["bytes"] / (row["triton_ms"] * 1e-3) / bandwidth
         except Exception as exc:  # noqa: BLE001 - reported per region, never dropped
@@ -77,7 +89,107 @@ def per_region(tg, bandwidth: float) -> list[dict]:
     return rows
 
 
-def step_times(example, steps: int, warmup: int) -> dict:
+def _host_us(fn, reps: int) -> float:
+    """Host microseconds per call of `fn`, the GPU not waited for inside the loop (the
+    launch queue holds far more than `reps` kernels)."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / reps * 1e6
+
+
+def launch_costs(tg, reps: int = 200) -> list[dict]:
+    """Host cost of one region's call by each path to its kernel (see the docstring)."""
+    rows = []
+    for key, region, args in _fused_calls(tg):
+        row = {"region": region.name, "inputs": len(args)}
+        try:
+            inputs = [_random_like(a.meta[M.VAL]) for a in args]
+            outs = region.launch(inputs)
+            src, fn = region._kernels[tuple(kernels.TensorArg.of(t) for t in inputs)]
+            row["outputs"] = len(outs)
+            seeds = list(range(3, 3 + src.seeds))
+            row["op_us"] = _host_us(lambda: kernels.FUSED_OP(key, inputs), reps)
+            row["launch_us"] = _host_us(lambda: region.launch(inputs), reps)
+            row["triton_us"] = _host_us(
+                lambda: fn[(src.grid,)](*inputs, *outs, *seeds, BLOCK=src.block), reps)
+            row["key_us"] = _host_us(
+                lambda: hash(tuple(kernels.TensorArg.of(t) for t in inputs)), reps)
+            row["alloc_us"] = _host_us(
+                lambda: [torch.empty_strided(o.shape, o.stride, dtype=o.dtype, device="cuda")
+                         for o in src.outputs], reps)
+            row["eager_us"] = _host_us(lambda: region.fallback(inputs), reps)
+            try:  # Triton's compiled kernel, launched without the JIT's argument binding
+                binary = fn[(src.grid,)](*inputs, *outs, *seeds, BLOCK=src.block)
+                runner = binary[(src.grid, 1, 1)]
+                row["compiled_us"] = _host_us(
+                    lambda: runner(*inputs, *outs, *seeds, src.block), reps)
+            except Exception as exc:  # noqa: BLE001 - reported, never dropped
+                row["compiled_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        except Exception as exc:  # noqa: BLE001 - reported per region, never dropped
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        rows.append(row)
+    return rows
+
+
+def _kind(kernel: str) -> str:
+    name = kernel.lower()
+    if any(k in name for k in ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "splitk")):
+        return "matmul"
+    if any(k in name for k in ("flash", "fmha", "attention", "cudnn")):
+        return "attention"
+    if kernel.startswith(tuple(r.name for r in kernels._REGIONS.values())):
+        return "autopar triton"
+    if "triton" in name:
+        return "other triton"
+    return "other"
+
+
+def profile_steps(sides: dict, batch, steps: int = 3) -> dict:
+    """torch.profiler over `steps` steps of each side: host time per op, GPU time per
+    kernel and by kind, and the GPU busy share of the wall time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {}
+    for name, step in sides.items():
+        step(*batch)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            for _ in range(steps):
+                step(*batch)
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - start) / steps * 1e3
+        kernels_us: dict[str, list] = {}
+        for e in prof.events():
+            if e.device_type == DeviceType.CUDA:
+                k = kernels_us.setdefault(e.name, [0.0, 0])
+                k[0] += e.time_range.elapsed_us() / steps
+                k[1] += 1 / steps
+        by_kind: dict[str, float] = {}
+        for k, (us, _) in kernels_us.items():
+            by_kind[_kind(k)] = by_kind.get(_kind(k), 0.0) + us / 1e3
+        host = sorted(((e.key, e.self_cpu_time_total / steps / 1e3, e.count / steps,
+                        e.cpu_time_total / steps / 1e3) for e in prof.key_averages()),
+                      key=lambda r: -r[1])
+        out[name] = {
+            "wall_ms": wall,
+            "gpu_busy_ms": sum(us for us, _ in kernels_us.values()) / 1e3,
+            "kernels": sum(n for _, n in kernels_us.values()),
+            "gpu_ms_by_kind": by_kind,
+            "top_kernels": sorted(([k, us / 1e3, n] for k, (us, n) in kernels_us.items()),
+                                  key=lambda r: -r[1])[:25],
+            "top_host_ops": [list(r) for r in host[:30]],  # name, self ms, calls, total ms
+        }
+    return out
+
+
+def step_sides(example) -> dict:
     def sgd(params):
         return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
 
@@ -103,6 +215,10 @@ def step_times(example, steps: int, warmup: int) -> dict:
 
     sides["eager PyTorch"] = eager_side(False)
     sides["torch.compile"] = eager_side(True)
+    return sides
+
+
+def step_times(sides: dict, batch, steps: int, warmup: int) -> dict:
     times = {n: [] for n in sides}
     for k in range(warmup + steps):
         for name, step in sides.items():
@@ -125,6 +241,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--bandwidth", type=float, default=4.8e12, help="bytes/s (H200: 4.8e12)")
     p.add_argument("--out", default=None)
+    p.add_argument("--no-inductor", action="store_true",
+                   help="per region: skip torch.compile of each region")
+    p.add_argument("--launch", action="store_true", help="host cost of a region's call by path")
+    p.add_argument("--profile", action="store_true",
+                   help="torch.profiler of the fused and the unfused step")
     args = p.parse_args()
     torch.manual_seed(0)
     example = gpt2(layers=args.layers, hidden=args.hidden, heads=8, vocab=args.vocab,
@@ -137,8 +258,14 @@ def main() -> None:
                            layout=autopar.Layout(fusion=True))
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "shape": vars(args), "compile_s": time.perf_counter() - start,
-              "regions": per_region(step.train_graph, args.bandwidth),
-              "step_ms": step_times(example, args.steps, 5)}
+              "regions": per_region(step.train_graph, args.bandwidth, not args.no_inductor)}
+    if args.launch:
+        result["launch_us"] = launch_costs(step.train_graph)
+    sides = step_sides(example)
+    result["step_ms"] = step_times(sides, batch, args.steps, 5)
+    if args.profile:
+        result["profile"] = profile_steps(
+            {n: sides[n] for n in ("autopar fused", "autopar unfused", "torch.compile")}, batch)
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import autopar
-from autopar.compiler.codegen.kernels import FUSED_OP, backend, region
+from autopar.compiler.codegen.kernels import FUSED_OP, backend, launch_region, region
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.printing import graph_text
 from autopar.compiler.ir.program import runnable
@@ -270,9 +270,9 @@ def test_each_region_output_is_its_own_storage(factory, layout):
 
 def test_regions_run_inline_on_cpu_under_auto_and_compute_the_same():
     """On CPU tensors under the backend "auto" the runtime runs the fused graph with each
-    region's ops inline (no region call keeps its inputs alive to its end); "eager" and
-    "triton" keep the region calls. The inline graph's values are the fallback's, bit for
-    bit."""
+    region's ops inline (no region call keeps its inputs alive to its end); "eager" keeps
+    the region calls, and "triton" calls the kernels without the custom op. The inline
+    graph's values are the fallback's, bit for bit."""
     ex = gpt2(layers=2, batch=4, seq=16)
     tg = autopar.trace(ex.model, ex.batch, ex.loss_fn)
     out, _ = FuseRegions().run(tg, autopar.compiler.passes.base.PassContext())
@@ -286,8 +286,30 @@ def test_regions_run_inline_on_cpu_under_auto_and_compute_the_same():
         assert runnable(out.gm, inputs) is out.gm
         want = out.gm(*inputs)
     with backend("triton"):
-        assert runnable(out.gm, inputs) is out.gm
+        direct = runnable(out.gm, inputs)
+    assert direct is not out.gm and direct is not inline
     got = inline(*inputs)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_regions_call_their_kernels_directly_where_kernels_run():
+    """Where the Triton kernels run (here "triton" under the interpreter; CUDA tensors
+    under "auto") the runtime's module calls each region's kernel without the custom op
+    (`launch_region`), made once per graph, and computes what the op's path computes, bit
+    for bit."""
+    ex = gpt2(layers=1, batch=2, seq=8)
+    tg = autopar.trace(ex.model, ex.batch, ex.loss_fn)
+    out, _ = FuseRegions().run(tg, autopar.compiler.passes.base.PassContext())
+    params = [dict(ex.model.named_parameters())[p.name].detach() for p in tg.signature.params]
+    inputs = [*params, *ex.batch]
+    with backend("triton"):
+        direct = runnable(out.gm, inputs)
+        assert runnable(out.gm, inputs) is direct
+        targets = [n.target for n in direct.graph.nodes]
+        assert FUSED_OP not in targets
+        assert targets.count(launch_region) == [n.target for n in out.gm.graph.nodes].count(
+            FUSED_OP) > 0
+        got, want = direct(*inputs), out.gm(*inputs)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 

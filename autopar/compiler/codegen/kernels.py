@@ -14,6 +14,10 @@ aten ops as a GraphModule. Calling the op runs, by the backend in force:
 Kernels are generated and compiled lazily, on the first call with given input
 shapes, strides and dtypes, and cached in memory by (region key, inputs) and on disk
 by the hash of their source (`kernel_dir()`), so a process pays for each once.
+
+Where the kernels run, the runtime calls them without the custom op (`runnable_regions`):
+the op's dispatch costs the host about as much again as the launch, and a step of small
+kernels is bound by the host (docs/fusion.md, "The launch path").
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ class FusedRegion:
     name: str  # readable, e.g. "native_layer_norm_mul"
     gm: fx.GraphModule  # the region's original aten ops (the fallback)
     _kernels: dict = field(default_factory=dict)  # tuple[TensorArg] -> (KernelSource, fn)
+    # the inputs' (shape, stride, dtype) -> the launch with everything but the pointers bound
+    _launchers: dict = field(default_factory=dict)
 
     def source(self, args: list[TensorArg]) -> KernelSource:
         return generate(self.gm, args, self.name)
@@ -70,20 +76,38 @@ class FusedRegion:
         return self.fallback(inputs) if would_run_fallback(inputs) else self.launch(inputs)
 
     def launch(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        args = tuple(TensorArg.of(t) for t in inputs)
+        """The Triton kernel on `inputs`: its outputs, freshly allocated."""
+        key = tuple((t.shape, t.stride(), t.dtype) for t in inputs)
+        launcher = self._launchers.get(key)
+        if launcher is None:
+            launcher = self._launchers[key] = self._launcher(
+                tuple(TensorArg.of(t) for t in inputs))
+        return launcher(inputs)
+
+    def _launcher(self, args: tuple[TensorArg, ...]):
+        """The launch for inputs of `args`' shapes, strides and dtypes, its kernel compiled
+        and what does not change from call to call (grid, outputs' layouts) computed once:
+        each call allocates the outputs and launches."""
         if args not in self._kernels:
             src = self.source(list(args))
             self._kernels[args] = (src, _compile(src))
         src, fn = self._kernels[args]
-        device = inputs[0].device
-        outs = [torch.zeros(o.shape, dtype=o.dtype, device=device) if o.kind == COLUMN
-                else torch.empty_strided(o.shape, o.stride, dtype=o.dtype, device=device)
-                for o in src.outputs]
-        # a fresh Philox seed per draw and launch, from torch's CPU generator: torch.manual_seed
-        # reproduces the masks; the eager fallback draws from the device's generator instead
-        seeds = torch.randint(0, 2 ** 31 - 1, (src.seeds,)).tolist() if src.seeds else []
-        fn[(src.grid,)](*inputs, *outs, *seeds, BLOCK=src.block)
-        return outs
+        kernel, block, draws = fn[(src.grid,)], src.block, src.seeds
+        # per output: zeroed (column sums accumulate into it), shape, stride, dtype
+        layouts = [(o.kind == COLUMN, o.shape, o.stride, o.dtype) for o in src.outputs]
+
+        def launch(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+            device = inputs[0].device
+            outs = [torch.zeros(shape, dtype=dtype, device=device) if zeroed else
+                    torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                    for zeroed, shape, stride, dtype in layouts]
+            # a fresh Philox seed per draw and launch, from torch's CPU generator:
+            # torch.manual_seed reproduces the masks; the eager fallback draws from the
+            # device's generator instead
+            seeds = torch.randint(0, 2 ** 31 - 1, (draws,)).tolist() if draws else ()
+            kernel(*inputs, *outs, *seeds, BLOCK=block)
+            return outs
+        return launch
 
 
 def would_run_fallback(inputs: list[torch.Tensor]) -> bool:
@@ -166,20 +190,50 @@ FUSED_OP = torch.ops.autopar.fused.default
 _INLINED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def inline_on_cpu(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> fx.GraphModule:
-    """The module the runtime runs on `inputs` (program.runnable's rule): `gm` itself, or
-    where its fused regions would all run their eager fallback under the backend "auto"
-    (CPU tensors), `gm` with each region's ops inline (`inline_regions`). The backend
-    "eager" keeps the region calls (the fallback region by region, as tests of the fused
-    graph ask for)."""
-    if _state["backend"] != "auto" or not inputs or inputs[0].is_cuda:
+_DIRECT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def runnable_regions(gm: fx.GraphModule, inputs: list[torch.Tensor]) -> fx.GraphModule:
+    """The module the runtime runs on `inputs` (program.runnable's rule):
+    - where the regions' Triton kernels run (CUDA tensors under "auto", any under
+      "triton"): `gm` with each region called directly (`direct_regions`), not through
+      the custom op's dispatch;
+    - where they would all run their eager fallback under "auto" (CPU tensors): `gm` with
+      each region's ops inline (`inline_regions`);
+    - under "eager": `gm` itself, the fallback region by region through the op, as tests
+      of the fused graph ask for."""
+    if not inputs or _state["backend"] == "eager":
         return gm
-    if gm not in _INLINED:
-        _INLINED[gm] = inline_regions(gm)
-    return _INLINED[gm]
+    cache, rewrite = ((_INLINED, inline_regions) if would_run_fallback(inputs)
+                      else (_DIRECT, direct_regions))
+    if gm not in cache:
+        cache[gm] = rewrite(gm)
+    return cache[gm]
 
 
-register_run_rule(inline_on_cpu)
+register_run_rule(runnable_regions)
+
+
+def launch_region(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Region `key`'s Triton kernel on `inputs`: what `direct_regions` calls in place of
+    the custom op."""
+    return _REGIONS[key].launch(inputs)
+
+
+def direct_regions(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of `gm` whose fused regions call their kernels directly (`launch_region`):
+    the same kernels on the same inputs as the custom op runs, without its dispatch
+    (`gm` itself if it has none)."""
+    if not any(n.target is FUSED_OP for n in gm.graph.nodes):
+        return gm
+    graph = fx.Graph()
+    remap: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, remap))
+    for node in graph.nodes:
+        if node.target is FUSED_OP:
+            node.target = launch_region
+    graph.lint()
+    return fx.GraphModule(gm, graph)
 
 
 def inline_regions(gm: fx.GraphModule) -> fx.GraphModule:
