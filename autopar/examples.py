@@ -234,7 +234,13 @@ def hf_tiny(model_type: str, batch: int = 8, seq: int = 32, seed: int = 0,
             hint = f" (did you mean {near[0]!r}?)" if near else ""
             raise KeyError(f"{model_type!r} configs have no field {unknown[0]!r}{hint}: "
                            f"name a field of transformers' {model_type} config")
-    config = transformers.AutoConfig.for_model(model_type, **{**_TINY_HF, **config})
+        # a field named by its own name (GPT-2's n_embd) replaces the tiny default given
+        # under its alias (hidden_size), which the config would otherwise apply last
+        given = {default.attribute_map.get(k, k) for k in config}
+        tiny = {k: v for k, v in _TINY_HF.items() if default.attribute_map.get(k, k) not in given}
+    else:
+        tiny = _TINY_HF
+    config = transformers.AutoConfig.for_model(model_type, **{**tiny, **config})
     torch.manual_seed(seed)
     for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForMaskedLM):
         if type(config) in auto._model_mapping:

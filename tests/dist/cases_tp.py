@@ -72,6 +72,12 @@ for _opt in (adamw, sgd):
             lambda: hf_tiny("phi3", num_key_value_heads=4), _opt, pieces=3, tp=2)
     tp_case(f"tp2_parity_phi3_gqa_sliced_qkv_in_unequal_pieces_{_opt.__name__}",
             lambda: hf_tiny("phi3"), _opt, pieces=(64, 32, 32), tp=2)
+# GPTBigCode (StarCoder) with multi-query attention splits its fused projection with
+# split_with_sizes((h, kv, kv)): one key-value head, so pieces of 128, 32 and 32
+for _opt in (adamw, sgd):
+    tp_case(f"tp2_parity_gpt_bigcode_multi_query_split_in_unequal_pieces_{_opt.__name__}",
+            lambda: hf_tiny("gpt_bigcode", multi_query=True, n_embd=128, n_head=4), _opt,
+            pieces=(128, 32, 32), tp=2)
 tp_case("dp2_tp2_parity_llama_gqa_sgd", llama, sgd, world=4, dp=2, tp=2)
 tp_case("tp2_sequence_parallel_parity_llama_gqa_adamw", llama, adamw, tp=2, sequence_parallel=True)
 tp_case("tp2_sequence_parallel_parity_gpt2_tied_sgd", gpt2, sgd, tp=2, sequence_parallel=True)

@@ -90,3 +90,13 @@ def test_a_tiny_models_config_override_names_an_unknown_field():
     with pytest.raises(KeyError, match="no field 'num_key_value_head'.*'num_key_value_heads'"):
         hf_tiny("phi3", num_key_value_head=4)
     assert hf_tiny("phi3", num_key_value_heads=4).model.config.num_key_value_heads == 4
+
+
+def test_a_tiny_models_config_override_by_the_fields_own_name_wins():
+    """GPT-2-style configs name the hidden size n_embd, with hidden_size an alias: the
+    tiny default (given as hidden_size) must not override the user's n_embd."""
+    from autopar.examples import hf_tiny
+
+    config = hf_tiny("gpt_bigcode", n_embd=128, n_head=8).model.config
+    assert (config.n_embd, config.n_head, config.hidden_size) == (128, 8, 128)
+    assert hf_tiny("gpt2", hidden_size=96).model.config.n_embd == 96
