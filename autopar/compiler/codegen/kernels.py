@@ -215,9 +215,10 @@ register_run_rule(runnable_regions)
 
 
 def launch_region(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Region `key`'s Triton kernel on `inputs`: what `direct_regions` calls in place of
-    the custom op."""
-    return _REGIONS[key].launch(inputs)
+    """What `direct_regions` calls in place of the custom op: region `key` on `inputs`,
+    as the op runs it (the Triton kernel; the fallback for a region whose own inputs are
+    not where kernels run)."""
+    return _REGIONS[key].run(inputs)
 
 
 def direct_regions(gm: fx.GraphModule) -> fx.GraphModule:
