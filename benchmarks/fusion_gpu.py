@@ -110,15 +110,14 @@ def launch_costs(tg, reps: int = 200) -> list[dict]:
         try:
             inputs = [_random_like(a.meta[M.VAL]) for a in args]
             outs = region.launch(inputs)
-            src, fn = region._kernels[tuple(kernels.TensorArg.of(t) for t in inputs)]
+            src, fn, _ = region._kernels[kernels.input_key(inputs)]
             row["outputs"] = len(outs)
             seeds = list(range(3, 3 + src.seeds))
             row["op_us"] = _host_us(lambda: kernels.FUSED_OP(key, inputs), reps)
             row["launch_us"] = _host_us(lambda: region.launch(inputs), reps)
             row["triton_us"] = _host_us(
                 lambda: fn[(src.grid,)](*inputs, *outs, *seeds, BLOCK=src.block), reps)
-            row["key_us"] = _host_us(
-                lambda: hash(tuple(kernels.TensorArg.of(t) for t in inputs)), reps)
+            row["key_us"] = _host_us(lambda: hash(kernels.input_key(inputs)), reps)
             row["alloc_us"] = _host_us(
                 lambda: [torch.empty_strided(o.shape, o.stride, dtype=o.dtype, device="cuda")
                          for o in src.outputs], reps)

@@ -52,9 +52,9 @@ class FusedRegion:
     key: str
     name: str  # readable, e.g. "native_layer_norm_mul"
     gm: fx.GraphModule  # the region's original aten ops (the fallback)
-    _kernels: dict = field(default_factory=dict)  # tuple[TensorArg] -> (KernelSource, fn)
-    # the inputs' (shape, stride, dtype) -> the launch with everything but the pointers bound
-    _launchers: dict = field(default_factory=dict)
+    # input_key(inputs) -> (KernelSource, the @triton.jit function, its launch: everything
+    # but the tensors bound)
+    _kernels: dict = field(default_factory=dict)
 
     def source(self, args: list[TensorArg]) -> KernelSource:
         return generate(self.gm, args, self.name)
@@ -76,38 +76,42 @@ class FusedRegion:
         return self.fallback(inputs) if would_run_fallback(inputs) else self.launch(inputs)
 
     def launch(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The Triton kernel on `inputs`: its outputs, freshly allocated."""
-        key = tuple((t.shape, t.stride(), t.dtype) for t in inputs)
-        launcher = self._launchers.get(key)
-        if launcher is None:
-            launcher = self._launchers[key] = self._launcher(
-                tuple(TensorArg.of(t) for t in inputs))
-        return launcher(inputs)
+        """The Triton kernel on `inputs`: its outputs, freshly allocated. The kernel is
+        generated and compiled on the first call with inputs of these shapes, strides
+        and dtypes."""
+        key = input_key(inputs)
+        if key not in self._kernels:
+            src = self.source([TensorArg.of(t) for t in inputs])
+            fn = _compile(src)
+            self._kernels[key] = (src, fn, _launcher(src, fn))
+        return self._kernels[key][2](inputs)
 
-    def _launcher(self, args: tuple[TensorArg, ...]):
-        """The launch for inputs of `args`' shapes, strides and dtypes, its kernel compiled
-        and what does not change from call to call (grid, outputs' layouts) computed once:
-        each call allocates the outputs and launches."""
-        if args not in self._kernels:
-            src = self.source(list(args))
-            self._kernels[args] = (src, _compile(src))
-        src, fn = self._kernels[args]
-        kernel, block, draws = fn[(src.grid,)], src.block, src.seeds
-        # per output: zeroed (column sums accumulate into it), shape, stride, dtype
-        layouts = [(o.kind == COLUMN, o.shape, o.stride, o.dtype) for o in src.outputs]
 
-        def launch(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-            device = inputs[0].device
-            outs = [torch.zeros(shape, dtype=dtype, device=device) if zeroed else
-                    torch.empty_strided(shape, stride, dtype=dtype, device=device)
-                    for zeroed, shape, stride, dtype in layouts]
-            # a fresh Philox seed per draw and launch, from torch's CPU generator:
-            # torch.manual_seed reproduces the masks; the eager fallback draws from the
-            # device's generator instead
-            seeds = torch.randint(0, 2 ** 31 - 1, (draws,)).tolist() if draws else ()
-            kernel(*inputs, *outs, *seeds, BLOCK=block)
-            return outs
-        return launch
+def input_key(inputs: list[torch.Tensor]) -> tuple:
+    """What a region's kernel is specialised to (TensorArg), per input: shape, stride
+    and dtype, as a plain tuple (cheap to build on every call)."""
+    return tuple((t.shape, t.stride(), t.dtype) for t in inputs)
+
+
+def _launcher(src: KernelSource, fn):
+    """The launch of `fn` with what does not change from call to call (grid, block,
+    outputs' layouts) computed once: each call allocates the outputs and launches."""
+    kernel, block, draws = fn[(src.grid,)], src.block, src.seeds
+    # per output: zeroed (column sums accumulate into it), shape, stride, dtype
+    layouts = [(o.kind == COLUMN, o.shape, o.stride, o.dtype) for o in src.outputs]
+
+    def launch(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        device = inputs[0].device
+        outs = [torch.zeros(shape, dtype=dtype, device=device) if zeroed else
+                torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                for zeroed, shape, stride, dtype in layouts]
+        # a fresh Philox seed per draw and launch, from torch's CPU generator:
+        # torch.manual_seed reproduces the masks; the eager fallback draws from the
+        # device's generator instead
+        seeds = torch.randint(0, 2 ** 31 - 1, (draws,)).tolist() if draws else ()
+        kernel(*inputs, *outs, *seeds, BLOCK=block)
+        return outs
+    return launch
 
 
 def would_run_fallback(inputs: list[torch.Tensor]) -> bool:
@@ -227,14 +231,20 @@ def direct_regions(gm: fx.GraphModule) -> fx.GraphModule:
     (`gm` itself if it has none)."""
     if not any(n.target is FUSED_OP for n in gm.graph.nodes):
         return gm
-    graph = fx.Graph()
-    remap: dict[fx.Node, fx.Node] = {}
-    graph.output(graph.graph_copy(gm.graph, remap))
+    graph, _ = _graph_copy(gm)
     for node in graph.nodes:
         if node.target is FUSED_OP:
             node.target = launch_region
     graph.lint()
     return fx.GraphModule(gm, graph)
+
+
+def _graph_copy(gm: fx.GraphModule) -> tuple[fx.Graph, dict[fx.Node, fx.Node]]:
+    """A new graph of gm's nodes, and the map from each of gm's nodes to its copy."""
+    graph = fx.Graph()
+    remap: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, remap))
+    return graph, remap
 
 
 def inline_regions(gm: fx.GraphModule) -> fx.GraphModule:
@@ -246,9 +256,7 @@ def inline_regions(gm: fx.GraphModule) -> fx.GraphModule:
     calls = [n for n in gm.graph.nodes if n.target is FUSED_OP]
     if not calls:
         return gm
-    graph = fx.Graph()
-    remap: dict[fx.Node, fx.Node] = {}
-    graph.output(graph.graph_copy(gm.graph, remap))
+    graph, remap = _graph_copy(gm)
     for call in calls:
         node = remap[call]
         key, inputs = node.args
