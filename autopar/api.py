@@ -20,13 +20,13 @@ from autopar.compiler.analysis.memory import profile_optimizer
 from autopar.compiler.ir.batch import Batch, LossFn, Objective
 from autopar.compiler.ir.collectives import check_collectives, program_collectives
 from autopar.compiler.ir.graph import TrainGraph
-from autopar.compiler.ir.trace import local_example, trace_train_step
+from autopar.compiler.ir.trace import local_example, trace_source, trace_train_step
 from autopar.compiler.lowering.lower import to_program
 from autopar.compiler.lowering.lower_pipeline import lower_pipeline
 from autopar.compiler.lowering.lower_ps import split_for_ps
 from autopar.compiler.passes.amp_policy import parse_amp_lists
 from autopar.compiler.passes.base import GraphPass, PassOptions
-from autopar.compiler.passes.defaults import is_pipelined, run_passes
+from autopar.compiler.passes.defaults import first_graph, is_pipelined, pass_list, run_passes
 from autopar.compiler.planner.ps_cost import compare_ps
 from autopar.compiler.planner.result import Plan
 from autopar.costs import dp_node_split
@@ -114,7 +114,9 @@ def build_step(model: torch.nn.Module, cluster: ClusterSpec | None, example_inpu
     if not example_inputs:
         raise ValueError("compile needs example_inputs: one global batch, as passed to the step")
     local = local_example(example_inputs, layout)
-    tg = trace_train_step(model, local, objective)
+    # Local SGD and DGC: this is their warm-up's program, gradients summed every step
+    synchronous = layout.synchronous()
+    tg = first_graph(trace_source(model, local, objective), pass_list(synchronous, passes))
     options = PassOptions(
         # each rank's program holds its own blocks (tp is the inner mesh dim), and with
         # ZeRO-2/3 its block of each gathered embedding table
@@ -124,8 +126,6 @@ def build_step(model: torch.nn.Module, cluster: ClusterSpec | None, example_inpu
         optimizer_memory=profile_optimizer(optimizer) if layout.recompute == "auto" else "adamw",
         amp_lists=amp_lists or None, **(pass_options or {}))
     traced = tg
-    # Local SGD and DGC: this is their warm-up's program, gradients summed every step
-    synchronous = layout.synchronous()
     tg, results = run_passes(tg, synchronous, cluster, passes, options=options,
                              dump_dir=os.environ.get("AUTOPAR_DUMP"),
                              record_rewrites=record_rewrites)
@@ -304,7 +304,8 @@ def check(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor] | Batch
     objective, example_inputs = Objective.from_example(example_inputs, example_targets, loss_fn)
     if not example_inputs:
         raise ValueError("check needs example_inputs: one global batch, as passed to the step")
-    tg = trace_train_step(model, local_example(example_inputs, layout), objective)
+    tg = first_graph(trace_source(model, local_example(example_inputs, layout), objective),
+                     pass_list(layout, passes))
     built: dict[tuple[int, int], dict] = {}
     by_rank = {}
     for rank in range(layout.world_size):

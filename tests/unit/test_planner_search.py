@@ -661,14 +661,17 @@ def test_recomputation_variants_share_the_graph_before_it(monkeypatch):
     runs = []
     original = AutoMixedPrecision.run
     monkeypatch.setattr(AutoMixedPrecision, "run",
-                        lambda self, tg, ctx: runs.append(ctx.layout) or original(self, tg, ctx))
+                        lambda self, tg, ctx: runs.append(tg.history) or original(self, tg, ctx))
     shared = Estimator(model, c, batch, causal_lm_loss, trace_blocks=2)
     layouts = [autopar.Layout(dp=4, tp=2, amp="bf16", recompute=r)
                for r in ("full", "selective", "none")]
     layouts += [autopar.Layout(dp=2, tp=2, pp=2, microbatches=2, amp="bf16", recompute=r)
                 for r in ("full", "none")]
     predictions = [shared.predict(lay) for lay in layouts]
-    assert len(runs) == 1  # one trace (2 samples a rank: the template's too), one tp and AMP
+    # one trace (2 samples a rank: the template's too), one tp and AMP; the trace itself
+    # was made with AMP's hook (Traces._first_trace: its FLOPs; a layout without tp
+    # starts from it)
+    assert runs == [(), ("tensor_parallel",)]
     for lay, pred in zip(layouts, predictions):
         assert Estimator(model, c, batch, causal_lm_loss, trace_blocks=2).predict(lay) == pred
 

@@ -25,7 +25,7 @@ import traceback
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.fx as fx
@@ -116,6 +116,14 @@ def trace_train_step(model: torch.nn.Module, example_inputs: Sequence[Any],
     attention by `attention` (TraceSource.attention): for the planner costing a GPU
     cluster on a meta or CPU model.
     """
+    return _trace_from(trace_source(model, example_inputs, loss_fn, kernels, attention))
+
+
+def trace_source(model: torch.nn.Module, example_inputs: Sequence[Any],
+                 loss_fn: LossFn | Objective | None = None,
+                 kernels: str = "cpu", attention: str = "fused") -> TraceSource:
+    """The exported step `trace_train_step` traces the joint graph from (its arguments
+    are trace_train_step's): what `pending_trace` takes."""
     if kernels not in ("cpu", "gpu"):
         raise ValueError(f"kernels must be 'cpu' or 'gpu', got {kernels!r}")
     if attention not in ("fused", "unfused"):
@@ -128,10 +136,27 @@ def trace_train_step(model: torch.nn.Module, example_inputs: Sequence[Any],
     objective = as_objective(loss_fn, len(example_inputs))
     objective.check_signatures(model)
     wrapper = _ModelWithLoss(model, objective)
-    source = TraceSource(_export(wrapper, model, example_inputs), example_inputs,
-                         _alias_groups(model), repeated_block_container(model),
-                         kernels=kernels, attention=attention)
-    return _trace_from(source)
+    ep = _export(wrapper, model, example_inputs)
+    if any(_on_meta(t) for t in [*ep.state_dict.values(), *ep.constants.values(),
+                                 *example_inputs]):
+        # before anything reads the exported forward (its causal masks, kept per graph)
+        _meta_devices_to_cpu(ep.graph_module)
+    return TraceSource(ep, example_inputs, _alias_groups(model), repeated_block_container(model),
+                       kernels=kernels, attention=attention)
+
+
+def pending_trace(source: TraceSource) -> TrainGraph:
+    """The TrainGraph of `source` with its joint graph not traced yet (`retrace_pending`
+    set, `gm` an empty graph; the signature and attrs are the trace's): for a pass list
+    whose first pass re-traces from the source anyway (AMP, tensor parallelism), so the
+    step is traced once, with their hooks, instead of once without them and again with
+    them. The PassManager traces it (`complete_pending_retrace`) before a first pass
+    that does not re-trace from the source, or after the last if none does."""
+    tg = TrainGraph(gm=fx.GraphModule(torch.nn.Module(), fx.Graph()), signature=_signature(source),
+                    provides=frozenset({"traced", "retraceable"}), source=source,
+                    retrace_pending=True)
+    tg.attrs.update(_source_attrs(source))
+    return tg
 
 
 def retrace(tg: TrainGraph, hook: ForwardHook, *, loss_scale: bool | None = None,
@@ -176,13 +201,21 @@ def _trace_from(source: TraceSource) -> TrainGraph:
     gm, sig = _trace_joint(source)
     tg = TrainGraph(gm=gm, signature=sig, provides=frozenset({"traced", "retraceable"}),
                     source=source)
+    tg.attrs.update(_source_attrs(source))
+    return annotate(tg, source.blocks)
+
+
+def _source_attrs(source: TraceSource) -> dict[str, Any]:
+    """The attrs a trace of `source` records of its exported forward: the attention it
+    fused (a GPU trace's) and the causal masks it recovered."""
+    attrs: dict[str, Any] = {}
     if _fuses_attention(source):
         fused = gpu_forward(source.exported.graph_module)[1]
-        tg.attrs["eager_attention"] = {"fused": fused.rewritten, "left": list(fused.left)}
+        attrs["eager_attention"] = {"fused": fused.rewritten, "left": list(fused.left)}
     causal = causal_forward(source)[1]
     if causal.causal or causal.left:
-        tg.attrs["causal_masks"] = {"recovered": causal.causal, "left": list(causal.left)}
-    return annotate(tg, source.blocks)
+        attrs["causal_masks"] = {"recovered": causal.causal, "left": list(causal.left)}
+    return attrs
 
 
 def _fuses_attention(source: TraceSource) -> bool:
@@ -374,26 +407,62 @@ def _mutates(graph: fx.Graph) -> bool:
                for n in graph.nodes)
 
 
-def _trace_joint(source: TraceSource) -> tuple[fx.GraphModule, GraphSignature]:
-    ep, example_inputs = source.exported, source.example_inputs
-    sig = ep.graph_signature
+class _State(NamedTuple):
+    """The exported program's state as the joint graph takes it."""
+
+    state: dict[str, torch.Tensor]
+    canonical: dict[str, str]  # canonical_state_names
+    trainable: list[str]  # the step's parameters, in input order
+    buffers: list[str]  # buffers and frozen parameters (no gradient, not optimised)
+    mutated: list[tuple[str, int]]  # (buffer, output index) of each buffer the step writes
+
+
+def _state_of(source: TraceSource) -> _State:
+    ep = source.exported
     state = {**ep.state_dict, **ep.constants}
     canonical = canonical_state_names(ep)
     unique = list(dict.fromkeys(canonical.values()))
     trainable = [n for n in unique if isinstance(state[n], torch.nn.Parameter) and state[n].requires_grad]
     # frozen parameters travel with the buffers: no gradient, not optimised
     buffers = [n for n in unique if n not in trainable]
-    user_inputs = list(example_inputs)  # all tensors (trace_train_step checked)
-    mutated = [(spec.target, i) for i, spec in enumerate(sig.output_specs)
+    mutated = [(spec.target, i) for i, spec in enumerate(ep.graph_signature.output_specs)
                if spec.kind == OutputKind.BUFFER_MUTATION]
+    return _State(state, canonical, trainable, buffers, mutated)
+
+
+def _extra_inputs(source: TraceSource) -> list[TensorSpec]:
+    """The step's inputs after the batch: the loss scale with fp16 loss scaling."""
+    return [TensorSpec(LOSS_SCALE_INPUT, (), torch.float32)] if source.loss_scale else []
+
+
+def _signature(source: TraceSource, st: _State | None = None) -> GraphSignature:
+    """The joint graph's signature: known from the source, without tracing."""
+    st = _state_of(source) if st is None else st
+    shards = dict(source.param_shards)
+    user_inputs, extra = list(source.example_inputs), _extra_inputs(source)
+    return GraphSignature(
+        params=_specs(st.trainable, st.state, source.aliases, shards),
+        buffers=_specs(st.buffers, st.state, source.aliases),
+        inputs=tuple(TensorSpec(f"input_{i}", tuple(t.shape), t.dtype)
+                     for i, t in enumerate(user_inputs)) + tuple(extra),
+        mutated_buffers=tuple(strip_wrapper(name) for name, _ in st.mutated),
+        batch_dims=batch_dims_of(user_inputs) + tuple(None for _ in extra),
+    )
+
+
+def _trace_joint(source: TraceSource) -> tuple[fx.GraphModule, GraphSignature]:
+    ep, example_inputs = source.exported, source.example_inputs
+    sig = ep.graph_signature
+    st = _state_of(source)
+    state, canonical, trainable, buffers = st.state, st.canonical, st.trainable, st.buffers
+    user_inputs = list(example_inputs)  # all tensors (trace_train_step checked)
+    mutated = st.mutated
     loss_index = next(i for i, spec in enumerate(sig.output_specs)
                       if spec.kind == OutputKind.USER_OUTPUT)
     placeholder_of = {s.target: i for i, s in enumerate(sig.input_specs) if s.target is not None}
     user_slots = [i for i, s in enumerate(sig.input_specs) if s.kind == InputKind.USER_INPUT]
     n_params, n_buffers = len(trainable), len(buffers)
     n_user = len(user_inputs)
-    if any(_on_meta(t) for t in [*state.values(), *user_inputs]):
-        _meta_devices_to_cpu(ep.graph_module)
     forward = forward_module(source)
 
     def joint_step(*flat):
@@ -432,7 +501,7 @@ def _trace_joint(source: TraceSource) -> tuple[fx.GraphModule, GraphSignature]:
     flat = ([_param_input(state[n], shards.get(n), fake_mode) for n in trainable]
             + [_fake(state[n].detach(), fake_mode) for n in buffers]
             + [_fake(x, fake_mode) for x in user_inputs])
-    extra = [TensorSpec(LOSS_SCALE_INPUT, (), torch.float32)] if source.loss_scale else []
+    extra = _extra_inputs(source)
     if extra:
         flat.append(fake_mode.from_tensor(torch.ones((), dtype=torch.float32)))
     with fake_mode:
@@ -440,14 +509,7 @@ def _trace_joint(source: TraceSource) -> tuple[fx.GraphModule, GraphSignature]:
     gm.graph._codegen = fx.graph.CodeGen()  # plain flat-args signature, no pytree wrapping
     _drop_shape_asserts(gm)
     _name_placeholders(gm, trainable, buffers, len(user_inputs), [s.name for s in extra])
-    signature = GraphSignature(
-        params=_specs(trainable, state, source.aliases, shards),
-        buffers=_specs(buffers, state, source.aliases),
-        inputs=tuple(TensorSpec(f"input_{i}", tuple(t.shape), t.dtype)
-                     for i, t in enumerate(user_inputs)) + tuple(extra),
-        mutated_buffers=tuple(strip_wrapper(name) for name, _ in mutated),
-        batch_dims=batch_dims_of(user_inputs) + tuple(None for _ in extra),
-    )
+    signature = _signature(source, st)
     return gm, signature
 
 

@@ -26,11 +26,12 @@ The deferred re-trace, a hand-off between forward-level passes. Such a pass (ten
 parallelism, AMP) changes the forward by adding a hook to `tg.source` and tracing the
 joint graph again (`trace.retrace`). Two in a row would trace twice, so:
 
-- a pass that reads nothing of its input but `tg.source`, and re-traces from it, sets
-  `GraphPass.retraces_from_source` (AMP). The manager then hands it its input as the
-  previous pass left it, possibly with `tg.retrace_pending` set (`tg.gm` not yet traced
-  with the newest hook): it must not read `tg.gm`. If it returns its input unchanged
-  (AMP off), the pending re-trace stays for the manager.
+- a pass that reads nothing of its input but `tg.source` (and what of `tg.signature`
+  a re-trace does not change), and re-traces from it, sets
+  `GraphPass.retraces_from_source` (AMP, tensor parallelism). The manager then hands it
+  its input as the previous pass left it, possibly with `tg.retrace_pending` set
+  (`tg.gm` not yet traced with the newest hook): it must not read `tg.gm`. If it
+  returns its input unchanged (AMP off), the pending re-trace stays for the manager.
 - the manager sets `PassContext.may_defer_retrace` for the pass right before such a
   pass. That pass may then call `trace.retrace(..., deferred=True)`: the hook goes into
   `tg.source`, the trace is left to the next pass (`retrace_pending` set, `gm` still
@@ -40,6 +41,10 @@ joint graph again (`trace.retrace`). Two in a row would trace twice, so:
 - before every pass that does not re-trace from the source, and after the last one,
   the manager runs the pending re-trace (`trace.complete_pending_retrace`): no other
   pass, and no caller of the manager, sees a graph with `retrace_pending` set.
+- a caller may hand the manager a graph whose first trace is pending
+  (`trace.pending_trace`: the planner, whose layouts all start with AMP or tensor
+  parallelism): it is traced like a deferred re-trace, once, with the first passes'
+  hooks.
 
 A pass that does not re-trace has nothing to do for this: it ignores
 `may_defer_retrace` and leaves `retraces_from_source` False.

@@ -8,6 +8,7 @@ from typing import Any
 
 from autopar.cluster import ClusterSpec
 from autopar.compiler.ir.graph import TrainGraph
+from autopar.compiler.ir.trace import TraceSource, complete_pending_retrace, pending_trace
 from autopar.compiler.passes.amp import AutoMixedPrecision
 from autopar.compiler.passes.assign_stages import AssignStages
 from autopar.compiler.passes.base import GraphPass, PassContext, PassOptions, PassResult
@@ -94,8 +95,27 @@ def run_passes(tg: TrainGraph, layout: Layout, cluster: ClusterSpec | None = Non
     field names (e.g. {"tp_rank": 1}; another name raises TypeError listing them);
     `dump_dir`: write the IR after each pass there; `record_rewrites`: mark the nodes each
     pass changed (meta REWRITTEN_BY)."""
-    chosen = default_passes(layout) if passes is None else [
-        get_pass(p) if isinstance(p, str) else p for p in passes]
+    chosen = pass_list(layout, passes)
     manager = PassManager(chosen, dump_dir=dump_dir, record_rewrites=record_rewrites)
     return manager.run(tg, PassContext(layout=layout, cluster=cluster,
                                        options=PassOptions.of(options)))
+
+
+def pass_list(layout: Layout, passes: Sequence[GraphPass | str] | None = None
+              ) -> list[GraphPass]:
+    """The passes `run_passes` runs for `layout`: the default list, or `passes` (pass
+    objects or registered names)."""
+    return default_passes(layout) if passes is None else [
+        get_pass(p) if isinstance(p, str) else p for p in passes]
+
+
+def first_graph(source: TraceSource, passes: Sequence[GraphPass]) -> TrainGraph:
+    """The graph `passes` start from, given the exported step: its trace left pending
+    (trace.pending_trace) when the first pass re-traces from the source anyway (tensor
+    parallelism, AMP), so the step is traced once, with their hooks; traced otherwise.
+    Several runs of such passes on it trace it once each, as they re-trace a traced
+    one."""
+    pending = pending_trace(source)
+    if passes and passes[0].retraces_from_source:
+        return pending
+    return complete_pending_retrace(pending)

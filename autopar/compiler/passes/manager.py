@@ -83,7 +83,8 @@ class PassManager:
 
     def run(self, tg: TrainGraph, ctx: PassContext) -> tuple[TrainGraph, list[PassResult]]:
         self.check_order(tg.provides)
-        if self.dump_dir:
+        if self.dump_dir:  # the traced graph is dumped first: a pending trace is done now
+            tg = self._complete_pending_retrace(tg, None)
             self._dump(0, "traced", tg)
         results = []
         left_by = None  # the pass whose re-trace is pending in tg, if one is
@@ -108,7 +109,7 @@ class PassManager:
             result.seconds = time.perf_counter() - start
             new = dataclasses.replace(new, provides=(tg.provides - p.invalidates) | p.provides,
                                       history=tg.history + (p.name,))
-            if self.verify_each:
+            if self.verify_each and not new.retrace_pending:  # a pending gm is not the step's
                 try:
                     verify(new)
                 except VerificationError as exc:
@@ -139,7 +140,8 @@ class PassManager:
         try:
             return complete_pending_retrace(tg)
         except Exception as exc:
-            who = f"pass {left_by!r}" if left_by else "the input graph's last pass"
+            who = f"pass {left_by!r}" if left_by else \
+                "the input graph's last pass (or its first trace, if it came pending)"
             exc.add_note(f"in the re-trace {who} left to the next pass (passes run: "
                          f"{', '.join(map(repr, tg.history)) or 'none'})")
             raise

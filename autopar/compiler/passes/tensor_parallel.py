@@ -244,6 +244,9 @@ class TensorParallel(GraphPass):
     requires = frozenset({"traced", "retraceable"})
     provides = frozenset({"tensor_parallel"})
     invalidates = frozenset()  # a forward-level rewrite: the graph stays retraceable
+    # reads tg.source and, of tg.signature, the parameters' names and the batch dims, which
+    # a re-trace left pending does not change: that re-trace can wait
+    retraces_from_source = True
     forward_level = True
     # it also reads the cluster: the placements are costed on its devices (without one,
     # on ClusterSpec.local(world_size))

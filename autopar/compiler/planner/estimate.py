@@ -95,7 +95,8 @@ class Estimator:
         self.trace_blocks = resolve_trace_blocks(model, trace_blocks)
         self.traces = Traces(model, self.example_inputs, loss_fn, self.trace_blocks,
                              kernels=cluster.device.kind,
-                             attention=cluster.device.attention)
+                             attention=cluster.device.attention,
+                             cluster=cluster if passes is None else None)
         self.rewrites = Rewrites(self.traces, cluster, passes)
         self.replicas = Replicas()
         self.schedules = ScheduleTimes(cluster, optimizer, efficiency)
@@ -241,9 +242,10 @@ class Estimator:
         """How many traces and rewritten graphs the layouts costed so far needed."""
         return {"traces": len(self.traces), "rewrites": len(self.rewrites)}
 
-    def traced(self, layout: Layout) -> TrainGraph:
-        """The traced graph of one rank's micro-batch under `layout`."""
-        return self.traces.get(layout, graph=True).graph
+    def traced(self, layout: Layout, any_precision: bool = False) -> TrainGraph:
+        """The traced graph of one rank's micro-batch under `layout` (`any_precision`:
+        Traces.joint's, the graph after AMP will do where that was the trace)."""
+        return self.traces.joint(layout, any_precision)
 
     def rewritten_summary(self, layout: Layout) -> GraphSummary | None:
         """The summary of the unpipelined `layout`'s rewritten graph if an earlier call

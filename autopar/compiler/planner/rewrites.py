@@ -33,7 +33,12 @@ from autopar.compiler.passes.defaults import (
 from autopar.compiler.planner.replicated import Template, template_of
 from autopar.compiler.planner.scaled import split_copies
 from autopar.compiler.planner.stages import StageSummary, stage_summary
-from autopar.compiler.planner.traces import TraceKey, TracedEntry, Traces, scaled_summary
+from autopar.compiler.planner.traces import (
+    TracedEntry,
+    TraceKey,
+    Traces,
+    scaled_summary,
+)
 from autopar.layout import Layout
 
 # (trace key, what the passes read of the layout they run under): one rewritten graph
@@ -163,7 +168,7 @@ class Rewrites:
         options: dict[str, Any] = {}
         if template:
             options["pipeline_cuts"] = [f"{trace.scaling.path}.1"]
-        rewritten = self.run_passes(trace.graph, trace.key, self._run_on(layout), options)
+        rewritten = self.run_passes(trace, layout, self._run_on(layout), options)
         if template:
             entry = RewrittenEntry(template=template_of(rewritten, sum(trace.scaling.counts),
                                                         self.cluster))
@@ -178,15 +183,20 @@ class Rewrites:
             self._tables[key] = rewritten.attrs["tp"]
         return entry
 
-    def run_passes(self, traced: TrainGraph, trace_key: TraceKey, layout: Layout,
+    def run_passes(self, trace: TracedEntry, asked: Layout, layout: Layout,
                    options: dict[str, Any]) -> TrainGraph:
-        """run_passes of `layout`; with the default pass list, from the graph after its
-        forward-level passes (the costly re-traces), kept for the layouts that those
-        passes read alike."""
+        """run_passes of `layout` (the one `asked` is costed from) on `trace`; with the
+        default pass list, from the graph after its forward-level passes (the costly
+        re-traces), kept for the layouts that those passes read alike."""
         if self.passes is not None:
-            return run_passes(traced, layout, self.cluster, self.passes, options=options)[0]
+            return run_passes(self.traces.joint(asked), layout, self.cluster, self.passes,
+                              options=options)[0]
         first, rest = split_forward_level(default_passes(layout))
-        start = self._forward_level(traced, trace_key, first, layout, options)
+        if trace.forward is not None:  # the micro-batch was traced with AMP's hook
+            self._forward.setdefault((trace.key, trace.forward[0], ()), trace.forward[1])
+        # a pass list that re-traces first takes the trace still pending (it traces once)
+        traced = trace.graph if first and retraces(first[0]) else self.traces.joint(asked)
+        start = self._forward_level(traced, trace.key, first, layout, options)
         return run_passes(start, layout, self.cluster, rest, options=options)[0]
 
     def _forward_level(self, traced: TrainGraph, trace_key: TraceKey, first: list[GraphPass],

@@ -15,12 +15,20 @@ from typing import NamedTuple
 
 import torch
 
+from autopar.cluster import ClusterSpec
 from autopar.compiler.analysis.summary import GraphSummary, summarize
-from autopar.compiler.ir.batch import LossFn
 from autopar.compiler.ir.annotate import repeated_block_container
+from autopar.compiler.ir.batch import LossFn
 from autopar.compiler.ir.graph import TrainGraph
-from autopar.compiler.ir.trace import batch_dims_of, local_example, trace_train_step
-from autopar.compiler.passes.defaults import is_pipelined
+from autopar.compiler.ir.trace import (
+    batch_dims_of,
+    complete_pending_retrace,
+    local_example,
+    pending_trace,
+    trace_source,
+)
+from autopar.compiler.passes.amp import AutoMixedPrecision
+from autopar.compiler.passes.defaults import is_pipelined, reads_of, run_passes
 from autopar.compiler.planner.replicated import TEMPLATE_BLOCKS
 from autopar.compiler.planner.scaled import multiplicities, reduced, scale_summary
 from autopar.compiler.planner.search import PlanArgumentError
@@ -42,7 +50,9 @@ class TracedEntry:
     """One traced micro-batch and what the planner reads of it without the graph."""
 
     key: TraceKey
-    graph: TrainGraph | None  # None: kept from a worker, which sends no graph
+    # None: kept from a worker, which sends no graph. Its joint graph may be pending
+    # (trace.pending_trace) when `forward` holds the micro-batch's first trace
+    graph: TrainGraph | None
     model_flops: int  # of the whole stack (scaled when only a few blocks were traced)
     scaling: Scaling | None  # None: every block was traced
     # the trace's attention written out op by op (trace_train_step's attrs
@@ -51,9 +61,13 @@ class TracedEntry:
     # the FLOPs its kernels perform (GraphSummary.flops, scaled likewise): a causal
     # attention's scores above the diagonal skipped, the backward's recomputed ones in
     executed_flops: int = 0
+    # (reads_of the AMP pass, the graph after it): the trace of the layout that asked for
+    # this micro-batch first, when that runs AMP first (Traces' `cluster`): its one trace,
+    # whose FLOPs the entry holds; the graph the rewrites of that precision start from
+    forward: tuple[tuple, TrainGraph] | None = None
 
     def without_graph(self) -> TracedEntry:
-        return replace(self, graph=None)
+        return replace(self, graph=None, forward=None)
 
 
 # blocks `trace_blocks="auto"` traces of a model with more repeated blocks than that: as
@@ -140,8 +154,12 @@ class Traces:
 
     def __init__(self, model: torch.nn.Module, example_inputs: tuple, loss_fn: LossFn | None,
                  trace_blocks: int | None, kernels: str = "cpu",
-                 attention: str = "fused") -> None:
+                 attention: str = "fused", cluster: ClusterSpec | None = None) -> None:
         self.model, self.example_inputs, self.loss_fn = model, example_inputs, loss_fn
+        # the cluster the default passes run on, None for a list of the caller's own: with
+        # it, a micro-batch first asked for by a layout with AMP is traced once, with AMP's
+        # hook (`_first_trace`), not once without and again with it
+        self.cluster = cluster
         self.trace_blocks = trace_blocks
         # whose kernels the trace takes (trace_train_step's `kernels`): the cluster's device
         # kind, so a GPU cluster's step is costed with the dropouts a GPU runs
@@ -188,13 +206,39 @@ class Traces:
         keep = key[1]
         local = local_example(self.example_inputs, layout)
         with reduced(self.model, keep) as stack:
-            traced = trace_train_step(self.model, local, self.loss_fn, kernels=self.kernels,
-                                      attention=self.attention)
+            source = trace_source(self.model, local, self.loss_fn, kernels=self.kernels,
+                                  attention=self.attention)
         scaling = Scaling(stack[0], multiplicities(stack[1], keep)) \
             if keep and stack and stack[1] > keep else None
+        graph, forward = self._first_trace(pending_trace(source), layout)
+        traced = graph if forward is None else forward[1]  # AMP adds casts, no FLOPs
         summary = scaled_summary(summarize(traced), traced, scaling)
-        return TracedEntry(key, traced, summary.model_flops, scaling,
-                           dict(traced.attrs.get("eager_attention", {})), summary.flops)
+        return TracedEntry(key, graph, summary.model_flops, scaling,
+                           dict(traced.attrs.get("eager_attention", {})), summary.flops,
+                           forward)
+
+    def _first_trace(self, pending: TrainGraph, layout: Layout
+                     ) -> tuple[TrainGraph, tuple[tuple, TrainGraph] | None]:
+        """(the entry's graph, its `forward`): the joint graph traced, or, when the
+        default passes of `layout` start with AMP, left pending and traced with AMP's
+        hook: every rewrite of the micro-batch re-traces from the source (AMP, tensor
+        parallelism), so the trace without hooks would serve none of them."""
+        if self.cluster is None or layout.amp == "off":
+            return complete_pending_retrace(pending), None
+        amp = [AutoMixedPrecision()]
+        return pending, (reads_of(amp, layout), run_passes(pending, layout, self.cluster, amp)[0])
+
+    def joint(self, layout: Layout, any_precision: bool = False) -> TrainGraph:
+        """The joint graph of `layout`'s micro-batch (traced now if it was left
+        pending). `any_precision`: the graph after AMP will do where that was the trace
+        (what an embedding reads, not what the step costs)."""
+        entry = self.get(layout, graph=True)
+        if any_precision and entry.forward is not None:
+            return entry.forward[1]
+        if entry.graph.retrace_pending:
+            entry = replace(entry, graph=complete_pending_retrace(entry.graph))
+            self._entries[entry.key] = entry
+        return entry.graph
 
     def _blocks_kept(self, layout: Layout) -> int | None:
         """Blocks to trace (None: all): a pipeline of several stages traces the two of its
