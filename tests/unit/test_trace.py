@@ -177,7 +177,11 @@ def test_model_without_loss_needs_loss_fn():
 
 
 ARCHITECTURES = ["gpt2", "llama", "qwen2", "qwen3", "mistral", "mixtral", "gpt_neox", "opt", "gemma",
-                 "phi", "bert", "falcon", "gptj", "bloom", "starcoder2", "olmo"]
+                 "phi", "bert", "falcon", "gptj", "bloom", "starcoder2", "olmo",
+                 # Gemma 2's soft-capped logits, Phi-3's fused gate/up projection, Cohere's
+                 # parallel blocks and logit scale, StableLM's partial rotary, OLMo 2's q/k
+                 # norms, CodeGen's interleaved rotary, MPT's ALiBi, Qwen2-MoE's shared expert
+                 "gemma2", "phi3", "cohere", "stablelm", "olmo2", "codegen", "mpt", "qwen2_moe"]
 
 
 @pytest.mark.parametrize("model_type", ARCHITECTURES)
