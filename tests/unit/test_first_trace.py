@@ -16,6 +16,7 @@ from autopar.compiler.passes.amp import AutoMixedPrecision
 from autopar.compiler.passes.defaults import run_passes
 from autopar.compiler.passes.insert_allreduce import InsertAllReduce
 from autopar.compiler.passes.tensor_parallel import TensorParallel
+from autopar.compiler.planner.cost_model import layer_costs
 from autopar.compiler.planner.estimate import Estimator
 from autopar.examples import causal_lm_loss
 from tests.unit.test_cost_model import meta_gpt2
@@ -104,8 +105,15 @@ def test_the_planner_predicts_from_one_trace_what_it_did_from_two(fields, blocks
     # and tensor parallelism's re-trace the graph, as the plain trace and it did
     saved = 1 if layout.amp != "off" and layout.tp == 1 else 0
     assert traced_once == joint_traces[0] - traced_once - saved
-    # the report's per-layer rows read the graph without AMP: traced when asked
-    assert once.layer_rows(layout) == twice.layer_rows(layout)
+    # the report's per-layer rows read the graph in the layout's precision: the first
+    # trace where it had AMP, AMP run on the plain trace where it did not
+    rows = once.layer_rows(layout)
+    assert rows == twice.layer_rows(layout)
+    if layout.amp != "off":  # AMP run on the plain trace here gives the same rows
+        plain = once.traced(layout)
+        cast = run_passes(plain, layout, c, [AutoMixedPrecision()])[0]
+        assert rows == layer_costs(cast, c) != layer_costs(plain, c)
+        assert [r["flops"] for r in rows] == [r["flops"] for r in layer_costs(plain, c)]
 
 
 @pytest.mark.parametrize("fields, programs", [(dict(dp=2, tp=2, amp="bf16"), 2),

@@ -21,8 +21,7 @@ from typing import Any
 
 from autopar.cluster import ClusterSpec
 from autopar.compiler.analysis.memory import held_parameter_bytes, outside_graph_blocks
-from autopar.compiler.analysis.summary import GraphSummary, OpRecord, node_time
-from autopar.compiler.ir import meta as M
+from autopar.compiler.analysis.summary import GraphSummary, OpRecord, summarize
 from autopar.costs import (
     DEFAULT_EFFICIENCY,
     Efficiency,
@@ -240,14 +239,18 @@ def averaging_time(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
     return dp_sum_time(held, cluster, layout, eff) / layout.local_sgd
 
 
-def layer_costs(tg, cluster: ClusterSpec) -> list[dict[str, Any]]:
-    """FLOPs and roofline seconds (forward + backward) of each repeated block and of the
-    rest (embeddings, head, loss), on one rank's micro-batch."""
+def layer_costs(tg, cluster: ClusterSpec, eff: Efficiency = DEFAULT_EFFICIENCY
+                ) -> list[dict[str, Any]]:
+    """FLOPs and seconds (forward + backward) of each repeated block and of the rest
+    (embeddings, head, loss), on one rank's micro-batch: each op's kernel time as the
+    step's compute is costed (in its dtype: an fp16 matmul at the fp16 rate), without
+    collectives."""
     rows: dict[str, dict[str, Any]] = {}
-    for n in tg.call_nodes():
-        layer = n.meta.get(M.LAYER)
-        name = f"block {layer}" if layer is not None else "outside the blocks"
+    for op in summarize(tg).ops:
+        if op.role not in MODEL_ROLES or op.collective:
+            continue
+        name = f"block {op.layer}" if op.layer is not None else "outside the blocks"
         row = rows.setdefault(name, {"name": name, "flops": 0, "seconds": 0.0})
-        row["flops"] += n.meta.get(M.FLOPS, 0)
-        row["seconds"] += node_time(n, cluster)
+        row["flops"] += op.flops
+        row["seconds"] += _op_time(op, cluster, eff)
     return list(rows.values())

@@ -260,13 +260,17 @@ class Estimator:
         return self.rewrites.table(self.rewrite(layout))
 
     def layer_rows(self, layout: Layout) -> list[dict[str, Any]]:
-        """cost_model.layer_costs of `layout`'s traced graph (from the worker that traced it)."""
+        """cost_model.layer_costs of `layout`'s traced graph in its precision (after AMP:
+        an fp16 matmul costed at the fp16 rate; with the caller's own passes, the plain
+        trace), from the worker that traced it."""
         worker = self.workers.alive(self.group_of(layout))
         if worker is not None:
             status, data = worker.result("layers", layout)
             if status == "ok":
                 return data
-        return layer_costs(self.traced(layout), self.cluster)
+        graph = self.traces.in_precision(layout, self.cluster) if self.passes is None \
+            else self.traced(layout)
+        return layer_costs(graph, self.cluster, self.efficiency)
 
     def rewritten(self, layout: Layout, timing: bool = False
                   ) -> tuple[GraphSummary, StageSummary | None, int]:

@@ -150,8 +150,8 @@ def tables(plan: Plan) -> list[tuple[str, list[str], list[list[str]]]]:
                  for lay, pr, why in alts]))
     out.append(("Layouts not costed or refused, by reason", ["layouts", "reason", "first"],
                 [[str(n), reason, first] for n, reason, first in skip_groups(plan.skipped)]))
-    out.append(("Per-layer cost (one rank's micro-batch, forward + backward)",
-                ["layer", "GFLOP", "roofline ms"],
+    out.append((LAYERS,
+                ["layer", "GFLOP", "ms"],
                 [[row["name"], f"{row['flops'] / 1e9:.4g}", _ms(row["seconds"])]
                  for row in plan.details.get("layers", [])]))
     return out
@@ -198,6 +198,8 @@ def _filled(kind: str, spans: list[str]) -> str:
 # -- time against memory -------------------------------------------------------------------
 
 TRADEOFF = "Step time against peak memory: the Pareto front"
+LAYERS = ("Per-layer cost (one rank's micro-batch in the layout's precision, before "
+          "fusion and recomputation, forward + backward)")
 
 
 def costed(plan: Plan) -> list[tuple[Layout, Prediction]]:
@@ -279,7 +281,7 @@ def to_html(plan: Plan) -> str:
             limit=(f"allowed {plan.max_memory_fraction:.0%} of {_gb(capacity)} GB",
                    capacity * plan.max_memory_fraction / 1e9)),
         TRADEOFF: tradeoff_svg(plan),
-        "Per-layer cost (one rank's micro-batch, forward + backward)": svg.column_bars(
+        LAYERS: svg.column_bars(
             [(r["name"], r["seconds"] * 1e3) for r in plan.details.get("layers", [])], "ms"),
     }
     body = [f"<h1>autopar plan: {escape(str(plan.layout))}</h1>"]

@@ -228,6 +228,18 @@ class Traces:
         amp = [AutoMixedPrecision()]
         return pending, (reads_of(amp, layout), run_passes(pending, layout, self.cluster, amp)[0])
 
+    def in_precision(self, layout: Layout, cluster: ClusterSpec) -> TrainGraph:
+        """The joint graph of `layout`'s micro-batch in `layout.amp`'s precision: the
+        trace after the AMP pass (the one traced first when it was, else AMP run now on
+        `cluster`), the plain trace with AMP off."""
+        if layout.amp == "off":
+            return self.joint(layout)
+        amp = [AutoMixedPrecision()]
+        entry = self.get(layout, graph=True)
+        if entry.forward is not None and entry.forward[0] == reads_of(amp, layout):
+            return entry.forward[1]
+        return run_passes(entry.graph, layout, cluster, amp)[0]
+
     def joint(self, layout: Layout, any_precision: bool = False) -> TrainGraph:
         """The joint graph of `layout`'s micro-batch (traced now if it was left
         pending). `any_precision`: the graph after AMP will do where that was the trace
