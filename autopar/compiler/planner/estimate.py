@@ -242,10 +242,16 @@ class Estimator:
         """How many traces and rewritten graphs the layouts costed so far needed."""
         return {"traces": len(self.traces), "rewrites": len(self.rewrites)}
 
-    def traced(self, layout: Layout, any_precision: bool = False) -> TrainGraph:
-        """The traced graph of one rank's micro-batch under `layout` (`any_precision`:
-        Traces.joint's, the graph after AMP will do where that was the trace)."""
-        return self.traces.joint(layout, any_precision)
+    def traced(self, layout: Layout) -> TrainGraph:
+        """The traced graph of one rank's micro-batch under `layout`, without AMP."""
+        return self.traces.joint(layout)
+
+    def traced_in_precision(self, layout: Layout) -> TrainGraph:
+        """The traced graph of one rank's micro-batch in `layout`'s precision
+        (Traces.in_precision: after AMP, the first trace where that was one); with the
+        caller's own passes, the plain trace."""
+        return self.traces.in_precision(layout, self.cluster) if self.passes is None \
+            else self.traced(layout)
 
     def rewritten_summary(self, layout: Layout) -> GraphSummary | None:
         """The summary of the unpipelined `layout`'s rewritten graph if an earlier call
@@ -268,9 +274,7 @@ class Estimator:
             status, data = worker.result("layers", layout)
             if status == "ok":
                 return data
-        graph = self.traces.in_precision(layout, self.cluster) if self.passes is None \
-            else self.traced(layout)
-        return layer_costs(graph, self.cluster, self.efficiency)
+        return layer_costs(self.traced_in_precision(layout), self.cluster, self.efficiency)
 
     def rewritten(self, layout: Layout, timing: bool = False
                   ) -> tuple[GraphSummary, StageSummary | None, int]:

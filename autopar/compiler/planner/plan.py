@@ -540,7 +540,7 @@ def bucketed_gradients(model: torch.nn.Module, estimator: Estimator, layout: Lay
     embedding reads a parameter of the repeated blocks (with trace_blocks, those of the
     blocks not traced are not named in the trace)."""
     try:
-        traced = estimator.traced(layout, any_precision=True)
+        traced = estimator.traced_in_precision(layout)
     except ValueError:  # the search reports it for every layout
         return []
     placeholders = {n: spec.name for n, spec in zip(traced.placeholders(), traced.signature.params)}

@@ -240,13 +240,10 @@ class Traces:
             return entry.forward[1]
         return run_passes(entry.graph, layout, cluster, amp)[0]
 
-    def joint(self, layout: Layout, any_precision: bool = False) -> TrainGraph:
-        """The joint graph of `layout`'s micro-batch (traced now if it was left
-        pending). `any_precision`: the graph after AMP will do where that was the trace
-        (what an embedding reads, not what the step costs)."""
+    def joint(self, layout: Layout) -> TrainGraph:
+        """The joint graph of `layout`'s micro-batch, without AMP (traced now if it was
+        left pending)."""
         entry = self.get(layout, graph=True)
-        if any_precision and entry.forward is not None:
-            return entry.forward[1]
         if entry.graph.retrace_pending:
             entry = replace(entry, graph=complete_pending_retrace(entry.graph))
             self._entries[entry.key] = entry
