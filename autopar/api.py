@@ -122,8 +122,10 @@ def build_step(model: torch.nn.Module, cluster: ClusterSpec | None, example_inpu
         # ZeRO-2/3 its block of each gathered embedding table
         tp_rank=_rank_options(launched_rank(), layout)[0],
         dp_rank=_rank_options(launched_rank(), layout)[1],
-        # what the user's optimizer holds, for recompute="auto"'s memory budget
-        optimizer_memory=profile_optimizer(optimizer) if layout.recompute == "auto" else "adamw",
+        # what the user's optimizer holds, for recompute="auto"'s memory budget and the
+        # bytes a pipeline stage's parameters weigh in its cut
+        optimizer_memory=profile_optimizer(optimizer)
+        if layout.recompute == "auto" or layout.pp > 1 else "adamw",
         amp_lists=amp_lists or None, **(pass_options or {}))
     traced = tg
     tg, results = run_passes(tg, synchronous, cluster, passes, options=options,

@@ -92,18 +92,24 @@ def main() -> None:
     parser.add_argument("--cut", default=None,
                         help="autopar's stage cut, as a module path (transformer.h.2: the "
                              "peer's middle cut on 4 blocks); default: assign_stages's own")
+    parser.add_argument("--memory-budget", type=float, default=None,
+                        help="bytes each stage's cut must fit (PassOptions.memory_budget); "
+                             "default: the device's memory")
     args = parser.parse_args()
     rank, _, example = common.start(args)
     batch = example.batch
     start = time.perf_counter()
     layout = autopar.Layout(pp=2, microbatches=MICROBATCHES, schedule="1f1b")
-    if args.cut is None:
+    if args.cut is None and args.memory_budget is None:
         ours = autopar.compile(copy.deepcopy(example.model), None, batch, example.loss_fn,
                                optimizer=adamw, layout=layout)
     else:
         objective, flat = Objective.from_example(batch, None, example.loss_fn)
+        options = {"pipeline_cuts": [args.cut]} if args.cut else {}
+        if args.memory_budget is not None:
+            options["memory_budget"] = int(args.memory_budget)
         ours = build_step(copy.deepcopy(example.model), None, flat, objective, adamw, layout,
-                          pass_options={"pipeline_cuts": [args.cut]})
+                          pass_options=options)
     compile_s = time.perf_counter() - start
     theirs = pipelining_step_fn(copy.deepcopy(example.model), batch, rank)
     medians = common.alternate({"autopar": ours, "pipelining": theirs}, batch, args.rounds,
@@ -119,6 +125,7 @@ def main() -> None:
     if rank == 0:
         common.report(args, {
             "benchmark": "pp_vs_pipelining", "model": args.model, "cut": args.cut,
+            "memory_budget": args.memory_budget,
             "shape": common.shape_overrides(args),
             "microbatches": MICROBATCHES, "rounds": args.rounds,
             "steps_per_round": args.steps, "median_step_s": medians,
@@ -128,6 +135,8 @@ def main() -> None:
             "bubble_1f1b_equal_stages": (2 - 1) / (MICROBATCHES + 2 - 1),
             "first_block_of_stage": {r.name: r.stats for r in ours.pass_results}[
                 "assign_stages"]["first_block_of_stage"],
+            "weighed_stage_bytes": {r.name: r.stats for r in ours.pass_results}[
+                "assign_stages"].get("weighed_stage_bytes"),
             "peak_bytes_per_rank": every,
             # the peak of the busiest rank on each side
             "peak_ratio": max(p["autopar"]["peak"] for p in every)

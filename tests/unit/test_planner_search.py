@@ -696,10 +696,18 @@ def test_each_default_pass_declares_the_layout_fields_it_reads():
     auto = everything.replace(recompute="auto")
     assert reads_of(default_passes(auto), auto) != reads_of(default_passes(auto.replace(
         bucket_mb=5.0)), auto.replace(bucket_mb=5.0))
-    # one pipeline's schedules and micro-batch counts read alike; a pass list that differs
-    # (no shards: no global_loss_mean) does not
+    # one pipeline's micro-batch counts read alike where each stage keeps as many in
+    # flight (assign_stages weighs them); its schedules alike in the planner's two-block
+    # templates, whose cut is pinned; a pass list that differs (no shards: no
+    # global_loss_mean) does not
+    from autopar.compiler.planner.rewrites import planner_passes
+
     a, b = piped.replace(schedule="gpipe", microbatches=4), piped.replace(dp=1, microbatches=1)
-    assert reads_of(default_passes(a), a) == reads_of(default_passes(piped), piped)
+    more = piped.replace(microbatches=4)  # 1F1B: 2 and 1 in flight, as with 2
+    assert reads_of(default_passes(more), more) == reads_of(default_passes(piped), piped)
+    assert reads_of(default_passes(a), a) != reads_of(default_passes(piped), piped)
+    assert reads_of(planner_passes(a, template=True), a) == \
+        reads_of(planner_passes(piped, template=True), piped)
     assert reads_of(default_passes(b), b) != reads_of(default_passes(piped), piped)
 
 

@@ -115,9 +115,8 @@ def static_lower_bound(param_bytes: int, layout: Layout,
     share = param_bytes / (layout.tp * layout.pp)
     dp = layout.dp
     params = share / dp if layout.zero >= 3 and layout.pp == 1 else share
-    grads = share / dp if layout.zero >= 2 else share
     states = optimizer_memory(optimizer).states * (share / dp if layout.zero >= 1 else share)
-    held = params + grads + states
+    held = share * held_per_byte(layout, optimizer)
     at_output = layout.zero < 2 or not layout.overlap_comm  # where the buckets are waited for
     if bucketed and dp > 1 and layout.pp == layout.microbatches == 1 and at_output:
         wire = WIRE_BYTES.get(layout.grad_comm_dtype)
@@ -125,6 +124,16 @@ def static_lower_bound(param_bytes: int, layout: Layout,
                       for (shape, itemsize), count in Counter(bucketed).items())
         held = max(held, params + states + buckets)
     return held
+
+
+def held_per_byte(layout: Layout, optimizer: str | OptimizerMemory = "adamw") -> float:
+    """Bytes of parameters, gradients and optimizer state a rank holds per byte of the
+    parameters it runs, as static_lower_bound splits them over dp under ZeRO."""
+    dp = layout.dp
+    params = 1 / dp if layout.zero >= 3 and layout.pp == 1 else 1.0
+    grads = 1 / dp if layout.zero >= 2 else 1.0
+    states = optimizer_memory(optimizer).states * (1 / dp if layout.zero >= 1 else 1.0)
+    return params + grads + states
 
 
 def tp_piece_bytes(shape: tuple[int, ...], itemsize: int, tp: int) -> float:

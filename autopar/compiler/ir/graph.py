@@ -163,3 +163,16 @@ def new_node_meta(val, role: M.Role, created_by: str, module_path: str | None = 
             M.FLOPS: 0, M.BYTES: 0}
     meta.update(extra)
     return meta
+
+
+def param_layers(tg: TrainGraph) -> tuple[int | None, ...]:
+    """The block of each parameter: the one block all its forward readers (else all its
+    readers) belong to, else None. NOTE: forward first, because a fused backward region
+    can cross a block boundary and carry its last op's block (fuse_regions._replace): a
+    block's layer-norm weight is then also read by an op outside the blocks."""
+    out = []
+    for node in tg.placeholders()[:len(tg.signature.params)]:
+        forward = [u for u in node.users if u.meta.get(M.ROLE) != M.Role.BACKWARD]
+        layers = {u.meta.get(M.LAYER) for u in (forward or node.users)}
+        out.append(layers.pop() if len(layers) == 1 else None)
+    return tuple(out)

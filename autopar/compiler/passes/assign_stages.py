@@ -4,7 +4,14 @@ Cut points fall between the model's repeated blocks (`autopar.layer`), chosen by
 dynamic programming to minimise the slowest stage's estimated time (a roofline
 of each node's FLOPs and bytes on the cluster's device); what comes before the
 first block (embeddings, masks) joins the first stage, what follows the last (final
-norm, head, loss) the last stage. `PassOptions.pipeline_cuts` pins the cuts by module
+norm, head, loss) the last stage. Where a stage of that cut would hold more than the
+memory budget (`PassOptions.memory_budget`, else the device's memory), the fastest cut
+whose stages all fit is taken instead, and where none fits the one whose fullest stage
+holds least (`CutMemory`: a stage's parameters with their gradients and optimizer
+state, and the activations its forward keeps per micro-batch times the micro-batches
+the schedule keeps in flight on it: under 1F1B pp on the first stage, one on the
+last); not with virtual stages (a rank holds several stages).
+`PassOptions.pipeline_cuts` pins the cuts by module
 path: the named blocks start a new stage. Every other node follows the data:
 a forward op runs on the latest stage among its inputs, an op fed only by
 parameters and inputs on the earliest stage that uses it, and a backward op on the
@@ -21,12 +28,16 @@ Before:                                  After (pp=2, 2 blocks):
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from autopar.cluster import ClusterSpec
-from autopar.compiler.analysis.summary import node_time
+from autopar.compiler.analysis.memory import OptimizerMemory, held_per_byte
+from autopar.compiler.analysis.summary import node_time, summarize
 from autopar.compiler.ir import meta as M
-from autopar.compiler.ir.graph import TrainGraph
-from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
+from autopar.compiler.ir.graph import TrainGraph, param_layers
+from autopar.compiler.ir.schedule import in_flight
+from autopar.compiler.passes.base import GraphPass, PassContext, PassOptions, PassResult
 from autopar.compiler.passes.manager import register_pass
 from autopar.layout import Layout
 
@@ -45,16 +56,149 @@ def check_stage_count(layout: Layout, blocks: int) -> None:
             f"pp*virtual_stages <= {max(blocks, 1)}")
 
 
+# TrainGraph.attrs key: the CutWeights AssignStages cut the graph by (the planner's
+# pipeline templates replicate a cut of the whole model from them)
+CUT_WEIGHTS = "cut_weights"
+
+
+@dataclass(frozen=True)
+class CutMemory:
+    """What each stage of a cut holds, as the cut weighs it. Per block: bytes held
+    whatever the schedule (`fixed`: its parameters with their gradients and optimizer
+    state) and bytes kept per micro-batch in flight (`saved`: what its forward keeps
+    for its backward). The same for what comes before the stack (`head_*`, on the first
+    stage) and after it (`tail_*`, on the last). `in_flight`: per stage, the most
+    micro-batches it holds at once under the schedule (schedule.in_flight)."""
+
+    fixed: tuple[float, ...]
+    saved: tuple[float, ...]
+    head_fixed: float
+    head_saved: float
+    tail_fixed: float
+    tail_saved: float
+    in_flight: tuple[int, ...]
+
+    def stage_bytes(self, cuts: list[int]) -> list[float]:
+        """Bytes of each stage of `cuts` (balanced_cuts' form), as the cut weighs them."""
+        bounds = [0, *cuts, len(self.fixed)]
+        out = []
+        for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            held = sum(self.fixed[a:b]) + self.in_flight[k] * sum(self.saved[a:b])
+            if k == 0:
+                held += self.head_fixed + self.in_flight[k] * self.head_saved
+            if k == len(bounds) - 2:
+                held += self.tail_fixed + self.in_flight[k] * self.tail_saved
+            out.append(held)
+        return out
+
+
 def balanced_cuts(costs: list[float], parts: int, head: float = 0.0,
-                  tail: float = 0.0) -> list[int]:
+                  tail: float = 0.0, memory: CutMemory | None = None,
+                  budget: float | None = None) -> list[int]:
     """Start index of every part after the first, cutting `costs` (one per block) into
     `parts` contiguous parts that minimise the costliest part; `head` and `tail` are
     added to the first and the last part. Every part holds at least one block, except
     that the last may hold only a nonzero tail (a cut at len(costs)): an output head
-    over a large vocabulary can outweigh several blocks."""
+    over a large vocabulary can outweigh several blocks.
+
+    With `memory` and a `budget` (bytes per stage): where a part of that cut holds more
+    than the budget, the least costly cut whose every part fits; where none fits, the
+    cut whose fullest part holds least (of those, the least costly)."""
     # the tail as a block of its own, which always falls in the last part
     ends = list(costs) + [tail] * (tail > 0)
-    return _balanced(ends, min(parts, len(ends)), head, 0.0)
+    parts = min(parts, len(ends))
+    cuts = _balanced(ends, parts, head, 0.0)
+    if memory is None or budget is None or parts < 2:
+        return cuts
+    if len(memory.fixed) != len(costs) or len(memory.saved) != len(costs) \
+            or len(memory.in_flight) != parts:
+        raise ValueError(f"CutMemory of {len(memory.fixed)} blocks and {len(memory.in_flight)} "
+                         f"stages for {len(costs)} blocks cut into {parts} stages")
+    return _fitting(cuts, ends, parts, head, tail > 0, memory, budget)
+
+
+def _fitting(cuts: list[int], ends: list[float], parts: int, head: float, tail_block: bool,
+             memory: CutMemory, budget: float) -> list[int]:
+    """balanced_cuts with `memory` and `budget`, from the time-balanced `cuts` of `ends`
+    (the blocks' costs, the tail's as a last block when `tail_block`)."""
+    n = len(ends)
+    w = memory.in_flight
+    extra = ([memory.tail_fixed], [memory.tail_saved]) if tail_block else ([], [])
+    seconds, fixed, saved = [0.0], [0.0], [0.0]
+    for c, f, v in zip(ends, list(memory.fixed) + extra[0], list(memory.saved) + extra[1]):
+        seconds.append(seconds[-1] + c)
+        fixed.append(fixed[-1] + f)
+        saved.append(saved[-1] + v)
+    head_bytes = memory.head_fixed + w[0] * memory.head_saved
+    tail_bytes = 0.0 if tail_block else memory.tail_fixed + w[-1] * memory.tail_saved
+
+    def time_of(k: int, i: int, j: int) -> float:  # part k (1-based) holds ends[i:j]
+        return seconds[j] - seconds[i] + (head if k == 1 else 0.0)
+
+    def bytes_of(k: int, i: int, j: int) -> float:
+        return (fixed[j] - fixed[i] + w[k - 1] * (saved[j] - saved[i])
+                + (head_bytes if k == 1 else 0.0) + (tail_bytes if k == parts else 0.0))
+
+    bounds = [0, *cuts, n]
+    if all(bytes_of(k + 1, a, b) <= budget for k, (a, b) in enumerate(zip(bounds, bounds[1:]))):
+        return cuts
+    _, fastest = _least_max(n, parts, time_of, lambda k, i, j: bytes_of(k, i, j) <= budget)
+    if fastest is not None:
+        return fastest
+    lightest, _ = _least_max(n, parts, bytes_of, lambda k, i, j: True)
+    limit = lightest * (1 + 1e-9)
+    _, fastest = _least_max(n, parts, time_of, lambda k, i, j: bytes_of(k, i, j) <= limit)
+    return fastest if fastest is not None else cuts
+
+
+def _least_max(n: int, parts: int, value: Callable[[int, int, int], float],
+               fits: Callable[[int, int, int], bool]) -> tuple[float, list[int] | None]:
+    """(the least max over parts of value(k, i, j), its cuts) over cuts of n items into
+    `parts` nonempty contiguous parts where every part fits; (inf, None) if none does.
+    Part k (1-based) holds items i..j-1; value and fits may depend on k, and as i rises
+    (the part shrinks) value never rises and fits never turns false. So, as in
+    `_balanced`, each (k, j) needs two binary searches: the first i that fits, and
+    where the best of the parts before crosses this part's value."""
+    inf = float("inf")
+    best, choice = _tables(n, parts)
+    for k in range(1, parts + 1):
+        before = best[k - 1]
+        for j in range(k, n - (parts - k) + 1):
+            lo = bisect.bisect_left(range(k - 1, j), True,
+                                    key=lambda i: fits(k, i, j)) + k - 1
+            if lo >= j:
+                continue
+            cross = bisect.bisect_left(range(lo, j), True,
+                                       key=lambda i: before[i] >= value(k, i, j)) + lo
+            found, at = inf, 0
+            if cross < j:
+                found, at = max(before[cross], value(k, cross, j)), cross
+            if cross > lo:
+                below = max(before[cross - 1], value(k, cross - 1, j))
+                if below <= found:
+                    found, at = below, cross - 1
+            best[k][j], choice[k][j] = found, at
+    if best[parts][n] == inf:
+        return inf, None
+    return best[parts][n], _backtrack(choice, parts, n)
+
+
+def _tables(n: int, parts: int) -> tuple[list[list[float]], list[list[int]]]:
+    """The dynamic programs' tables over (parts, prefix): best[k][j], the least max of
+    cutting the first j items into k parts (inf: not yet, or not at all), and where
+    the last of those parts starts."""
+    best = [[float("inf")] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    return best, [[0] * (n + 1) for _ in range(parts + 1)]
+
+
+def _backtrack(choice: list[list[int]], parts: int, n: int) -> list[int]:
+    """The cuts of the best split of all n items into `parts`, from `_tables`' choices."""
+    cuts, j = [], n
+    for k in range(parts, 1, -1):
+        j = choice[k][j]
+        cuts.append(j)
+    return sorted(cuts)
 
 
 def _balanced(costs: list[float], parts: int, head: float, tail: float) -> list[int]:
@@ -69,9 +213,7 @@ def _balanced(costs: list[float], parts: int, head: float, tail: float) -> list[
     for c in costs:
         prefix.append(prefix[-1] + c)
     inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
-    choice = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0.0
+    best, choice = _tables(n, parts)
     for k in range(1, parts + 1):
         before = best[k - 1]
         extra = (head if k == 1 else 0.0) + (tail if k == parts else 0.0)
@@ -92,11 +234,110 @@ def _balanced(costs: list[float], parts: int, head: float, tail: float) -> list[
                                         key=lambda i: part(i) <= value) + k - 1
             if value < inf:
                 best[k][j], choice[k][j] = value, at
-    cuts, j = [], n
-    for k in range(parts, 1, -1):
-        j = choice[k][j]
-        cuts.append(j)
-    return sorted(cuts)
+    return _backtrack(choice, parts, n)
+
+
+@dataclass(frozen=True)
+class CutWeights:
+    """What a stage-free joint graph weighs for a cut, per block (by M.LAYER) and before
+    (`head`) and after (`tail`) the stack: seconds of its forward and backward ops
+    (node_time), bytes of its parameters (`params`), and bytes its forward keeps for the
+    backward per micro-batch (`saved`: storages a forward op makes that a backward op
+    reads). A parameter read both before and after the stack (a tied embedding) weighs
+    on both ends: each end stage holds it."""
+
+    seconds: dict[int, float]
+    params: dict[int, int]
+    saved: dict[int, int]
+    head_s: float = 0.0
+    tail_s: float = 0.0
+    head_params: int = 0
+    tail_params: int = 0
+    head_saved: int = 0
+    tail_saved: int = 0
+
+    def memory(self, layers: list[int], layout: Layout,
+               optimizer: str | OptimizerMemory = "adamw") -> CutMemory:
+        """The CutMemory of a cut of `layers` into `layout`'s pipeline stages."""
+        held = held_per_byte(layout, optimizer)
+        return CutMemory(tuple(held * self.params.get(b, 0) for b in layers),
+                         tuple(float(self.saved.get(b, 0)) for b in layers),
+                         held * self.head_params, float(self.head_saved),
+                         held * self.tail_params, float(self.tail_saved),
+                         in_flight(layout.schedule, layout.pp, layout.microbatches))
+
+
+def stage_budget(cluster: ClusterSpec, options: PassOptions) -> float:
+    """The bytes a pipeline stage's cut fits in: PassOptions.memory_budget, else the
+    cluster's device memory."""
+    budget = options.memory_budget
+    return float(budget if budget is not None else cluster.device.memory_bytes)
+
+
+def cut_weights(tg: TrainGraph, cluster: ClusterSpec) -> CutWeights:
+    """The CutWeights of `tg`."""
+    seconds: dict[int, float] = {}
+    head_s = tail_s = 0.0
+    part: dict[int, object] = {}  # summary index of a forward op -> its layer, "head", "tail"
+    summary = summarize(tg)
+    first = len(summary.ops) - len(tg.call_nodes())
+    forward_seen = backward_seen = False  # a block's forward op, a block's backward op
+    backward_layer: dict = {}  # a backward node -> the block it weighs on
+    for k, n in enumerate(tg.call_nodes()):
+        layer, time = n.meta.get(M.LAYER), node_time(n, cluster)
+        backward = n.meta[M.ROLE] == M.Role.BACKWARD
+        if layer is None and backward and n.meta.get("is_gradient_acc"):
+            # autograd's sum of the gradient terms of a block's input (its residual and
+            # its norm both read it) has no block; it runs with the block's backward
+            # (_assign_backward puts it on the stage of its inputs), so it weighs there
+            inputs = [backward_layer[a] for a in n.all_input_nodes if a in backward_layer]
+            layer = min(inputs) if inputs else None
+        if layer is not None and backward:
+            backward_layer[n] = layer
+        if layer is not None:
+            seconds[layer] = seconds.get(layer, 0.0) + time
+            forward_seen |= not backward
+            backward_seen |= backward
+            if not backward:
+                part[first + k] = layer
+        elif backward:
+            # outside the blocks, the backward of the head and the loss runs before
+            # the blocks' backward, on the last stage; the embeddings' after it, on
+            # the first (a stage's time is its forward and backward: both weigh)
+            if backward_seen:
+                head_s += time
+            else:
+                tail_s += time
+        elif forward_seen:
+            tail_s += time
+            part[first + k] = "tail"
+        else:
+            head_s += time
+            part[first + k] = "head"
+    saved: dict[object, int] = {}
+    kept: set[int] = set()
+    for op in summary.ops[first:]:
+        if op.role != M.Role.BACKWARD.value:
+            continue
+        for u in op.uses:
+            s = summary.ops[u].storage
+            if s is not None and s in part and s not in kept:
+                kept.add(s)
+                saved[part[s]] = saved.get(part[s], 0) + summary.ops[s].allocates
+    params: dict[object, int] = {}
+    index = {n: first + k for k, n in enumerate(tg.call_nodes())}
+    for node, layer, numel, itemsize in zip(tg.placeholders(), param_layers(tg),
+                                            summary.param_numel, summary.param_itemsize):
+        ends = {layer} if layer is not None else \
+            {part.get(index[u]) for u in node.users if index.get(u) in part} & {"head", "tail"}
+        for end in ends:
+            params[end] = params.get(end, 0) + numel * itemsize
+    return CutWeights(
+        seconds,
+        {b: v for b, v in params.items() if isinstance(b, int)},
+        {b: v for b, v in saved.items() if isinstance(b, int)},
+        head_s, tail_s, params.get("head", 0), params.get("tail", 0),
+        saved.get("head", 0), saved.get("tail", 0))
 
 
 @register_pass
@@ -104,14 +345,29 @@ class AssignStages(GraphPass):
     name = "assign_stages"
     requires = frozenset({"traced"})
     provides = frozenset({"stages_assigned"})
-    # it also reads the cluster (each node's time, to balance the cuts) and
-    # PassOptions.pipeline_cuts
-    layout_fields = frozenset({"pp", "virtual_stages"})
+    # it also reads the cluster (each node's time, to balance the cuts; its device's
+    # memory, the stages' budget) and PassOptions.pipeline_cuts, memory_budget and
+    # optimizer_memory (the bytes a stage's parameters hold)
+    layout_fields = frozenset({"pp", "virtual_stages", "microbatches", "schedule", "dp",
+                               "zero"})
+
+    def __init__(self, weigh_memory: bool = True) -> None:
+        # False: cut on time alone, and read only the stage count (the planner's two-block
+        # pipeline templates, whose cut PassOptions.pipeline_cuts pins anyway)
+        self.weigh_memory = weigh_memory
 
     def reads(self, layout: Layout) -> tuple:
-        """The number of stages, pp * virtual_stages: how they map to ranks is the
-        schedule's, not the graph's."""
-        return (("stages", layout.pp * layout.virtual_stages),)
+        """The number of stages, pp * virtual_stages, and what a stage's bytes are weighed
+        by: the micro-batches each keeps in flight under the schedule and the bytes held
+        per parameter byte (dp and ZeRO). How the stages map to ranks is the schedule's."""
+        stages = (("stages", layout.pp * layout.virtual_stages),)
+        if not self.weigh_memory or layout.virtual_stages != 1 or layout.pp == 1:
+            return stages
+        # held_per_byte's split of a pipeline's state: ZeRO-1 shards the optimizer state
+        # over dp, ZeRO-2 and 3 also the gradients (a pipeline keeps its parameters)
+        zero = min(layout.zero, 2)
+        return stages + (("in_flight", in_flight(layout.schedule, layout.pp, layout.microbatches)),
+                         ("zero_over_dp", (zero, layout.dp if zero else 1)))
 
     def run(self, tg: TrainGraph, ctx: PassContext) -> tuple[TrainGraph, PassResult]:
         stages = ctx.layout.pp * ctx.layout.virtual_stages
@@ -119,7 +375,8 @@ class AssignStages(GraphPass):
         layers = sorted({n.meta[M.LAYER] for n in tg.call_nodes() if n.meta.get(M.LAYER) is not None})
         check_stage_count(ctx.layout, len(layers))
         cluster = ctx.cluster or ClusterSpec.local(1)  # without one: this machine's device
-        stage_of_layer, cuts, costs = self._cut(tg, layers, stages, cluster, ctx.options)
+        stage_of_layer, cuts, memory, weights = self._cut(tg, layers, stages, cluster, ctx)
+        tg.attrs[CUT_WEIGHTS] = weights
         self._assign_forward(tg, stage_of_layer, stages - 1)
         self._assign_backward(tg, stages)
         per_stage = [0.0] * stages
@@ -128,42 +385,31 @@ class AssignStages(GraphPass):
         # first_block_of_stage: None for a stage of only final norm, head and loss
         stats = {"stages": stages, "first_block_of_stage": cuts,
                  "estimated_stage_seconds": [round(t, 6) for t in per_stage]}
+        if memory is not None:  # the stages' bytes as the cut weighed them, and the budget
+            stats["weighed_stage_bytes"] = [round(b) for b in memory]
+            stats["stage_budget_bytes"] = round(stage_budget(cluster, ctx.options))
         return tg, PassResult(self.name, changed=True, stats=stats)
 
-    def _cut(self, tg, layers, stages, cluster, options):
-        by_layer = {layer: 0.0 for layer in layers}
-        head = tail = 0.0
-        forward_seen = backward_seen = False  # a block's forward op, a block's backward op
-        for n in tg.call_nodes():
-            layer, seconds = n.meta.get(M.LAYER), node_time(n, cluster)
-            backward = n.meta[M.ROLE] == M.Role.BACKWARD
-            if layer is not None:
-                by_layer[layer] += seconds
-                forward_seen |= not backward
-                backward_seen |= backward
-            elif backward:
-                # outside the blocks, the backward of the head and the loss runs before
-                # the blocks' backward, on the last stage; the embeddings' after it, on
-                # the first (a stage's time is its forward and backward: both weigh)
-                if backward_seen:
-                    head += seconds
-                else:
-                    tail += seconds
-            elif forward_seen:
-                tail += seconds
-            else:
-                head += seconds
-        costs = [by_layer[layer] for layer in layers]
-        pinned = options.pipeline_cuts
+    def _cut(self, tg, layers, stages, cluster, ctx):
+        weights = cut_weights(tg, cluster)
+        costs = [weights.seconds.get(layer, 0.0) for layer in layers]
+        pinned = ctx.options.pipeline_cuts
+        memory = None
         if pinned:
             cuts = self._pinned(tg, layers, pinned, stages)
+        elif stages > 1:
+            if self.weigh_memory and ctx.layout.virtual_stages == 1:
+                memory = weights.memory(layers, ctx.layout, ctx.options.optimizer_memory)
+            cuts = balanced_cuts(costs, stages, weights.head_s, weights.tail_s, memory,
+                                 stage_budget(cluster, ctx.options))
         else:
-            cuts = balanced_cuts(costs, stages, head, tail) if stages > 1 else []
+            cuts = []
         stage_of_layer = {}
         for index, layer in enumerate(layers):
             stage_of_layer[layer] = sum(1 for c in cuts if index >= c)
         # a cut after the last block: that stage holds only what follows the stack
-        return stage_of_layer, [layers[c] if c < len(layers) else None for c in cuts], costs
+        return (stage_of_layer, [layers[c] if c < len(layers) else None for c in cuts],
+                memory.stage_bytes(cuts) if memory is not None else None, weights)
 
     @staticmethod
     def _pinned(tg, layers, pinned, stages) -> list[int]:

@@ -83,8 +83,9 @@ class PassOptions:
     # peak (an OptimizerMemory, or a name of analysis.memory.OPTIMIZERS). Set by
     # autopar.compile (profile_optimizer of the user's optimizer factory)
     optimizer_memory: OptimizerMemory | str = "adamw"
-    # recompute with Layout.recompute="auto": the bytes per device the step must fit in;
-    # None: the cluster's device.memory_bytes. Set by callers who want a tighter budget
+    # recompute with Layout.recompute="auto", and assign_stages (the bytes each pipeline
+    # stage's cut must fit in): the bytes per device the step must fit in; None: the
+    # cluster's device.memory_bytes. Set by callers who want a tighter budget
     memory_budget: int | None = None
     # assign_stages: module paths of repeated blocks that each start a new pipeline
     # stage, instead of the balanced cuts. Set by the planner (its pipeline templates)

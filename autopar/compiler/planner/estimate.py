@@ -24,14 +24,15 @@ from autopar.compiler.analysis.memory import MemoryPrediction
 from autopar.compiler.analysis.summary import GraphSummary
 from autopar.compiler.ir.batch import Batch, LossFn, Objective
 from autopar.compiler.ir.graph import TrainGraph
-from autopar.compiler.passes.assign_stages import check_stage_count
-from autopar.compiler.passes.base import GraphPass
+from autopar.compiler.passes.assign_stages import check_stage_count, stage_budget
+from autopar.compiler.passes.base import GraphPass, PassOptions
 from autopar.compiler.passes.defaults import is_pipelined
 from autopar.compiler.planner.cost_model import layer_costs
 from autopar.compiler.planner.pipeline_memory import pipeline_memory_per_rank
 from autopar.compiler.planner.predict import predict
 from autopar.compiler.planner.replicas import Replicas
 from autopar.compiler.planner.replicated import (
+    Template,
     first_rank_saved_floor,
     pipeline_memory_from_summary,
 )
@@ -177,17 +178,18 @@ class Estimator:
             return self._predictions[layout].peak_memory_bytes
         if not (is_pipelined(layout) and self.traces.templated(layout)):
             return 0
-        key, depth = self.rewrite(layout), stages_of(layout)
+        key = self.rewrite(layout)
         pattern = self.rewrites.entry(key).template
         if pattern is None:  # traced whole (no repeated blocks): no template
             return 0
         check_stage_count(layout, pattern.blocks)
+        counts = self.blocks_per_stage(pattern, layout)
         if limit is not None:  # the first rank's saved activations alone, before any replica
-            saved = first_rank_saved_floor(pattern, layout)
+            saved = first_rank_saved_floor(pattern, layout, self.optimizer, self.stage_budget)
             if saved > limit:
                 return saved
         summary, stages, _ = self.rewritten(layout, timing=True)
-        programs, replays = self.replicas.programs(key, depth, summary, stages)
+        programs, replays = self.replicas.programs(key, counts, summary, stages)
         ranks = sorted({0, layout.pp - 1})
         if limit is not None:
             ends = pipeline_memory_from_summary(summary, stages, layout, self.optimizer, programs,
@@ -276,6 +278,18 @@ class Estimator:
                 return data
         return layer_costs(self.traced_in_precision(layout), self.cluster, self.efficiency)
 
+    @property
+    def stage_budget(self) -> float:
+        """The bytes a pipeline stage's cut fits in, as AssignStages takes it under the
+        default passes (the cluster's device memory)."""
+        return stage_budget(self.cluster, PassOptions())
+
+    def blocks_per_stage(self, template: Template, layout: Layout) -> tuple[int, ...]:
+        """Blocks of each stage of `layout`'s pipeline replicated from `template`, cut as
+        AssignStages cuts the whole model (replicated.Template.blocks_per_stage)."""
+        return template.blocks_per_stage(stages_of(layout), layout, self.optimizer,
+                                         self.stage_budget)
+
     def rewritten(self, layout: Layout, timing: bool = False
                   ) -> tuple[GraphSummary, StageSummary | None, int]:
         """(summary of the rewritten graph, its stages when pipelined, model FLOPs of
@@ -288,7 +302,8 @@ class Estimator:
         if entry.template is None:
             return entry.summary, entry.stages, model_flops
         check_stage_count(layout, entry.template.blocks)
-        summary, stages = self.replicas.summaries(key, entry.template, stages_of(layout), timing)
+        counts = self.blocks_per_stage(entry.template, layout)
+        summary, stages = self.replicas.summaries(key, entry.template, counts, timing)
         return summary, stages, model_flops
 
     # -- rewriting, here or in a worker process ---------------------------------------------
@@ -350,7 +365,8 @@ class Estimator:
         key = self.rewrites.key(layout)
         entry = self.rewrites.entry(key)
         if entry.template is not None:  # planner/replicated.py: the stages' summaries replayed
-            programs, replays = self.replicas.programs(key, stages_of(layout), summary, stages)
+            counts = self.blocks_per_stage(entry.template, layout)
+            programs, replays = self.replicas.programs(key, counts, summary, stages)
             ranks = pipeline_memory_from_summary(summary, stages, layout, self.optimizer,
                                                  programs, replays)
         elif entry.graph is not None:

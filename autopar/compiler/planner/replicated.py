@@ -11,7 +11,8 @@ pipeline from it, as if the whole model had been traced and cut:
   is the template's block 1 alone (its ops as the template's stage 1 runs them:
   receiving from the stage before, sending its input gradient back);
 - stage s holds c_s blocks, cut as AssignStages cuts the whole model (the
-  template's head, block and tail times balanced, `Template.blocks_per_stage`): each block op runs c_s times
+  template's head, block and tail times balanced, and with one stage per rank their
+  bytes weighed, `Template.blocks_per_stage`): each block op runs c_s times
   (`OpRecord.repeat`, its model FLOPs likewise), each block parameter is there c_s
   times (as c_s tensors), and a block op's storage counts c_s times when it is kept
   for another program of its stage (saved activations, gradients) or handed to the
@@ -47,6 +48,7 @@ from autopar.compiler.analysis.memory import (
     CATEGORIES,
     MemoryPrediction,
     graph_liveness,
+    held_per_byte,
     optimizer_memory,
     zero_block_bytes,
 )
@@ -54,18 +56,22 @@ from autopar.compiler.analysis.summary import (
     GraphSummary,
     OpRecord,
     changed,
-    node_time,
     summarize,
 )
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.annotate import tensor_bytes
-from autopar.compiler.ir.graph import TrainGraph
-from autopar.compiler.ir.schedule import build, rank_actions, send_releases
+from autopar.compiler.ir.graph import TrainGraph, param_layers
+from autopar.compiler.ir.schedule import build, in_flight, rank_actions, send_releases
 from autopar.compiler.lowering.lower_pipeline import split_gradient_sums
-from autopar.compiler.passes.assign_stages import balanced_cuts
+from autopar.compiler.passes.assign_stages import (
+    CUT_WEIGHTS,
+    CutMemory,
+    balanced_cuts,
+    cut_weights,
+)
 from autopar.compiler.planner.pipeline_cost import phase_time
 from autopar.compiler.planner.pipeline_memory import SentBuffers
-from autopar.compiler.planner.scaled import op_layers, param_layers
+from autopar.compiler.planner.scaled import op_layers
 from autopar.compiler.planner.stages import Message, StageSummary, stage_summary
 from autopar.costs import DEFAULT_EFFICIENCY, Efficiency
 from autopar.layout import Layout
@@ -86,6 +92,11 @@ class Template:
     head_s: float = 0.0
     block_s: float = 0.0
     tail_s: float = 0.0
+    # AssignStages' CutWeights in bytes, the same three: parameters, and what the forward
+    # keeps for the backward per micro-batch (from the rewritten template: after fusion)
+    head_bytes: tuple[int, int] = (0, 0)
+    block_bytes: tuple[int, int] = (0, 0)
+    tail_bytes: tuple[int, int] = (0, 0)
     # per value sent between the two stages: (phase, from a block op, to a block op, bytes)
     sends: tuple[tuple[str, bool, bool, int], ...] = ()
     sent: frozenset[int] = frozenset()  # the storages of those values
@@ -94,10 +105,23 @@ class Template:
     split: frozenset[int] = frozenset()
     parts: frozenset[int] = frozenset()
 
-    def blocks_per_stage(self, n_stages: int) -> tuple[int, ...]:
-        """Blocks of each stage, cut as AssignStages cuts the whole model (balanced_cuts:
-        the last stage may hold only the head)."""
-        return _blocks_per_stage(self.blocks, n_stages, self.block_s, self.head_s, self.tail_s)
+    def blocks_per_stage(self, n_stages: int, layout: Layout | None = None,
+                         optimizer: str = "adamw", budget: float | None = None
+                         ) -> tuple[int, ...]:
+        """Blocks of each stage, cut as AssignStages cuts the whole model under `layout`
+        (balanced_cuts: the last stage may hold only the head; with one stage per rank,
+        the fastest cut whose stages fit `budget` bytes, AssignStages' stage_budget).
+        Without a layout or a budget: on time alone."""
+        memory = None
+        if layout is not None and budget is not None and layout.virtual_stages == 1 \
+                and n_stages > 1:
+            held = held_per_byte(layout, optimizer)
+            memory = (held * self.head_bytes[0], self.head_bytes[1],
+                      held * self.block_bytes[0], self.block_bytes[1],
+                      held * self.tail_bytes[0], self.tail_bytes[1],
+                      in_flight(layout.schedule, layout.pp, layout.microbatches))
+        return _blocks_per_stage(self.blocks, n_stages, self.block_s, self.head_s, self.tail_s,
+                                 memory, budget)
 
     # worked out once per template, for every depth replicated or floored from it
     @functools.cached_property
@@ -130,10 +154,16 @@ class Template:
 
 @functools.lru_cache(maxsize=1024)
 def _blocks_per_stage(blocks: int, n_stages: int, block_s: float, head_s: float,
-                      tail_s: float) -> tuple[int, ...]:
-    """Template.blocks_per_stage, once per depth of a template (the search asks it for
-    every layout it replicates, bounds or costs)."""
-    cuts = balanced_cuts([block_s] * blocks, n_stages, head_s, tail_s)
+                      tail_s: float, memory: tuple | None, budget: float | None
+                      ) -> tuple[int, ...]:
+    """Template.blocks_per_stage, once per depth and memory weights of a template (the
+    search asks it for every layout it replicates, bounds or costs)."""
+    weighed = None
+    if memory is not None:
+        head_fixed, head_saved, fixed, saved, tail_fixed, tail_saved, flight = memory
+        weighed = CutMemory((fixed,) * blocks, (float(saved),) * blocks, head_fixed,
+                            float(head_saved), tail_fixed, float(tail_saved), flight)
+    cuts = balanced_cuts([block_s] * blocks, n_stages, head_s, tail_s, weighed, budget)
     bounds = [0, *cuts, blocks]
     return tuple(b - a for a, b in zip(bounds, bounds[1:]))
 
@@ -143,20 +173,15 @@ def template_of(tg: TrainGraph, blocks: int, cluster: ClusterSpec) -> Template:
     stages = stage_summary(tg)
     if stages.stages != 2:
         raise ValueError(f"a pipeline template has 2 stages, this graph has {stages.stages}")
-    head = block = tail = 0.0
-    for n in tg.call_nodes():  # as AssignStages._cut weighs them
-        layer = n.meta.get(M.LAYER)
-        if layer == 1:
-            block += node_time(n, cluster)
-        elif layer is None:  # forward and backward, each on its stage
-            if n.meta.get(M.STAGE) == 0:
-                head += node_time(n, cluster)
-            else:
-                tail += node_time(n, cluster)
     summary = summarize(tg)
     sends, sent = _sends(tg, summary)
+    # what AssignStages weighed for its cut, on the graph it cut (before the passes after
+    # it, such as fusion): the whole model's AssignStages weighs the same graph's blocks
+    w = tg.attrs.get(CUT_WEIGHTS) or cut_weights(tg, cluster)
     return Template(summary, stages, op_layers(tg), param_layers(tg), blocks,
-                    head, block, tail, sends, sent, *_split(tg, summary))
+                    w.head_s, w.seconds.get(1, 0.0), w.tail_s, (w.head_params, w.head_saved),
+                    (w.params.get(1, 0), w.saved.get(1, 0)), (w.tail_params, w.tail_saved),
+                    sends, sent, *_split(tg, summary))
 
 
 def _indices(tg: TrainGraph, summary: GraphSummary) -> dict[fx.Node, int]:
@@ -230,7 +255,8 @@ def _selection(t: Template, stage: int, n_stages: int, blocks: int) -> tuple[int
     return 1, [i for i in ops if t.op_layer[i] is not None]
 
 
-def first_rank_saved_floor(t: Template, layout: Layout) -> int:
+def first_rank_saved_floor(t: Template, layout: Layout, optimizer: str = "adamw",
+                           budget: float | None = None) -> int:
     """Bytes below the peak of a pipeline's first rank replicated from `t`
     (pipeline_memory_from_summary), from the template alone. Until its first backward,
     the rank holds every micro-batch it has run forward, and each forward of its stage
@@ -240,7 +266,7 @@ def first_rank_saved_floor(t: Template, layout: Layout) -> int:
     interleaved schedule (the rank runs several stages)."""
     if layout.virtual_stages != 1:
         return 0
-    blocks = t.blocks_per_stage(layout.pp)[0]
+    blocks = t.blocks_per_stage(layout.pp, layout, optimizer, budget)[0]
     saved, handed = t.saved_per_block
     return _first_forwards(layout.schedule, layout.pp, layout.microbatches) \
         * blocks * (saved + (handed if blocks > 1 else 0))
@@ -307,9 +333,10 @@ def _block_outputs(t: Template) -> dict[int, frozenset[int]]:
     return {0: frozenset(into_block1), 1: frozenset(into_head)}
 
 
-def replicate(t: Template, n_stages: int, representatives: bool = False
+def replicate(t: Template, counts: tuple[int, ...], representatives: bool = False
               ) -> tuple[GraphSummary, StageSummary]:
-    """The summaries of an `n_stages`-stage pipeline of the whole model (module docstring).
+    """The summaries of a pipeline of the whole model whose stage s holds counts[s] blocks
+    (`Template.blocks_per_stage`; module docstring).
 
     `representatives`: only the first stage of each kind has its ops in the summary (the
     others of that kind run the same ops: `StageSummary.kinds`); the parameters, the
@@ -321,7 +348,7 @@ def replicate(t: Template, n_stages: int, representatives: bool = False
     costs each kind's programs on its first stage in both, and a stage's values reach
     other stages as messages, not as uses (Estimator.memory_floor replays the end ranks
     on it)."""
-    counts = t.blocks_per_stage(n_stages)
+    n_stages = len(counts)
     kept, handed_on = t.kept, t.handed_on
     handed: list[int] = []
     repeated: list[int] = []

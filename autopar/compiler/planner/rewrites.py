@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 from autopar.cluster import ClusterSpec
 from autopar.compiler.analysis.summary import GraphSummary, summarize
 from autopar.compiler.ir.graph import TrainGraph
+from autopar.compiler.passes.assign_stages import AssignStages
 from autopar.compiler.passes.base import GraphPass
 from autopar.compiler.passes.defaults import (
     default_passes,
@@ -86,7 +87,18 @@ def template_key(layout: Layout) -> tuple:
     """What the default passes read of `layout`'s pipeline template: the pipelines equal
     in it are costed from templates that differ only in their micro-batch size."""
     run_on = template_layout(layout)
-    return reads_of(default_passes(run_on), run_on)
+    return reads_of(planner_passes(run_on, template=True), run_on)
+
+
+def planner_passes(layout: Layout, template: bool) -> list[GraphPass]:
+    """default_passes(layout); a pipeline template's AssignStages cuts on time alone (its
+    cut is pinned between its two blocks, whatever the stages' bytes), so its key reads
+    only the stage count: every micro-batch count and schedule shares the template."""
+    passes = default_passes(layout)
+    if template:
+        passes = [AssignStages(weigh_memory=False) if isinstance(p, AssignStages) else p
+                  for p in passes]
+    return passes
 
 
 class Rewrites:
@@ -144,7 +156,8 @@ class Rewrites:
         if layout not in self._keys:
             trace_key = self.traces.key(layout)
             run_on = self._run_on(layout)
-            reads = reads_of(default_passes(run_on), run_on) if self.passes is None \
+            template = self.traces.is_template(layout)
+            reads = reads_of(planner_passes(run_on, template), run_on) if self.passes is None \
                 else (("layout", run_on),)
             self._keys[layout] = (trace_key, reads)
         return self._keys[layout]
@@ -186,12 +199,13 @@ class Rewrites:
     def run_passes(self, trace: TracedEntry, asked: Layout, layout: Layout,
                    options: dict[str, Any]) -> TrainGraph:
         """run_passes of `layout` (the one `asked` is costed from) on `trace`; with the
-        default pass list, from the graph after its forward-level passes (the costly
+        default pass list (`planner_passes`, for a pipeline's template where `asked` is
+        costed from one), from the graph after its forward-level passes (the costly
         re-traces), kept for the layouts that those passes read alike."""
         if self.passes is not None:
             return run_passes(self.traces.joint(asked), layout, self.cluster, self.passes,
                               options=options)[0]
-        first, rest = split_forward_level(default_passes(layout))
+        first, rest = split_forward_level(planner_passes(layout, self.traces.is_template(asked)))
         if trace.forward is not None:  # the micro-batch was traced with AMP's hook
             self._forward.setdefault((trace.key, trace.forward[0], ()), trace.forward[1])
         # a pass list that re-traces first takes the trace still pending (it traces once)

@@ -47,7 +47,7 @@ from autopar.compiler.analysis.memory import last_uses
 from autopar.compiler.analysis.summary import GraphSummary, OpRecord
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.annotate import repeated_block_container
-from autopar.compiler.ir.graph import TrainGraph
+from autopar.compiler.ir.graph import TrainGraph, param_layers
 from autopar.compiler.planner.stages import StageSummary
 
 
@@ -87,19 +87,6 @@ def op_buckets(tg: TrainGraph) -> tuple[bool, ...]:
     n_state = len(tg.signature.params) + len(tg.signature.buffers)
     n_inputs = len(tg.placeholders()) - n_state
     return (False,) * n_inputs + tuple(M.BUCKET in n.meta for n in tg.call_nodes())
-
-
-def param_layers(tg: TrainGraph) -> tuple[int | None, ...]:
-    """The block of each parameter: the one block all its forward readers (else all its
-    readers) belong to, else None. NOTE: forward first, because a fused backward region
-    can cross a block boundary and carry its last op's block (fuse_regions._replace): a
-    block's layer-norm weight is then also read by an op outside the blocks."""
-    out = []
-    for node in tg.placeholders()[:len(tg.signature.params)]:
-        forward = [u for u in node.users if u.meta.get(M.ROLE) != M.Role.BACKWARD]
-        layers = {u.meta.get(M.LAYER) for u in (forward or node.users)}
-        out.append(layers.pop() if len(layers) == 1 else None)
-    return tuple(out)
 
 
 def scale_summary(summary: GraphSummary, tg: TrainGraph, counts: tuple[int, ...]) -> GraphSummary:
