@@ -261,24 +261,22 @@ def build(name: str, pp: int, microbatches: int, virtual_stages: int = 1) -> Sch
     return _schedule(name, pp, microbatches, virtual_stages)
 
 
-@functools.lru_cache(maxsize=256)
 def in_flight(name: str, pp: int, microbatches: int) -> tuple[int, ...]:
     """Per stage of a schedule without virtual stages: the most micro-batches whose
     forward it has run and whose backward it has not finished (B, or W under zero-bubble:
     the weight gradient still reads the saved inputs), at any point of its rank's list.
-    1F1B: min(microbatches, pp - stage); GPipe: microbatches on every stage."""
-    out = []
-    for r in range(pp):
-        live = most = 0
-        finished = ("W",) if name == "zero-bubble" else ("B",)
-        for action in rank_actions(name, pp, microbatches, 1, r):
-            if action.kind == "F":
-                live += 1
-                most = max(most, live)
-            elif action.kind in finished:
-                live -= 1
-        out.append(most)
-    return tuple(out)
+    1F1B runs pp - s forwards on stage s before its first backward; GPipe runs every
+    forward first; ZB-H1's stage s defers up to s weight gradients after its pp - s
+    warm-up forwards (tests replay the lists)."""
+    _check(pp, microbatches)
+    if name == "gpipe":
+        return (microbatches,) * pp
+    if name == "1f1b":
+        return tuple(min(microbatches, pp - s) for s in range(pp))
+    if name == "zero-bubble":
+        return (min(microbatches, pp),) * pp
+    raise ScheduleError(f"in_flight is for a schedule without virtual stages (1f1b, gpipe, "
+                        f"zero-bubble), got {name!r}")
 
 
 def _check(pp: int, microbatches: int) -> None:

@@ -28,6 +28,7 @@ Before:                                  After (pp=2, 2 blocks):
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -94,7 +95,8 @@ class CutMemory:
 
 def balanced_cuts(costs: list[float], parts: int, head: float = 0.0,
                   tail: float = 0.0, memory: CutMemory | None = None,
-                  budget: float | None = None) -> list[int]:
+                  budget: float | None = None, time_cuts: list[int] | None = None
+                  ) -> list[int]:
     """Start index of every part after the first, cutting `costs` (one per block) into
     `parts` contiguous parts that minimise the costliest part; `head` and `tail` are
     added to the first and the last part. Every part holds at least one block, except
@@ -103,24 +105,99 @@ def balanced_cuts(costs: list[float], parts: int, head: float = 0.0,
 
     With `memory` and a `budget` (bytes per stage): where a part of that cut holds more
     than the budget, the least costly cut whose every part fits; where none fits, the
-    cut whose fullest part holds least (of those, the least costly)."""
+    cut whose fullest part holds least (of those, the least costly). `time_cuts`: the
+    time-balanced cut, known already (balanced_cuts without `memory`)."""
     # the tail as a block of its own, which always falls in the last part
     ends = list(costs) + [tail] * (tail > 0)
     parts = min(parts, len(ends))
-    cuts = _balanced(ends, parts, head, 0.0)
+    cuts = time_cuts if time_cuts is not None else _balanced(ends, parts, head, 0.0)
     if memory is None or budget is None or parts < 2:
         return cuts
     if len(memory.fixed) != len(costs) or len(memory.saved) != len(costs) \
             or len(memory.in_flight) != parts:
         raise ValueError(f"CutMemory of {len(memory.fixed)} blocks and {len(memory.in_flight)} "
                          f"stages for {len(costs)} blocks cut into {parts} stages")
+    fits = memory.stage_bytes(cuts)
+    if max(fits) <= budget:
+        return cuts
+    if len(set(costs)) == 1 and len(set(memory.fixed)) == 1 and len(set(memory.saved)) == 1:
+        return _fitting_uniform(len(costs), parts, costs[0], head, tail, memory, budget)
     return _fitting(cuts, ends, parts, head, tail > 0, memory, budget)
+
+
+def _fitting_uniform(n: int, parts: int, block: float, head: float, tail: float,
+                     memory: CutMemory, budget: float) -> list[int]:
+    """balanced_cuts with `memory` and `budget` for n blocks that weigh alike (a stack of
+    equal blocks: the planner's replicated pipelines, and a whole model of them, cut
+    alike), by block counts: stage k's time and bytes grow with its count alone, so
+    the least bound that some counts meet is found by binary search over the bounds a
+    stage can have, each tried in O(parts log n); the counts are then filled one block
+    at a time where the stage's time (then bytes) after it is least."""
+    w = memory.in_flight
+    per_block = [memory.fixed[0] + w[k] * memory.saved[0] for k in range(parts)]
+
+    def time_of(k: int, c: int) -> float:
+        return c * block + (head if k == 0 else 0.0) + (tail if k == parts - 1 else 0.0)
+
+    def bytes_of(k: int, c: int) -> float:
+        held = c * per_block[k]
+        if k == 0:
+            held += memory.head_fixed + w[0] * memory.head_saved
+        if k == parts - 1:
+            held += memory.tail_fixed + w[-1] * memory.tail_saved
+        return held
+
+    least = [1] * (parts - 1) + [0 if tail > 0 else 1]  # only a tail may stand alone
+
+    def most(value, per: float, limit: float) -> int:
+        """The largest count c <= n with value(c) = c * per + value(0) <= limit (-1: none),
+        from the quotient, then checked on value itself as the caller computes it."""
+        if value(0) > limit:
+            return -1
+        c = n if per <= 0 or limit == float("inf") else min(n, int((limit - value(0)) / per))
+        while c < n and value(c + 1) <= limit:
+            c += 1
+        while c > 0 and value(c) > limit:
+            c -= 1
+        return c
+
+    def caps(limit_s: float, limit_bytes: float) -> list[int] | None:
+        out = []
+        for k in range(parts):
+            cap = min(most(lambda c: time_of(k, c), block, limit_s),
+                      most(lambda c: bytes_of(k, c), per_block[k], limit_bytes))
+            if cap < least[k]:
+                return None
+            out.append(cap)
+        return out if sum(out) >= n else None
+
+    def least_bound(values: list[float], fits) -> float | None:
+        values = sorted(set(values))
+        at = bisect.bisect_left(range(len(values)), True, key=lambda i: fits(values[i]))
+        return values[at] if at < len(values) else None
+
+    # a stage's time depends on whether it is the first, the last or one between
+    times = [time_of(k, c) for k in {0, min(1, parts - 1), parts - 1} for c in range(n + 1)]
+    limit_s = least_bound(times, lambda t: caps(t, budget) is not None)
+    limit_bytes = budget
+    if limit_s is None:  # nothing fits: the lightest, and of those the fastest
+        inf = float("inf")
+        limit_bytes = least_bound([bytes_of(k, c) for k in range(parts) for c in range(n + 1)],
+                                  lambda m: caps(inf, m) is not None)
+        limit_s = least_bound(times, lambda t: caps(t, limit_bytes) is not None)
+    cap = caps(limit_s, limit_bytes)
+    counts = list(least)
+    for _ in range(n - sum(least)):
+        k = min((k for k in range(parts) if counts[k] < cap[k]),
+                key=lambda k: (time_of(k, counts[k] + 1), bytes_of(k, counts[k] + 1), -k))
+        counts[k] += 1
+    return list(itertools.accumulate(counts[:-1]))
 
 
 def _fitting(cuts: list[int], ends: list[float], parts: int, head: float, tail_block: bool,
              memory: CutMemory, budget: float) -> list[int]:
-    """balanced_cuts with `memory` and `budget`, from the time-balanced `cuts` of `ends`
-    (the blocks' costs, the tail's as a last block when `tail_block`)."""
+    """balanced_cuts with `memory` and `budget` where the time-balanced `cuts` of `ends`
+    (the blocks' costs, the tail's as a last block when `tail_block`) do not fit."""
     n = len(ends)
     w = memory.in_flight
     extra = ([memory.tail_fixed], [memory.tail_saved]) if tail_block else ([], [])
@@ -139,9 +216,6 @@ def _fitting(cuts: list[int], ends: list[float], parts: int, head: float, tail_b
         return (fixed[j] - fixed[i] + w[k - 1] * (saved[j] - saved[i])
                 + (head_bytes if k == 1 else 0.0) + (tail_bytes if k == parts else 0.0))
 
-    bounds = [0, *cuts, n]
-    if all(bytes_of(k + 1, a, b) <= budget for k, (a, b) in enumerate(zip(bounds, bounds[1:]))):
-        return cuts
     _, fastest = _least_max(n, parts, time_of, lambda k, i, j: bytes_of(k, i, j) <= budget)
     if fastest is not None:
         return fastest

@@ -158,14 +158,23 @@ def _blocks_per_stage(blocks: int, n_stages: int, block_s: float, head_s: float,
                       ) -> tuple[int, ...]:
     """Template.blocks_per_stage, once per depth and memory weights of a template (the
     search asks it for every layout it replicates, bounds or costs)."""
-    weighed = None
+    cuts = _time_cuts(blocks, n_stages, block_s, head_s, tail_s)
     if memory is not None:
         head_fixed, head_saved, fixed, saved, tail_fixed, tail_saved, flight = memory
         weighed = CutMemory((fixed,) * blocks, (float(saved),) * blocks, head_fixed,
                             float(head_saved), tail_fixed, float(tail_saved), flight)
-    cuts = balanced_cuts([block_s] * blocks, n_stages, head_s, tail_s, weighed, budget)
+        cuts = balanced_cuts([block_s] * blocks, n_stages, head_s, tail_s, weighed, budget,
+                             time_cuts=list(cuts))
     bounds = [0, *cuts, blocks]
     return tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+@functools.lru_cache(maxsize=1024)
+def _time_cuts(blocks: int, n_stages: int, block_s: float, head_s: float, tail_s: float
+               ) -> tuple[int, ...]:
+    """The time-balanced cuts of a template's stack, once per depth (most layouts'
+    stages fit their budget: only their bytes are weighed anew)."""
+    return tuple(balanced_cuts([block_s] * blocks, n_stages, head_s, tail_s))
 
 
 def template_of(tg: TrainGraph, blocks: int, cluster: ClusterSpec) -> Template:
