@@ -102,6 +102,9 @@ class Estimator:
         self.replicas = Replicas()
         self.schedules = ScheduleTimes(cluster, optimizer, efficiency)
         self.floors = TemplateFloors(cluster, efficiency)
+        # the bytes a pipeline stage's cut fits in, as AssignStages takes it under the
+        # default passes (the cluster's device memory)
+        self.stage_budget = stage_budget(cluster, PassOptions())
         self.workers = WorkerPool()
         self._predictions: dict[Layout, Prediction] = {}
 
@@ -277,12 +280,6 @@ class Estimator:
             if status == "ok":
                 return data
         return layer_costs(self.traced_in_precision(layout), self.cluster, self.efficiency)
-
-    @property
-    def stage_budget(self) -> float:
-        """The bytes a pipeline stage's cut fits in, as AssignStages takes it under the
-        default passes (the cluster's device memory)."""
-        return stage_budget(self.cluster, PassOptions())
 
     def blocks_per_stage(self, template: Template, layout: Layout) -> tuple[int, ...]:
         """Blocks of each stage of `layout`'s pipeline replicated from `template`, cut as
