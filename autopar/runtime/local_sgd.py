@@ -253,6 +253,6 @@ class LocalSGDPipelineStep(_Averaging, PipelineStep):
     def _finish_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         if self.sum_over_dp or self.mesh.device_mesh is None:
             return super()._finish_loss(losses)
-        total = torch.stack(losses).mean() if losses else torch.zeros(())
+        total = self._local_loss(losses)
         dist.all_reduce(total, group=self.mesh.group("pp"))  # the last stage's, on every stage
         return total

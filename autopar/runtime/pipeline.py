@@ -306,12 +306,19 @@ class PipelineStep(TrainingState):
 
     def _finish_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The global mean loss on every rank (the last stage computed it)."""
-        total = torch.stack(losses).mean() if losses else torch.zeros(())
+        total = self._local_loss(losses)
         if self.mesh.device_mesh is None:
             return total
         total = total / (self.dp * self.tp)  # every tp peer of the last stage holds it
         dist.all_reduce(total)
         return total
+
+    def _local_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's micro-batch mean; a rank without the loss stage gives zero in the
+        loss's dtype, since the all-reduce that follows needs one dtype on every rank."""
+        if losses:
+            return torch.stack(losses).mean()
+        return torch.zeros((), dtype=self.program.values[self.program.loss_key].dtype)
 
     def _sync_grads(self, parts: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """Each held parameter's gradient: its parts summed over the pipeline ranks that
