@@ -9,7 +9,9 @@ first receive that proves its receiver has it (`schedule.send_releases`: waiting
 it then returns at once), not at the end of the step: a rank holds a few send buffers,
 not one per micro-batch.
 
-After the last action: gradients (summed over micro-batches; the backward seed is
+A stage's backward adds its gradient parts into their sums in place from the second
+micro-batch on (`pipeline_program.accumulating`), each as soon as it is made, as autograd
+adds into `.grad`. After the last action: gradients (summed over micro-batches; the backward seed is
 already scaled by 1/(microbatches*dp)) are summed over data-parallel ranks, each
 parameter's gradient parts are summed over the pipeline ranks that read it (a tied
 embedding has one part per stage that uses it, accumulated locally), and every
@@ -27,7 +29,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autopar.compiler.ir.batch import BatchError, Objective, normalizer_means
-from autopar.compiler.ir.pipeline_program import PipelineProgram, StageProgram
+from autopar.compiler.ir.pipeline_program import PipelineProgram, StageProgram, accumulating
 from autopar.compiler.ir.program import TensorEntry, bind_groups, runnable
 from autopar.runtime.loss_scaler import LossScaler
 from autopar.runtime.mesh import Mesh, build_mesh
@@ -98,6 +100,8 @@ class PipelineStep(TrainingState):
         wire = program.layout.get("grad_comm_dtype")
         self._wire_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(wire)
         self._releases = program.send_releases(self.pp_rank)
+        self._accumulators: dict[tuple[int, str], tuple] = {}  # (stage, kind) -> accumulating
+        self._read = program.values_read()
         # whether the gradients are summed over dp after the schedule: Local SGD's local
         # steps and DGC's compressed ones turn it off (runtime/local_sgd.py, dgc.py)
         self.sum_over_dp = True
@@ -188,7 +192,10 @@ class PipelineStep(TrainingState):
                 if action.kind in ("F", "B", "I", "W"):
                     spans.append((action, begin - start, time.perf_counter() - start))
                 if last_use[action.microbatch] == i:
-                    del envs[action.microbatch]  # its activations are no longer needed here
+                    # its activations are no longer needed here: emptied, not only let go
+                    # of, since the loop's `env` still names the last micro-batch's
+                    # through the gradient sums and the optimizer step
+                    envs.pop(action.microbatch).clear()
             for request, _tensor in (r for rs in sends.values() for r in rs):
                 request.wait()  # the tensor stays alive until its send is done
             # measured compute spans of the schedule (compared with its simulation by
@@ -212,11 +219,26 @@ class PipelineStep(TrainingState):
         elif kind in ("B", "I", "W"):
             gm, inputs, outputs = {"B": (stage.backward, stage.b_inputs, stage.b_outputs),
                                    "I": stage.input_grad, "W": stage.weight_grad}[kind]
+            parts = [k for k in outputs if k in self.part_keys]
+            if parts and self.run_graph is None and all(k in grads for k in parts):
+                # the program adds its parts into their sums itself, each as soon as it
+                # is made (autopar.bisect records the parts themselves: the plain program)
+                gm, sums, outputs = self._accumulating(stage.stage, kind, gm, outputs)
+                self._run(gm, inputs, outputs, env, action, [grads[k] for k in sums])
+                return
             self._run(gm, inputs, outputs, env, action)
-            for grad_key in outputs:
-                if grad_key in self.part_keys:
-                    value = env.pop(grad_key)
-                    grads[grad_key] = value if grad_key not in grads else grads[grad_key] + value
+            made = [(k, env[k] if k in self._read else env.pop(k)) for k in parts]
+            shared = _storages([*env.values(), *grads.values()]) if made else set()
+            for grad_key, value in made:
+                if grad_key in grads:
+                    grads[grad_key] = grads[grad_key] + value
+                    continue
+                # the part becomes its sum, which later micro-batches add into in place:
+                # copied where its storage is shared with a value of the micro-batch or
+                # another sum (a part that views an activation, two parts one tensor)
+                storage = value.untyped_storage().data_ptr()
+                grads[grad_key] = value.clone() if storage in shared else value
+                shared.add(storage)
         elif kind in ("SF", "SB"):
             table = stage.send_forward if kind == "SF" else stage.send_backward
             for dst, keys in sorted(table.items()):
@@ -243,9 +265,17 @@ class PipelineStep(TrainingState):
         stages = len(self.program.stages)
         return ((mb * stages + src) * stages + dst) * 4096 + index
 
+    def _accumulating(self, stage: int, kind: str, gm: fx.GraphModule,
+                      outputs: tuple[str, ...]) -> tuple:
+        """`pipeline_program.accumulating` of the stage's program, made once."""
+        key = (stage, kind)
+        if key not in self._accumulators:
+            self._accumulators[key] = accumulating(gm, outputs, self.part_keys, self._read)
+        return self._accumulators[key]
+
     def _run(self, gm: fx.GraphModule, inputs: tuple[str, ...], outputs: tuple[str, ...],
-             env: dict[str, torch.Tensor], action) -> None:
-        args = [env[k] for k in inputs]
+             env: dict[str, torch.Tensor], action, sums: Sequence[torch.Tensor] = ()) -> None:
+        args = [env[k] for k in inputs] + list(sums)
         # on a CPU the fused regions' ops run inline (codegen/kernels.py's run rule); autopar.bisect's
         # run_graph records the values of the program as compiled, region by region
         results = (runnable(gm, args)(*args) if self.run_graph is None
@@ -424,3 +454,8 @@ class PipelineStep(TrainingState):
             for alias in entry.aliases:
                 merged[alias] = merged[entry.name]
         return merged
+
+
+def _storages(values) -> set[int]:
+    """The data pointers of the storages of the tensors among `values`."""
+    return {t.untyped_storage().data_ptr() for t in values if isinstance(t, torch.Tensor)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 import autopar
 from autopar.examples import gpt2, llama
@@ -112,3 +113,59 @@ def pp2_1f1b_llama_8_layers_float64_adamw():
     example = llama(layers=8)
     example.model.to(torch.float64)
     check_parity(example, adamw, autopar.Layout(pp=2, microbatches=4))
+
+
+class _Shifted(torch.nn.Module):
+    """x + shift, then a residual MLP: with micro-batches of one row, shift's (1, width)
+    gradient is the block's input gradient itself, one tensor of the graph."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.shift = torch.nn.Parameter(torch.randn(1, width) / 4)
+        self.lin = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        h = x + self.shift
+        return h + torch.tanh(self.lin(h))
+
+
+class _ShiftedStack(torch.nn.Module):
+    def __init__(self, blocks=2):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Shifted() for _ in range(blocks))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@case(world=2)
+def pp2_parameter_gradient_that_is_the_sent_input_gradient_sgd():
+    """The last stage's shift gradient is the input gradient it sends back: it stays in
+    the micro-batch's environment for the send and its sum is a copy, which the next
+    micro-batches add into in place without touching the tensor being sent."""
+    from autopar.examples import Example
+
+    torch.manual_seed(0)
+    example = Example(_ShiftedStack(), (torch.randn(4, 16),),
+                      lambda out, x: (out - torch.sin(x)).pow(2).mean(), "shifted blocks", None)
+    step = check_parity(example, sgd, autopar.Layout(pp=2, microbatches=4, fusion=False))
+    last = step.program.stages[-1]
+    sent = {k for keys in last.send_backward.values() for k in keys}
+    parts = {k for p in step.program.grad_parts for k in p}
+    assert sent & parts, (sent, parts)  # the case under test
+    # what a rank sends is never changed after: gloo may still be reading it (parity
+    # alone cannot tell, when each send happens to finish before the next add)
+    isend, sends = dist.isend, []
+
+    def recording(tensor, *args, **kwargs):
+        sends.append((tensor, tensor.clone()))
+        return isend(tensor, *args, **kwargs)
+    dist.isend = recording
+    try:
+        step(torch.randn(4, 16))
+    finally:
+        dist.isend = isend
+    assert sends or dist.get_rank() == 0
+    assert all(torch.equal(tensor, then) for tensor, then in sends)

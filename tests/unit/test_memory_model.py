@@ -136,9 +136,10 @@ def test_gradient_accumulation_peak_matches_live_storage(name, microbatches):
                            layout=autopar.Layout(microbatches=microbatches), optimizer=optimizer)
     step(*ex.batch)
     measured, held = measure_step(step, *ex.batch)
-    pred = pipeline_memory(step.program, 0, mm.profile_optimizer(optimizer))
+    # a CPU runs the fused regions' ops inline, as the planner models it on a CPU cluster
+    pred = pipeline_memory(step.program, 0, mm.profile_optimizer(optimizer), regions_inline=True)
     assert sum(pred.static.values()) == held
-    assert pred.peak_bytes == pytest.approx(measured, rel=0.05), pred.by_category
+    assert pred.peak_bytes == pytest.approx(measured, rel=0.01), pred.by_category
     # one micro-batch's activations at a time: less than the unsplit step's
     whole, _ = measured_and_predicted(name)
     assert measured < whole

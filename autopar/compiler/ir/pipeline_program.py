@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.program import LOSS_SCALE_INPUT, TensorEntry
 from autopar.compiler.ir.schedule import Schedule, send_releases
 
@@ -84,7 +85,55 @@ class PipelineProgram:
             return list(self.receives(stage, "forward" if phase == "F" else "backward"))
         return send_releases(self.schedule, pp_rank, sends_to, receives_from)
 
+    def values_read(self) -> set[str]:
+        """The keys some program reads or some stage sends: a gradient part among them
+        (a parameter's gradient that is also the input gradient a stage sends back)
+        stays in its micro-batch's environment beside its sum."""
+        read = set()
+        for p in self.stages:
+            read.update(p.f_inputs, p.b_inputs)
+            for program in (p.input_grad, p.weight_grad):
+                if program:
+                    read.update(program[1])
+            for table in (p.send_forward, p.send_backward):
+                for keys in table.values():
+                    read.update(keys)
+        return read
+
     def stages_reading(self, param_key: str, parts: tuple[str, ...]) -> set[int]:
         """Stages whose programs read the parameter or produce a part of its gradient."""
         return {p.stage for p in self.stages
                 if param_key in p.uses() or set(parts) & (set(p.b_outputs) | set(p.f_outputs))}
+
+
+def accumulating(gm: fx.GraphModule, outputs: tuple[str, ...], parts: set[str],
+                 keep: set[str] = frozenset()
+                 ) -> tuple[fx.GraphModule, tuple[str, ...], tuple[str, ...]]:
+    """A stage program that adds its gradient parts into their accumulators in place, as
+    autograd accumulates into `.grad` across micro-batches: one more input per part
+    (its running sum, after the program's own inputs), each part added into it right
+    after the node that makes it, so the part's storage is freed there instead of
+    living to the program's end beside the sums. Returns the module, the keys of the
+    accumulators it takes (in input order) and the outputs it still returns (the
+    others, in their order, and the parts in `keep`, which something else reads: those
+    are added into their sums and returned too). The runtime runs it once every part has
+    its accumulator
+    (from the first micro-batch on a stage); the planner's memory replay frees each
+    part at its last use the same way (planner/pipeline_memory.py)."""
+    graph = fx.Graph()
+    remap: dict[fx.Node, fx.Node] = {}
+    returned = graph.graph_copy(gm.graph, remap)
+    values = list(returned) if isinstance(returned, (tuple, list)) else [returned]
+    acc_keys = tuple(k for k in outputs if k in parts)
+    last_input = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(last_input):
+        sums = {k: graph.placeholder(f"acc_{k}") for k in reversed(acc_keys)}
+    for key, value in zip(outputs, values):
+        if key in sums:
+            with graph.inserting_after(value):
+                add = graph.call_function(torch.ops.aten.add_.Tensor, (sums[key], value))
+            add.meta = {k: v for k, v in value.meta.items() if k in (M.VAL, M.ROLE)}
+    kept = tuple(k for k in outputs if k not in parts or k in keep)
+    graph.output(tuple(v for k, v in zip(outputs, values) if k not in parts or k in keep))
+    graph.lint()
+    return fx.GraphModule(gm, graph), acc_keys, kept

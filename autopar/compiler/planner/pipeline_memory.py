@@ -4,7 +4,10 @@ The pipeline runtime (`runtime/pipeline.py`) keeps one environment of values per
 micro-batch in flight: what its forward programs produce (activations the backward
 reads, values to send), what it receives, what its backward programs produce; the
 environment is dropped after the micro-batch's last action on the rank. Gradient
-parts are summed into one accumulator per part; a sent tensor stays alive until the
+parts are summed into one accumulator per part: the first micro-batch's parts become
+the sums, and a later program adds each part into its sum as it makes it
+(`pipeline_program.accumulating`), so there the part is freed at its last use instead
+of being returned; a sent tensor stays alive until the
 rank's first receive that proves its receiver has it (`schedule.send_releases`), even
 when its micro-batch's environment was dropped before (`SentBuffers`). So the peak
 depends on how many micro-batches the schedule keeps in flight on the rank: a 1F1B
@@ -20,6 +23,7 @@ dp > 1) and the optimizer step, as for an unpipelined step.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from autopar.compiler.analysis.memory import (
     CATEGORIES,
@@ -85,6 +89,8 @@ class _Replay:
         self.regions_inline = regions_inline
         self.stages = {p.stage: p for p in program.stages if p.stage % self.pp == pp_rank}
         self.part_keys = {k for parts in program.grad_parts for k in parts}
+        # the parts that leave the environment for their sums (the others are also sent)
+        self.leaving = self.part_keys - program.values_read()
         self.live = dict.fromkeys(CATEGORIES, 0)
         self.env: dict[int, dict[str, int]] = {}  # micro-batch -> its environment's bytes
         self.sends = SentBuffers(program.send_releases(pp_rank))
@@ -92,15 +98,22 @@ class _Replay:
         self.peak, self.at_peak, self.peak_op = 0, dict(self.live), ""
         self._programs: dict[tuple[int, str], tuple] = {}
 
-    def _liveness(self, stage: int, kind: str):
-        if (stage, kind) not in self._programs:
+    def _liveness(self, stage: int, kind: str, accumulate: bool = False):
+        """(liveness, outputs) of the stage's program; `accumulate`: as the runtime runs
+        it once its gradient parts have their sums (pipeline_program.accumulating), each
+        part freed at its last use instead of returned."""
+        if (stage, kind, accumulate) not in self._programs:
             p = self.stages[stage]
             gm, outputs = {"F": (p.forward, p.f_outputs), "B": (p.backward, p.b_outputs),
                            "I": p.input_grad[::2] if p.input_grad else None,
                            "W": p.weight_grad[::2] if p.weight_grad else None}[kind]
-            self._programs[stage, kind] = (graph_liveness(summarize_program(gm), self.regions_inline),
-                                          outputs)
-        return self._programs[stage, kind]
+            summary = summarize_program(gm)
+            if accumulate:
+                summary = replace(summary, output_storages=summary.output_storages
+                                  - _part_storages(gm, summary, outputs, self.leaving))
+            self._programs[stage, kind, accumulate] = (
+                graph_liveness(summary, self.regions_inline), outputs)
+        return self._programs[stage, kind, accumulate]
 
     def note(self, label: str, extra: dict[str, int]) -> None:
         total = sum(self.live.values()) + sum(extra.values())
@@ -126,15 +139,18 @@ class _Replay:
     def _compute(self, action) -> None:
         """A program runs: its own peak on top of what is alive; then its gradient parts
         join their accumulators and its other outputs the micro-batch's environment."""
-        liveness, outputs = self._liveness(action.stage, action.kind)
+        outputs = self._liveness(action.stage, action.kind)[1]
+        parts = [k for k in outputs if k in self.part_keys]
+        accumulate = bool(parts) and self.grads.issuperset(parts)
+        liveness = self._liveness(action.stage, action.kind, accumulate)[0]
         mine = "activations" if action.kind == "F" else "temporaries"
         transient = dict(liveness.at_peak)
         transient[mine] += transient.pop("gradients")  # its outputs, alive at its peak
         self.note(str(action), transient)
-        parts = [k for k in outputs if k in self.part_keys]
         self.live["gradients"] += sum(_bytes(self.program, k) for k in parts if k not in self.grads)
         self.grads.update(parts)
-        kept = liveness.outputs_bytes - sum(_bytes(self.program, k) for k in parts)
+        kept = liveness.outputs_bytes - (0 if accumulate else sum(
+            _bytes(self.program, k) for k in parts if k in self.leaving))
         self._add_env(action.microbatch, max(kept, 0), mine)
 
     def _bytes_across(self, stage: int, by_stage: dict[int, tuple[str, ...]]) -> int:
@@ -153,6 +169,16 @@ class _Replay:
         for category, size in env.items():
             self.live[category] -= size
         self.live["comm_buffers"] += self.sends.dropped(mb, sum(env.values()))
+
+
+def _part_storages(gm, summary, outputs: tuple[str, ...], part_keys: set[str]) -> frozenset:
+    """The storages of the program's outputs that are gradient parts."""
+    ops = {op.name: op for op in summary.ops}
+    returned = gm.graph.output_node().args[0]
+    returned = returned if isinstance(returned, (tuple, list)) else (returned,)
+    return frozenset(ops[node.name].storage for key, node in zip(outputs, returned)
+                     if key in part_keys and getattr(node, "name", None) in ops
+                     and ops[node.name].storage is not None)
 
 
 def held_parameter_bytes(program: PipelineProgram, pp_rank: int) -> tuple[int, list[int], int]:

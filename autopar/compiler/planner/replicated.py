@@ -488,9 +488,12 @@ def _program(summary: GraphSummary, members: list[int], own: set[tuple[int, str]
              readers: dict[int, set[tuple[int, str]]], blocks: int = 1,
              repeated: frozenset[int] = frozenset(),
              handed_back: tuple[int, frozenset[int]] = (0, frozenset()),
-             late: dict[int, int] | None = None):
+             late: dict[int, int] | None = None, accumulate: bool = False):
     """Liveness of one program (its inputs held outside it: `own` are its (stage, program)
-    labels) and the bytes of step outputs (gradients) it makes.
+    labels) and the bytes of step outputs (gradients) it makes. `accumulate`: as the
+    runtime runs it once its gradients have their sums (pipeline_program.accumulating):
+    each gradient added into its sum as it is made and freed at its last use, so no
+    gradient outlives the program (nor do the earlier blocks' copies).
 
     An output of a multi-output op that a later program of the stage takes (`late`:
     getitem -> op; a fused region's weight-gradient part, which W takes from I) is made
@@ -511,7 +514,7 @@ def _program(summary: GraphSummary, members: list[int], own: set[tuple[int, str]
     late = late or {}
     inside = set(members)
     returned = {s for s in members
-                if s in summary.output_storages or readers.get(s, own) - own}
+                if (s in summary.output_storages and not accumulate) or readers.get(s, own) - own}
     taken_later: dict[int, list[int]] = {}  # op -> its outputs a later program takes
     for g, source in late.items():
         if source in inside and g not in inside:
@@ -528,6 +531,10 @@ def _program(summary: GraphSummary, members: list[int], own: set[tuple[int, str]
             one = op.allocates // blocks
             earlier += op.allocates - one if i in returned else 0
             op = changed(op, allocates=one)
+        elif accumulate and op.storage == i and i in summary.output_storages and op.repeat > 1:
+            # a scaled summary's block gradient (m_b copies' bytes, planner/scaled.py): its
+            # copies are made one after another, each added and freed before the next
+            op = changed(op, allocates=op.allocates // op.repeat)
         order.append(i)
         ops.append(op)
         if i in taken_later:
@@ -567,7 +574,8 @@ def _program(summary: GraphSummary, members: list[int], own: set[tuple[int, str]
            for k, (i, op) in enumerate(zip(order, ops))]
     returned_at = {where[s] for s in returned} | {k for k, kept in zip(new, kept_new) if kept}
     liveness = graph_liveness(GraphSummary(tuple(ops), (), (), 0, frozenset(returned_at)))
-    grads = sum(summary.ops[s].allocates for s in summary.output_storages if s in where)
+    grads = 0 if accumulate else sum(summary.ops[s].allocates
+                                     for s in summary.output_storages if s in where)
     return liveness, grads
 
 
@@ -629,8 +637,9 @@ def pipeline_memory_from_summary(summary: GraphSummary, stages: StageSummary, la
 
 def stage_programs(summary: GraphSummary, stages: StageSummary, shared: dict | None = None
                    ) -> dict:
-    """(stage, "F" | "B" | "I" | "W") -> (liveness, gradient bytes) of its program (stages
-    of one kind computed once); independent of the layout's dp, schedule and ZeRO.
+    """(stage, "F" | "B" | "I" | "W") -> (liveness, gradient bytes, liveness once its
+    gradients have their sums: `_program`'s `accumulate`) of its program (stages of one
+    kind computed once); independent of the layout's dp, schedule and ZeRO.
     `shared`: a dict the caller keeps for the replicas of one template, where each kind's
     programs are kept for the other depths (a replicated stage's programs depend on its
     role and block count alone: what it sends or receives is a message, not a use)."""
@@ -662,9 +671,11 @@ def stage_programs(summary: GraphSummary, stages: StageSummary, shared: dict | N
     for s, kind, programs, key in keys:
         if key not in cache:
             members = sorted(i for p in programs for i in groups.get((s, p), ()))
-            cache[key] = _program(summary, members, {(s, p) for p in programs}, readers,
-                                  stages.kinds[s][1] if stages.kinds else 1, repeated,
-                                  back.get(s, (0, frozenset())), late)
+            made = [_program(summary, members, {(s, p) for p in programs}, readers,
+                             stages.kinds[s][1] if stages.kinds else 1, repeated,
+                             back.get(s, (0, frozenset())), late, accumulate)
+                    for accumulate in (False, True)]
+            cache[key] = (*made[0], made[1][0])
         out[s, kind] = cache[key]
     return out
 
@@ -702,14 +713,19 @@ def _replay_activity(across: tuple[dict, dict], programs: dict, actions,
         mb_env = env.setdefault(a.microbatch, {})
         if a.kind in ("F", "B", "I", "W"):
             key = (a.stage, a.kind)
-            if key not in prepared:
-                liveness, grads = programs[key]
+            # its gradients join their sums the first time it runs, are added into them
+            # in place after that
+            accumulate = key in done and programs[key][1] > 0
+            if (key, accumulate) not in prepared:
+                plain, grads, summing = programs[key]
+                liveness = summing if accumulate else plain
+                grads = 0 if accumulate else grads
                 mine = "activations" if a.kind == "F" else "temporaries"
                 transient = dict(liveness.at_peak)
                 transient[mine] += transient.pop("gradients")
-                prepared[key] = (transient, sum(transient.values()), mine, grads,
-                                 max(liveness.outputs_bytes - grads, 0))
-            transient, during, mine, grads, kept = prepared[key]
+                prepared[key, accumulate] = (transient, sum(transient.values()), mine, grads,
+                                             max(liveness.outputs_bytes - grads, 0))
+            transient, during, mine, grads, kept = prepared[key, accumulate]
             if held + during > peak:
                 peak, label, at_peak = held + during, a, (dict(live), transient)
             if key not in done:
