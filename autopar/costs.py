@@ -236,6 +236,24 @@ def dp_sum_time(nbytes: float, cluster: ClusterSpec, layout: Layout,
             + collective_time("broadcast", nbytes, local, cluster, layout.tp, eff))
 
 
+def dp_sum_bytes(nbytes: float, cluster: ClusterSpec, layout: Layout) -> dict[str, float]:
+    """The bytes of dp_sum_time's collectives by the group each runs over, each
+    collective's full tensor as collective_time takes it: "dp" for one all-reduce; for
+    the hierarchical form "dp.local" (the reduce and broadcast on gloo, the reduce-scatter
+    and all-gather on NCCL, inside each node) and "dp.node" (the all-reduce among the
+    node leaders: the whole on gloo, one shard on NCCL); a level of one rank moves
+    nothing. Empty when dp is 1."""
+    if layout.dp == 1 or not nbytes:
+        return {}
+    if layout.allreduce != "hierarchical":
+        return {"dp": nbytes}
+    local, nodes = dp_node_split(layout, cluster)
+    out = {"dp.local": 2 * nbytes} if local > 1 else {}  # a group of one moves nothing
+    if nodes > 1:
+        out["dp.node"] = nbytes / local if cluster.backend == "nccl" else nbytes
+    return out
+
+
 def group_spans_nodes(group_size: int, stride: int, cluster: ClusterSpec) -> bool:
     """Whether a mesh dimension's group crosses a node boundary. Its ranks are `stride`
     apart (the product of the inner mesh dimensions: 1 for dp while tp = pp = 1)."""

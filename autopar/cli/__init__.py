@@ -27,7 +27,7 @@ from pathlib import Path
 
 from rich.table import Table
 
-from autopar.cli.common import cluster_from_args, console
+from autopar.cli.common import bytes_whose, cluster_from_args, console, layout_errors
 from autopar.cli.planning import add_planner_commands
 from autopar.costs import OPTIMIZER_STATES
 from autopar.layout import RECOMPUTE
@@ -435,10 +435,8 @@ class _Progress:
 def cmd_estimate(args: argparse.Namespace) -> int:
     import torch
 
-    from autopar.cluster import ClusterSpecError
     from autopar.compiler.planner.estimate import estimate
     from autopar.examples import load_model_spec
-    from autopar.layout import LayoutError
 
     try:
         layout = _layout_from_args(args, bucket_mb=args.bucket_mb)
@@ -447,7 +445,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             example = load_model_spec(args.model)
         pred = estimate(example.model, cluster, layout, example.batch, example.loss_fn,
                                 optimizer=args.optimizer)
-    except (LayoutError, ClusterSpecError) as exc:
+    except layout_errors() as exc:
         raise SystemExit(f"autopar estimate: {exc}") from exc
     if args.json:
         print(json.dumps({"model": args.model, "cluster": cluster.describe(),
@@ -474,7 +472,7 @@ def _print_estimate(model: str, cluster, layout, pred) -> None:
         times.add_row(label, f"{seconds * 1e3:.3f}", f"{seconds / pred.step_time_s:.1%}")
     console.print(times)
     if pred.comm_bytes:
-        console.print("bytes one rank's collectives carry per step: " + ", ".join(
+        console.print(f"bytes {bytes_whose(layout)} carry per step: " + ", ".join(
             f"{group} {_fmt_bytes(n)}" for group, n in pred.comm_bytes.items())
             + (f" (summed whole every step: dp {_fmt_bytes(pred.uncompressed_bytes)})"
                if pred.uncompressed_bytes else ""))
@@ -496,14 +494,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     from autopar.api import check
     from autopar.compiler.ir.collectives import CollectiveMismatch
     from autopar.examples import load_model_spec
-    from autopar.layout import LayoutError
 
     try:
         layout = _layout_from_args(args, sequence_parallel=args.sequence_parallel)
         with torch.device("meta"):  # the programs are built on shapes; nothing runs
             example = load_model_spec(args.model)
         compared = check(example.model, example.batch, example.loss_fn, layout)
-    except LayoutError as exc:
+    except layout_errors() as exc:
         raise SystemExit(f"autopar check: {exc}") from exc
     except CollectiveMismatch as exc:
         console.print(f"[red]autopar check: {exc}[/red]")

@@ -23,3 +23,28 @@ def cluster_from_args(name: str, nodes: int | None, layout, nproc: int | None = 
         return spec if nodes is None else ClusterSpec.from_dict(
             {**spec.to_dict(), "nodes": nodes}, source=name)
     return ClusterSpec.preset(name, nodes=1 if nodes is None else nodes)
+
+
+def layout_errors() -> tuple[type[Exception], ...]:
+    """The errors a layout the model cannot take raises while it is traced and rewritten
+    (its values, the cluster, the batch's split, the stage cut, the tensor-parallel
+    placement, the schedule, the recomputation rules): each names what the user
+    controls, so a command prints it without a traceback. Imported when asked: the CLI
+    starts without the compiler."""
+    from autopar.cluster import ClusterSpecError
+    from autopar.compiler.ir.batch import BatchError
+    from autopar.compiler.ir.schedule import ScheduleError
+    from autopar.compiler.ir.trace import TraceError
+    from autopar.compiler.passes.assign_stages import StageError
+    from autopar.compiler.passes.recompute_rules import RecomputeError
+    from autopar.compiler.passes.tp_solver import TensorParallelPlanError
+    from autopar.layout import LayoutError
+    return (LayoutError, ClusterSpecError, BatchError, ScheduleError, TraceError, StageError,
+            RecomputeError, TensorParallelPlanError)
+
+
+def bytes_whose(layout) -> str:
+    """Whose bytes Prediction.comm_bytes holds: a pipelined step's critical rank's."""
+    pipelined = layout.pp > 1 or layout.microbatches > 1
+    return "the critical pipeline rank's sends and collectives" if pipelined \
+        else "one rank's collectives"

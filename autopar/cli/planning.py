@@ -10,7 +10,7 @@ import sys
 
 from rich.table import Table
 
-from autopar.cli.common import cluster_from_args, console
+from autopar.cli.common import bytes_whose, cluster_from_args, console
 from autopar.costs import OPTIMIZER_STATES
 
 
@@ -66,7 +66,7 @@ def _print_plan(model: str, cluster, plan) -> None:
     for line in headline(plan):
         console.print(line)
     if plan.predicted.comm_bytes:
-        console.print("Bytes one rank's collectives carry per step: " + ", ".join(
+        console.print(f"Bytes {bytes_whose(plan.layout)} carry per step: " + ", ".join(
             f"{group} {nbytes / 1e6:.4g} MB" for group, nbytes in plan.predicted.comm_bytes.items())
             + (f" (summed whole every step: dp {plan.predicted.uncompressed_bytes / 1e6:.4g} MB)"
                if plan.predicted.uncompressed_bytes else "") + ".")

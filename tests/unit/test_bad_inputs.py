@@ -137,6 +137,13 @@ def test_loading_another_models_checkpoint_names_the_parameters(ex, tmp_path):
      "preset 'dgx-h100': nodes: must be >= 1, got 0"),
     (["plan", "gpt2-tiny", "--cluster", "dgx-h100", "--nodes", "-1"],
      "preset 'dgx-h100': nodes: must be >= 1, got -1"),
+    # a cut the model cannot take: found while its graph is rewritten, a message too
+    (["estimate", "gpt2-tiny", "--cluster", "dgx-h100", "--dp", "2", "--pp", "4",
+      "--microbatches", "4"],
+     "autopar estimate: 4 pipeline stages (pp=4 x virtual_stages=1) but the model has 2 "
+     "repeated blocks to cut between; use pp*virtual_stages <= 2"),
+    (["check", "gpt2-tiny", "--pp", "4", "--microbatches", "4"],
+     "autopar check: 4 pipeline stages"),
 ])
 def test_a_bad_cli_flag_names_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as info:

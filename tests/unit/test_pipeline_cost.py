@@ -195,3 +195,105 @@ def test_gradient_accumulation_runs_the_micro_batches_back_to_back(gpt):
     zero = autopar.estimate(model, c, autopar.Layout(dp=8, microbatches=2, zero=1), batch,
                             causal_lm_loss)
     assert zero.memory["optimizer_states"] < two.memory["optimizer_states"] / 4
+
+
+# -- the bytes each pipeline rank sends or reduces (Prediction.comm_bytes) -------------------
+
+def _bytes_summary(zero_rows=False):
+    """Stage 0 holds a 1,000-float weight (rows 100) and stage 1 a 50-float one; a
+    10-float weight is read by both (tied); 400 bytes go each way per micro-batch."""
+    summary, stages = two_stage(params=[(1000, 4), (10, 4), (50, 4)],
+                                param_stages=[{0}, {0, 1}, {1}],
+                                messages=[Message(0, 1, "F", 400, 1), Message(1, 0, "B", 400, 1)])
+    if zero_rows:
+        summary = GraphSummary(summary.ops, summary.param_numel, summary.param_itemsize, 0,
+                               frozenset(), param_rows=(100, 10, 50))
+    return summary, stages
+
+
+def test_each_pipeline_rank_sends_its_values_and_sums_its_gradients():
+    summary, stages = _bytes_summary()
+    c = cluster(per_node=8)
+    layout = autopar.Layout(dp=2, pp=2, microbatches=3)
+    # 3 micro-batches x 400 bytes each way, the tied weight's 40 summed over the pipeline
+    # ranks, then each rank's gradients (tied one included) over dp
+    assert pc.rank_comm_bytes(summary, stages, c, layout) == [
+        {"pp": 3 * 400 + 40, "dp": 4000 + 40}, {"pp": 3 * 400 + 40, "dp": 40 + 200}]
+    alone = autopar.Layout(pp=2, microbatches=3)  # dp = 1: nothing over dp
+    assert pc.rank_comm_bytes(summary, stages, c, alone) == [{"pp": 1240}, {"pp": 1240}]
+    assert pc.rank_uncompressed_bytes(summary, stages, layout) == [0, 0]
+
+
+def test_a_pipeline_ranks_zero_blocks_local_sgd_and_dgc_bytes():
+    summary, stages = _bytes_summary(zero_rows=True)
+    c = cluster(per_node=8)
+    base = dict(dp=2, pp=2, microbatches=3)
+    # ZeRO-1: the gradients summed whole, the updated blocks gathered (each block x dp);
+    # ZeRO-2: each block reduce-scattered instead (the full tensor: block x dp)
+    one = pc.rank_comm_bytes(summary, stages, c, autopar.Layout(**base, zero=1))
+    assert [r["dp"] for r in one] == [4040 + 4000 + 40, 240 + 40 + 200]
+    two = pc.rank_comm_bytes(summary, stages, c, autopar.Layout(**base, zero=2))
+    assert [r["dp"] for r in two] == [2 * 4040, 2 * 240]
+    # Local SGD: each rank's parameters averaged every 4 steps, amortised; no gradient sum
+    local = pc.rank_comm_bytes(summary, stages, c, autopar.Layout(**base, local_sgd=4))
+    assert [r[cm.AVERAGE_KEY] for r in local] == [4040 // 4, 240 // 4]
+    assert all("dp" not in r for r in local)
+    assert pc.rank_uncompressed_bytes(summary, stages, autopar.Layout(**base, local_sgd=4)) \
+        == [4040, 240]
+
+
+def test_a_pipelines_dgc_sends_values_and_indices_of_its_large_gradients():
+    big = costs.DGC_DENSE_BELOW
+    summary, stages = two_stage(params=[(big, 4), (10, 4)], param_stages=[{0}, {1}])
+    layout = autopar.Layout(dp=4, pp=2, microbatches=2, dgc=0.99)
+    kept = costs.dgc_kept(big, 0.99)
+    ranks = pc.rank_comm_bytes(summary, stages, cluster(per_node=8), layout)
+    # every rank's k fp32 values and k int32 indices, gathered; the small one summed dense
+    assert ranks == [{cm.DGC_KEY: 8 * kept * 4}, {"dp": 40}]
+    assert pc.rank_uncompressed_bytes(summary, stages, layout) == [big * 4, 40]
+
+
+def test_a_pipelines_hierarchical_sum_counts_each_level():
+    summary, stages = _bytes_summary()
+    layout = autopar.Layout(dp=4, pp=2, microbatches=3, allreduce="hierarchical")
+    for backend, node in (("gloo", 4040), ("nccl", 4040 / 2)):
+        c = cluster(nodes=4, per_node=2, backend=backend)  # each dp group: 2 nodes x 2
+        rank0 = pc.rank_comm_bytes(summary, stages, c, layout)[0]
+        # reduce and broadcast (reduce-scatter and all-gather) inside the node, the
+        # leaders' all-reduce (of one shard on NCCL) among the nodes
+        assert rank0 == {"pp": 1240, "dp.local": 2 * 4040, "dp.node": int(node)}
+
+
+def test_a_pipelined_prediction_carries_its_critical_ranks_bytes(gpt):
+    """On a real model: a rank sends one hidden state per micro-batch each way; its
+    gradients summed over dp are its stages' parameters (GPT-2's tied embedding on
+    both ends); tensor parallelism's collectives run once per micro-batch; a per-block
+    trace gives what an exact one does."""
+    from autopar.compiler.planner.estimate import Estimator
+    model, batch = gpt
+    c = ClusterSpec.preset("dgx-h100")
+    layout = autopar.Layout(dp=2, pp=2, microbatches=4)
+    estimator = Estimator(model, c, batch, causal_lm_loss)
+    summary, stages, _ = estimator.rewritten(layout, timing=True)
+    ranks = pc.rank_comm_bytes(summary, stages, c, layout)
+    hidden = 16 // (2 * 4) * 64 * 256 * 4  # a micro-batch's (2, 64, 256) fp32 hidden state
+    wte = model.transformer.wte.weight.numel() * 4
+    assert [r["pp"] for r in ranks] == [4 * hidden + wte] * 2
+    params = sum(p.numel() * 4 for p in model.parameters())  # wte counted once
+    assert sum(r["dp"] for r in ranks) == params + wte
+    pred = estimator.predict(layout)
+    critical = pc.pipeline_time(summary, stages, c, layout).critical_rank
+    assert pred.comm_bytes == ranks[critical] and pred.uncompressed_bytes == 0
+    # two micro-batches of 2 sequences: twice the tp bytes of a step of 2 sequences
+    half = tuple(t[:8] for t in batch)
+    whole = autopar.estimate(model, c, autopar.Layout(tp=2, dp=4), half, causal_lm_loss)
+    split = autopar.estimate(model, c, autopar.Layout(tp=2, dp=4, microbatches=2), batch,
+                             causal_lm_loss)
+    assert split.comm_bytes["tp"] == 2 * whole.comm_bytes["tp"] > 0
+    deep, deep_batch = meta_gpt2(layers=6, hidden=128, heads=4, vocab=500, batch=16, seq=32)
+    for lay in (autopar.Layout(dp=2, pp=2, microbatches=4, zero=2),
+                autopar.Layout(dp=2, pp=2, microbatches=4, schedule="interleaved",
+                               virtual_stages=3)):
+        exact, scaled = (Estimator(deep, c, deep_batch, causal_lm_loss, trace_blocks=blocks)
+                         .predict(lay) for blocks in (None, 2))
+        assert scaled.comm_bytes == exact.comm_bytes and exact.comm_bytes["pp"] > 0

@@ -44,7 +44,7 @@ from autopar.compiler.ir.schedule import (
     rank_floors,
     simulate,
 )
-from autopar.compiler.planner.cost_model import simulate_streams
+from autopar.compiler.planner.cost_model import AVERAGE_KEY, DGC_KEY, simulate_streams
 from autopar.compiler.planner.stages import StageSummary
 from autopar.costs import (
     DEFAULT_EFFICIENCY,
@@ -53,6 +53,7 @@ from autopar.costs import (
     dgc_compressed,
     dgc_kept,
     dgc_select_time,
+    dp_sum_bytes,
     dp_sum_time,
     group_spans_nodes,
     optimizer_time,
@@ -199,6 +200,86 @@ def grad_sync_time(summary: GraphSummary, stages: StageSummary, cluster: Cluster
         else:
             out[rank] += dp_sum_time(_wire(whole, summary, layout), cluster, layout, eff)
     return out
+
+
+def rank_comm_bytes(summary: GraphSummary, stages: StageSummary, cluster: ClusterSpec,
+                    layout: Layout, by_rank: list[list[tuple[int, int]]] | None = None
+                    ) -> list[dict[str, int]]:
+    """Per pipeline rank, the bytes its communication carries per step, by the group it
+    runs over, as cost_model.comm_bytes counts a whole-graph step's (each collective's
+    full tensor, as the times above price it):
+    - "tp": the collectives inside its stages' programs, once per micro-batch;
+    - "pp": the values its stages send to other ranks' stages (activations forward,
+      their gradients back), once per micro-batch, and its share of each tied weight's
+      gradient sum over the pipeline ranks that read it;
+    - over dp, what grad_sync_time and param_gather_time time: the flat or hierarchical
+      sum of the gradients it updates whole (dp_sum_bytes), ZeRO-2/3's reduce-scatter
+      and ZeRO's all-gather of each block it updates (under "dp"); Local SGD's
+      parameter average amortised over its period (AVERAGE_KEY) instead of the sum;
+      DGC's dense sum (under "dp") and all-gather of values and indices (DGC_KEY).
+    `by_rank`: rank_params, if known."""
+    out: list[Counter] = [Counter() for _ in range(layout.pp)]
+    # a replica's stages of one kind run the programs of the first stage of that kind
+    kinds = stages.kinds or tuple(range(stages.stages))
+    first = {}
+    for s in range(stages.stages):
+        first.setdefault(kinds[s], s)
+    per_stage: Counter = Counter()  # first stage of a kind -> its collectives' bytes, by group
+    for i, s in enumerate(stages.stage_of):
+        op = summary.ops[i]
+        if s is not None and op.collective and op.group:
+            per_stage[s, op.group] += op.comm_bytes * op.repeat
+    for s in range(stages.stages):
+        for (k, group), nbytes in per_stage.items():
+            if k == first[kinds[s]]:
+                out[s % layout.pp][group] += nbytes * layout.microbatches
+    for m in stages.messages:
+        if m.src % layout.pp != m.dst % layout.pp:
+            out[m.src % layout.pp]["pp"] += m.nbytes * layout.microbatches
+    for i, readers in enumerate(stages.param_stages):
+        ranks = {s % layout.pp for s in readers}
+        if len(ranks) > 1:
+            for rank in ranks:
+                out[rank]["pp"] += summary.param_numel[i] * summary.param_itemsize[i]
+    if layout.dp > 1:
+        for rank, params in enumerate(by_rank or rank_params(summary, stages, layout)):
+            out[rank].update(_dp_rank_bytes(summary, params, cluster, layout))
+    return [{group: int(nbytes) for group, nbytes in c.items() if nbytes} for c in out]
+
+
+def _dp_rank_bytes(summary: GraphSummary, params: list[tuple[int, int]], cluster: ClusterSpec,
+                   layout: Layout) -> Counter:
+    """One pipeline rank's bytes over dp after its schedule (rank_comm_bytes)."""
+    out: Counter = Counter()
+    whole = 0
+    for i, count in params:
+        numel, size = summary.param_numel[i], summary.param_itemsize[i]
+        block = zero_block_bytes(summary, i, layout) if layout.zero else 0
+        if block:  # ZeRO's all-gather of the updated block; ZeRO-2/3 reduce-scatter it
+            out["dp"] += count * block * layout.dp
+        if block and layout.zero >= 2:
+            out["dp"] += count * _wire(block * layout.dp, summary, layout)
+        elif layout.dgc is not None and dgc_compressed(numel, size):
+            out[DGC_KEY] += count * 8 * dgc_kept(numel, layout.dgc) * layout.dp
+        else:
+            whole += count * numel * size
+    if layout.local_sgd is not None:
+        out[AVERAGE_KEY] += whole // layout.local_sgd
+    elif layout.dgc is not None:
+        out["dp"] += whole
+    else:
+        out.update(dp_sum_bytes(_wire(whole, summary, layout), cluster, layout))
+    return out
+
+
+def rank_uncompressed_bytes(summary: GraphSummary, stages: StageSummary, layout: Layout,
+                            by_rank: list[list[tuple[int, int]]] | None = None) -> list[int]:
+    """Per pipeline rank, what its gradient sum would carry summed whole every step
+    under DGC or Local SGD (cost_model.uncompressed_bytes' per rank); 0s otherwise."""
+    if layout.dgc is None and layout.local_sgd is None:
+        return [0] * layout.pp
+    return [sum(count * summary.param_numel[i] * summary.param_itemsize[i] for i, count in params)
+            for params in by_rank or rank_params(summary, stages, layout)]
 
 
 def dgc_rank_time(summary: GraphSummary, params: list[tuple[int, int]],

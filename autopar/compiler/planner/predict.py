@@ -8,7 +8,11 @@ from autopar.cluster import ClusterSpec
 from autopar.compiler.analysis.memory import MemoryPrediction, step_memory
 from autopar.compiler.analysis.summary import GraphSummary
 from autopar.compiler.planner.cost_model import comm_bytes, step_time, uncompressed_bytes
-from autopar.compiler.planner.pipeline_cost import pipeline_time
+from autopar.compiler.planner.pipeline_cost import (
+    pipeline_time,
+    rank_comm_bytes,
+    rank_uncompressed_bytes,
+)
 from autopar.compiler.planner.result import Prediction
 from autopar.costs import DEFAULT_EFFICIENCY, Efficiency
 from autopar.layout import Layout
@@ -48,8 +52,19 @@ def predict(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
                    "exposed_comm": times.exposed_comm_s, "bubble": times.bubble_s,
                    "optimizer": times.optimizer_s},
         memory=memory.by_category,
-        comm_bytes=comm_bytes(summary, layout) if stages is None else {},
-        uncompressed_bytes=uncompressed_bytes(summary, layout) if stages is None else 0)
+        **_bytes(summary, cluster, layout, stages, times))
+
+
+def _bytes(summary: GraphSummary, cluster: ClusterSpec, layout: Layout, stages, times
+           ) -> dict:
+    """Prediction's comm_bytes and uncompressed_bytes: the whole-graph step's, or a
+    pipelined step's critical rank's (the rank its breakdown is of)."""
+    if stages is None:
+        return {"comm_bytes": comm_bytes(summary, layout),
+                "uncompressed_bytes": uncompressed_bytes(summary, layout)}
+    rank = times.critical_rank
+    return {"comm_bytes": rank_comm_bytes(summary, stages, cluster, layout)[rank],
+            "uncompressed_bytes": rank_uncompressed_bytes(summary, stages, layout)[rank]}
 
 
 def step_times(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,

@@ -108,17 +108,13 @@ def _dgc_line(plan: Plan) -> str:
 
 
 def comm_rows(plan: Plan) -> list[list[str]]:
-    """The Communication table's rows: Prediction.comm_bytes, or why there are none."""
+    """The Communication table's rows: Prediction.comm_bytes, or that there are none."""
     if plan.predicted.comm_bytes:
         rows = [[group, f"{nbytes / 1e6:.4g}"] for group, nbytes in plan.predicted.comm_bytes.items()]
         if plan.predicted.uncompressed_bytes:
             rows.append(["dp, summed whole every step (without DGC or Local SGD)",
                          f"{plan.predicted.uncompressed_bytes / 1e6:.4g}"])
         return rows
-    if plan.layout.pp > 1 or plan.layout.microbatches > 1:
-        why = ("not computed for a pipelined step (its gradient sums run after the schedule, "
-               "outside the stage programs)")
-        return [[why, ""]]
     return [["none (one process, or nothing to exchange)", ""]]
 
 
@@ -132,8 +128,11 @@ def tables(plan: Plan) -> list[tuple[str, list[str], list[list[str]]]]:
             + [["communication (total, overlapped or not)", _ms(p.breakdown.get("comm", 0.0)), ""]]),
            ("Memory per device (the fullest rank)", ["category", "GB", "of device"],
             [[k.replace("_", " "), _gb(v), f"{v / capacity:.1%}"] for k, v in p.memory.items()])]
-    out.append(("Communication per step (the bytes of one rank's collectives, by group)",
-                ["group", "MB"], comm_rows(plan)))
+    whose = ("the critical pipeline rank's sends and collectives"
+             if plan.layout.pp > 1 or plan.layout.microbatches > 1
+             else "the bytes of one rank's collectives")
+    out.append((f"Communication per step ({whose}, by group)", ["group", "MB"],
+                comm_rows(plan)))
     table = plan.details.get("tp_placements")
     if table:
         out.append(("Tensor-parallel placements (R: replicated, S(d): split on dim d, "

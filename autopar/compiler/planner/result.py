@@ -29,8 +29,9 @@ class Prediction:
     # how the step was traced: the whole model, or a few repeated blocks scaled
     # (Estimator's trace_blocks; planner/traces.py Traces.describe)
     tracing: str = ""
-    # bytes one rank's collectives carry per step, by group (cost_model.comm_bytes); empty
-    # for a pipelined step, whose gradient sums run outside its stage programs
+    # bytes one rank's communication carries per step, by group (cost_model.comm_bytes);
+    # for a pipelined step its critical rank's, sends and gradient sums included
+    # (pipeline_cost.rank_comm_bytes)
     comm_bytes: dict[str, int] = field(default_factory=dict)
     # DGC and Local SGD: the bytes the same step would carry summing every gradient whole
     # each step (cost_model.uncompressed_bytes), to set against comm_bytes; else 0
