@@ -15,20 +15,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autopar.cluster import ClusterSpec
+from autopar.cluster import ClusterSpec, ClusterSpecError
 from autopar.compiler.analysis.memory import profile_optimizer
-from autopar.compiler.ir.batch import Batch, LossFn, Objective
+from autopar.compiler.ir.batch import Batch, BatchError, LossFn, Objective
 from autopar.compiler.ir.collectives import check_collectives, program_collectives
 from autopar.compiler.ir.graph import TrainGraph
-from autopar.compiler.ir.trace import local_example, trace_source, trace_train_step
+from autopar.compiler.ir.schedule import ScheduleError
+from autopar.compiler.ir.trace import TraceError, local_example, trace_source, trace_train_step
 from autopar.compiler.lowering.lower import to_program
 from autopar.compiler.lowering.lower_pipeline import lower_pipeline
 from autopar.compiler.lowering.lower_ps import split_for_ps
 from autopar.compiler.passes.amp_policy import parse_amp_lists
+from autopar.compiler.passes.assign_stages import StageError
 from autopar.compiler.passes.base import GraphPass, PassOptions
 from autopar.compiler.passes.defaults import first_graph, is_pipelined, pass_list, run_passes
+from autopar.compiler.passes.recompute_rules import RecomputeError
+from autopar.compiler.passes.tp_solver import TensorParallelPlanError
 from autopar.compiler.planner.ps_cost import compare_ps
 from autopar.compiler.planner.result import Plan
+from autopar.compiler.planner.search import PlanError
 from autopar.costs import dp_node_split
 from autopar.layout import Layout, LayoutError
 from autopar.logs import configure_from_env
@@ -42,6 +47,15 @@ from autopar.runtime.pipeline import PipelineStep
 from autopar.runtime.ps import PSServer, PSTrainer
 
 log = logging.getLogger("autopar")
+
+# What compile (and estimate, check, plan) raise for a layout the model or the cluster
+# cannot take: its values, the cluster, the batch's split, the stage cut, the
+# tensor-parallel placement, the schedule, the recomputation rules, and a plan that
+# finds none. Each names what the user controls, so the CLI and the per-rank workers
+# report it as a message, not a traceback; any other error is a bug and keeps its
+# traceback.
+LAYOUT_ERRORS = (LayoutError, ClusterSpecError, BatchError, ScheduleError, TraceError,
+                 StageError, RecomputeError, TensorParallelPlanError, PlanError)
 
 
 def _default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:

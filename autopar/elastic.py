@@ -182,12 +182,13 @@ def _broadcast(obj):
 
 
 def run(args: argparse.Namespace) -> None:
+    from autopar.api import LAYOUT_ERRORS
     from autopar.api import compile as compile_step
     from autopar.examples import load_model_spec
     from autopar.logs import emit
     from autopar.runtime.blocks import BlockMaster, BlockQueues
     from autopar.runtime.mesh import launched_rank, launched_world_size
-    from autopar.train_worker import make_optimizer
+    from autopar.train_worker import make_optimizer, refuse
 
     torch.set_num_threads(1)
     world, rank0 = launched_world_size(), launched_rank() == 0
@@ -204,9 +205,12 @@ def run(args: argparse.Namespace) -> None:
                            f"each step trains on {world} processes")
     data = BlockData(example.data or (lambda k: example.batch), g, block_size)
     started = time.perf_counter()
-    step = compile_step(example.model, None, data.batch(list(range(per_step))),
-                        example.loss_fn, optimizer=make_optimizer(args.optimizer, args.lr),
-                        layout=layout)
+    try:
+        step = compile_step(example.model, None, data.batch(list(range(per_step))),
+                            example.loss_fn, optimizer=make_optimizer(args.optimizer, args.lr),
+                            layout=layout)
+    except LAYOUT_ERRORS as exc:
+        refuse(exc)
     directory = Path(args.checkpoint_dir)
     found = _broadcast(str(latest_checkpoint(directory)) if rank0 else None)
     found = None if found == "None" else found

@@ -25,7 +25,24 @@ def make_optimizer(name: str, lr: float):
     raise SystemExit(f"--optimizer must be adamw or sgd, got {name!r}")
 
 
+# a rank's exit status when the layout was refused (every rank refuses it alike)
+REFUSED = 2
+
+
+def refuse(exc: Exception) -> None:
+    """End this rank for a layout compile refused (api.LAYOUT_ERRORS): rank 0 reports the
+    message as an event, which the CLI prints as its error; every rank exits with
+    REFUSED and no traceback. compile is the same function of the model and the layout
+    on every rank, so every rank refuses, before any collective of the step."""
+    from autopar.runtime.mesh import launched_rank
+
+    if launched_rank() == 0:
+        emit("refused", message=str(exc))
+    raise SystemExit(REFUSED) from exc
+
+
 def main(argv: list[str] | None = None) -> None:
+    from autopar.api import LAYOUT_ERRORS
     from autopar.api import compile as compile_step
     from autopar.examples import load_model_spec
     from autopar.layout import Layout
@@ -48,8 +65,11 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = make_optimizer(args.optimizer, args.lr)
     initial = copy.deepcopy(example.model) if args.parity else None
     start = time.perf_counter()
-    step = compile_step(example.model, None, example.batch, example.loss_fn,
-                           optimizer=optimizer, layout=layout)
+    try:
+        step = compile_step(example.model, None, example.batch, example.loss_fn,
+                            optimizer=optimizer, layout=layout)
+    except LAYOUT_ERRORS as exc:
+        refuse(exc)
     rank0 = launched_rank() == 0
     if step.plan is not None and layout is None:
         layout = step.plan.layout

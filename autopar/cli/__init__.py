@@ -22,6 +22,7 @@ import os
 import secrets
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -141,18 +142,31 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.save:
             cmd += ["--save", args.save]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    # torchrun's stderr, passed on as it comes until the layout is refused: then what
+    # follows is torchrun's report of its failed workers, and the refusal says why
+    quiet = threading.Event()
+    errors = threading.Thread(target=_pass_on, args=(proc.stderr, quiet), daemon=True)
+    errors.start()
     show = _Progress(args.steps, fancy=sys.stdout.isatty())
-    parity_ok = True
+    parity_ok, refused = True, None
     for line in proc.stdout:
         if not line.startswith(EVENT_PREFIX):
             sys.stdout.write(line)
             continue
         event = json.loads(line[len(EVENT_PREFIX):])
         parity_ok &= event.get("ok", True)
+        if event["event"] == "refused":  # rank 0's compile refused the layout
+            refused = event["message"]
+            quiet.set()
+            continue
         show.handle(event)
     show.close()
     code = proc.wait()
+    errors.join(timeout=10)  # a stray grandchild may hold the pipe open
+    if refused is not None:
+        raise SystemExit(f"autopar train: {refused}")
     if code:
         console.print(f"[red]training failed[/red] (torchrun exit code {code})")
         return code
@@ -214,6 +228,14 @@ def _train_ps(args: argparse.Namespace) -> int:
         console.print(f"[red]training failed[/red]: {failed}")
         return 1
     return 0
+
+
+def _pass_on(stream, quiet: threading.Event) -> None:
+    """Copy `stream` to stderr line by line, dropping what comes once `quiet` is set."""
+    for line in stream:
+        if not quiet.is_set():
+            sys.stderr.write(line)
+            sys.stderr.flush()
 
 
 def _elastic_command(args: argparse.Namespace, nproc: int, layout_arg: str) -> list[str]:

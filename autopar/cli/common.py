@@ -26,21 +26,9 @@ def cluster_from_args(name: str, nodes: int | None, layout, nproc: int | None = 
 
 
 def layout_errors() -> tuple[type[Exception], ...]:
-    """The errors a layout the model cannot take raises while it is traced and rewritten
-    (its values, the cluster, the batch's split, the stage cut, the tensor-parallel
-    placement, the schedule, the recomputation rules): each names what the user
-    controls, so a command prints it without a traceback. Imported when asked: the CLI
-    starts without the compiler."""
-    from autopar.cluster import ClusterSpecError
-    from autopar.compiler.ir.batch import BatchError
-    from autopar.compiler.ir.schedule import ScheduleError
-    from autopar.compiler.ir.trace import TraceError
-    from autopar.compiler.passes.assign_stages import StageError
-    from autopar.compiler.passes.recompute_rules import RecomputeError
-    from autopar.compiler.passes.tp_solver import TensorParallelPlanError
-    from autopar.layout import LayoutError
-    return (LayoutError, ClusterSpecError, BatchError, ScheduleError, TraceError, StageError,
-            RecomputeError, TensorParallelPlanError)
+    """api.LAYOUT_ERRORS, imported when asked: the CLI starts without the compiler."""
+    from autopar.api import LAYOUT_ERRORS
+    return LAYOUT_ERRORS
 
 
 def bytes_whose(layout) -> str:

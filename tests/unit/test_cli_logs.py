@@ -58,6 +58,27 @@ def test_train_command_reports_progress_and_parity(tmp_path):
     assert "checkpoint saved" in done.stdout and (tmp_path / "ck").is_dir()
 
 
+@pytest.mark.processes
+@pytest.mark.parametrize("elastic", [False, True])
+def test_a_layout_the_model_cannot_take_is_one_message_not_a_traceback_per_rank(elastic,
+                                                                              tmp_path):
+    """The layout passes the CLI's checks (its fields, the world size) and fails in each
+    rank's compile: two blocks cannot make four stages. The run ends with that message
+    and a failing status, without the ranks' or torchrun's tracebacks; the elastic run
+    too, whose agent restarts its failed workers first (each refuses again)."""
+    cmd = [sys.executable, "-m", "autopar", "train", "gpt2-tiny", "--nproc", "2", "--pp", "2",
+           "--virtual-stages", "2", "--schedule", "interleaved", "--microbatches", "4",
+           "--steps", "2"]
+    if elastic:
+        cmd += ["--elastic", "--checkpoint-dir", str(tmp_path / "ck"), "--max-restarts", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1] == (
+        "autopar train: 4 pipeline stages (pp=2 x virtual_stages=2) but the model has 2 "
+        "repeated blocks to cut between; use pp*virtual_stages <= 2"), done.stderr
+    assert "Traceback" not in done.stderr + done.stdout, done.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.processes
 def test_train_command_plans_the_layout():
