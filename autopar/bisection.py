@@ -37,12 +37,9 @@ How it decides (docs/equivalence.md has the user's view):
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import itertools
-import json
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -732,40 +729,3 @@ def _suspects(node: fx.Node, matched: dict, agreed: set) -> list[fx.Node]:
 
     order = {n: i for i, n in enumerate(node.graph.nodes)}
     return sorted((n for n in seen if not cleared(n)), key=order.__getitem__)
-
-
-# -- python -m autopar.bisection (started by `autopar bisect` under torchrun) -----------------
-
-def main(argv: list[str] | None = None) -> None:
-    from autopar.examples import load_model_spec
-
-    parser = argparse.ArgumentParser(prog="autopar-bisect-worker")
-    parser.add_argument("model")
-    parser.add_argument("--layout", required=True, help="Layout fields as JSON")
-    parser.add_argument("--rounding", type=float, default=ROUNDING)
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    example = load_model_spec(args.model)
-    layout = Layout.from_dict(json.loads(args.layout))
-    report = bisect(example.model, example.batch, example.loss_fn, layout,
-                    rounding=args.rounding)
-    if dist.get_rank() == 0:
-        print(json.dumps(_as_dict(report)) if args.json else str(report), flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.exit(0 if report.ok else 3)
-
-
-def _as_dict(report: BisectReport) -> dict:
-    first = report.first
-    return {"layout": report.layout.non_default_fields(), "compared": report.compared,
-            "nodes": report.nodes, "ok": report.ok,
-            "first": None if first is None else {k: getattr(first, k) for k in
-                                                 first.__dataclass_fields__}}
-
-
-if __name__ == "__main__":
-    main()

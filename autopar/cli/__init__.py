@@ -28,7 +28,8 @@ from pathlib import Path
 
 from rich.table import Table
 
-from autopar.cli.common import bytes_whose, cluster_from_args, console, layout_errors
+from autopar.api import LAYOUT_ERRORS
+from autopar.cli.common import bytes_whose, cluster_from_args, console
 from autopar.cli.planning import add_planner_commands
 from autopar.costs import OPTIMIZER_STATES
 from autopar.layout import RECOMPUTE
@@ -230,10 +231,15 @@ def _train_ps(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pass_on(stream, quiet: threading.Event) -> None:
-    """Copy `stream` to stderr line by line, dropping what comes once `quiet` is set."""
+def _pass_on(stream, quiet: threading.Event, refusal: str | None = None,
+             refused: list[str] | None = None) -> None:
+    """Copy `stream` to stderr line by line, dropping what comes once `quiet` is set; a
+    line that starts with `refusal` is kept in `refused` (not copied) and sets `quiet`."""
     for line in stream:
-        if not quiet.is_set():
+        if refusal is not None and line.startswith(refusal) and not quiet.is_set():
+            refused.append(line)
+            quiet.set()
+        elif not quiet.is_set():
             sys.stderr.write(line)
             sys.stderr.flush()
 
@@ -467,7 +473,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             example = load_model_spec(args.model)
         pred = estimate(example.model, cluster, layout, example.batch, example.loss_fn,
                                 optimizer=args.optimizer)
-    except layout_errors() as exc:
+    except LAYOUT_ERRORS as exc:
         raise SystemExit(f"autopar estimate: {exc}") from exc
     if args.json:
         print(json.dumps({"model": args.model, "cluster": cluster.describe(),
@@ -522,7 +528,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         with torch.device("meta"):  # the programs are built on shapes; nothing runs
             example = load_model_spec(args.model)
         compared = check(example.model, example.batch, example.loss_fn, layout)
-    except layout_errors() as exc:
+    except LAYOUT_ERRORS as exc:
         raise SystemExit(f"autopar check: {exc}") from exc
     except CollectiveMismatch as exc:
         console.print(f"[red]autopar check: {exc}[/red]")
@@ -535,6 +541,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 # -- autopar bisect -----------------------------------------------------------------------
 
 def cmd_bisect(args: argparse.Namespace) -> int:
+    from autopar.bisect_worker import REFUSED_PREFIX
     from autopar.layout import LayoutError
 
     try:
@@ -542,12 +549,17 @@ def cmd_bisect(args: argparse.Namespace) -> int:
     except LayoutError as exc:
         raise SystemExit(f"autopar bisect: {exc}") from exc
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={layout.world_size}", "-m", "autopar.bisection", args.model,
+           f"--nproc-per-node={layout.world_size}", "-m", "autopar.bisect_worker", args.model,
            "--layout", json.dumps(layout.non_default_fields()), "--rounding", str(args.rounding)]
     if args.json:
         cmd.append("--json")
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    code = subprocess.call(cmd, env=env)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    refused: list[str] = []  # rank 0's refusal of the layout, if it refused it
+    _pass_on(proc.stderr, threading.Event(), REFUSED_PREFIX, refused)
+    code = proc.wait()
+    if refused:
+        raise SystemExit(refused[0].rstrip("\n"))
     if code not in (0, 3):
         console.print(f"[red]autopar bisect failed[/red] (torchrun exit code {code})")
     return code

@@ -25,12 +25,6 @@ def cluster_from_args(name: str, nodes: int | None, layout, nproc: int | None = 
     return ClusterSpec.preset(name, nodes=1 if nodes is None else nodes)
 
 
-def layout_errors() -> tuple[type[Exception], ...]:
-    """api.LAYOUT_ERRORS, imported when asked: the CLI starts without the compiler."""
-    from autopar.api import LAYOUT_ERRORS
-    return LAYOUT_ERRORS
-
-
 def bytes_whose(layout) -> str:
     """Whose bytes Prediction.comm_bytes holds: a pipelined step's critical rank's."""
     pipelined = layout.pp > 1 or layout.microbatches > 1

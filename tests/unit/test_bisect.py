@@ -80,3 +80,22 @@ def test_the_command_line_launches_the_ranks_and_reports():
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["ok"] and report["compared"] > 10 and report["layout"] == {"dp": 2}
+    assert "Warning" not in out.stderr, out.stderr[-2000:]  # nothing from `python -m` either
+
+
+@pytest.mark.processes
+def test_the_command_line_refuses_a_layout_the_model_cannot_take_in_one_line():
+    """The ranks fail to build the layout alike (two blocks, four stages): the command
+    ends with the reason, without their tracebacks or torchrun's report."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "autopar", "bisect", "gpt2-tiny", "--pp", "2",
+                          "--virtual-stages", "2", "--schedule", "interleaved",
+                          "--microbatches", "4"], check=False, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines()[-1] == (
+        "autopar bisect: 4 pipeline stages (pp=2 x virtual_stages=2) but the model has 2 "
+        "repeated blocks to cut between; use pp*virtual_stages <= 2"), out.stderr
+    assert "Traceback" not in out.stderr
