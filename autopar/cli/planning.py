@@ -181,20 +181,39 @@ def _fit_to_model(spec, model: str, nproc: int):
                                  source="autopar calibrate --model")
 
 
+def _layout_json(text: str) -> dict:
+    """A --layout's fields: a JSON object, or a LayoutError that quotes it."""
+    from autopar.layout import LayoutError
+
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise LayoutError(f"--layout {text!r} is not JSON ({exc}); write its fields as a JSON "
+                          f"object, e.g. '{{\"dp\": 2}}'") from None
+    if not isinstance(fields, dict):
+        raise LayoutError(f"--layout {text!r} is not a JSON object of Layout fields, e.g. "
+                          f"'{{\"dp\": 2}}'")
+    return fields
+
+
 def cmd_validate(args: argparse.Namespace) -> int:
     from autopar.cluster import ClusterSpec
     from autopar.layout import Layout
+    from autopar.api import LAYOUT_ERRORS
     from autopar.validate import DEFAULT_LAYOUTS, median_abs_error, validate
-
-    cluster = ClusterSpec.from_yaml(args.cluster) if args.cluster else ClusterSpec.local()
-    layouts = [Layout.from_dict(json.loads(text)) for text in args.layout] or DEFAULT_LAYOUTS
 
     def show(row) -> None:
         if not args.json:
             console.print(f"{row.layout}: predicted {row.predicted_s * 1e3:.1f} ms, measured "
                           f"{row.measured_s * 1e3:.1f} ms, error {row.error:+.1%}")
 
-    rows = validate(args.model, cluster, layouts, args.steps, args.warmup, progress=show)
+    try:
+        cluster = ClusterSpec.from_yaml(args.cluster) if args.cluster else ClusterSpec.local()
+        layouts = [Layout.from_dict(_layout_json(text)) for text in args.layout] \
+            or DEFAULT_LAYOUTS
+        rows = validate(args.model, cluster, layouts, args.steps, args.warmup, progress=show)
+    except LAYOUT_ERRORS as exc:  # each layout is estimated before it is measured
+        raise SystemExit(f"autopar validate: {exc}") from exc
     if args.json:
         print(json.dumps([{"layout": r.layout.to_dict(), "predicted_s": r.predicted_s,
                            "measured_s": r.measured_s, "error": r.error} for r in rows], indent=1))

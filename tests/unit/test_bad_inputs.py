@@ -144,6 +144,12 @@ def test_loading_another_models_checkpoint_names_the_parameters(ex, tmp_path):
      "repeated blocks to cut between; use pp*virtual_stages <= 2"),
     (["check", "gpt2-tiny", "--pp", "4", "--microbatches", "4"],
      "autopar check: 4 pipeline stages"),
+    (["validate", "gpt2-tiny", "--layout", '{"dp": 2'],
+     "autopar validate: --layout '{\"dp\": 2' is not JSON"),
+    (["validate", "gpt2-tiny", "--layout", "[2]"],
+     "autopar validate: --layout '[2]' is not a JSON object of Layout fields"),
+    (["validate", "gpt2-tiny", "--layout", '{"dp": 3}'],
+     "autopar validate: the global batch of 8 does not split evenly into dp=3"),
 ])
 def test_a_bad_cli_flag_names_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
