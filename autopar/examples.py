@@ -15,6 +15,14 @@ import torch
 import torch.nn.functional as F
 
 
+class ModelSpecError(KeyError):
+    """A model name or `pkg.module:factory` that names no model; the message says which
+    names would work. A KeyError (a name not found), printed as its message."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 @dataclass
 class Example:
     model: torch.nn.Module
@@ -214,15 +222,8 @@ def hf_tiny(model_type: str, batch: int = 8, seq: int = 32, seed: int = 0,
     name ("qwen2", "mistral", "gpt_neox", "bert", ...), trained as a causal LM; `config`
     overrides the tiny sizes (num_key_value_heads=4, ...)."""
     import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    if model_type not in CONFIG_MAPPING_NAMES:
-        import difflib
-
-        near = difflib.get_close_matches(model_type, CONFIG_MAPPING_NAMES, n=3)
-        hint = f" (did you mean {', '.join(near)}?)" if near else ""
-        raise KeyError(f"{model_type!r} is neither a built-in example ({', '.join(EXAMPLES)}) "
-                       f"nor a transformers model type{hint}")
+    _check_model_type(model_type)
     if config:
         default = transformers.AutoConfig.for_model(model_type)
         known = {**default.to_dict(), **default.attribute_map}
@@ -232,8 +233,8 @@ def hf_tiny(model_type: str, batch: int = 8, seq: int = 32, seed: int = 0,
 
             near = difflib.get_close_matches(unknown[0], known, n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise KeyError(f"{model_type!r} configs have no field {unknown[0]!r}{hint}: "
-                           f"name a field of transformers' {model_type} config")
+            raise ModelSpecError(f"{model_type!r} configs have no field {unknown[0]!r}{hint}: "
+                                 f"name a field of transformers' {model_type} config")
         # a field named by its own name (GPT-2's n_embd) replaces the tiny default given
         # under its alias (hidden_size), which the config would otherwise apply last
         given = {default.attribute_map.get(k, k) for k in config}
@@ -273,13 +274,52 @@ def load_example(name: str, **overrides) -> Example:
     """A built-in example, or a tiny model of the transformers architecture `name`."""
     if name in EXAMPLES:
         return EXAMPLES[name](**overrides)
+    _check_example_name(name)
+    return hf_tiny(name, **overrides)
+
+
+def _check_example_name(name: str) -> None:
+    """A name close to a built-in example's is taken as a typo of it; any other must be
+    a transformers model type."""
     import difflib
 
     near = difflib.get_close_matches(name, EXAMPLES, n=1, cutoff=0.8)
     if near:
-        raise KeyError(f"no built-in example {name!r} (did you mean {near[0]!r}?); "
-                       f"built-in: {', '.join(EXAMPLES)}")
-    return hf_tiny(name, **overrides)
+        raise ModelSpecError(f"no built-in example {name!r} (did you mean {near[0]!r}?); "
+                             f"built-in: {', '.join(EXAMPLES)}")
+    _check_model_type(name)
+
+
+def _check_model_type(model_type: str) -> None:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type not in CONFIG_MAPPING_NAMES:
+        import difflib
+
+        near = difflib.get_close_matches(model_type, CONFIG_MAPPING_NAMES, n=3)
+        hint = f" (did you mean {', '.join(near)}?)" if near else ""
+        raise ModelSpecError(f"{model_type!r} is neither a built-in example "
+                             f"({', '.join(EXAMPLES)}) nor a transformers model type{hint}")
+
+
+def check_model_spec(spec: str) -> None:
+    """Raise ModelSpecError where load_model_spec(spec) would for its name, without
+    building the model: a `pkg.module:factory` is imported and looked up, any other
+    name must be a built-in example or a transformers model type."""
+    if ":" in spec:
+        _factory(spec)
+    elif spec not in EXAMPLES:
+        _check_example_name(spec)
+
+
+def _factory(spec: str):
+    import importlib
+
+    module_name, _, attr = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ModelSpecError(f"cannot load model factory {spec!r}: {exc}") from exc
 
 
 def load_model_spec(spec: str, **overrides) -> Example:
@@ -287,14 +327,7 @@ def load_model_spec(spec: str, **overrides) -> Example:
     built-in example name."""
     if ":" not in spec:
         return load_example(spec, **overrides)
-    import importlib
-
-    module_name, _, attr = spec.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise KeyError(f"cannot load model factory {spec!r}: {exc}") from exc
-    made = factory(**overrides)
+    made = _factory(spec)(**overrides)
     if isinstance(made, Example):
         return made
     if isinstance(made, tuple) and len(made) == 3:

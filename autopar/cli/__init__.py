@@ -105,9 +105,11 @@ def _print_summary(name: str, description: str, info: dict) -> None:
 # -- autopar train ------------------------------------------------------------------------
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from autopar.examples import check_model_spec
     from autopar.layout import LayoutError
     from autopar.train_worker import EVENT_PREFIX
 
+    check_model_spec(args.model)  # here, not once per rank after the launch
     if args.ps_servers is not None:
         return _train_ps(args)
     args.optimizer = args.optimizer or "adamw"
@@ -542,7 +544,10 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_bisect(args: argparse.Namespace) -> int:
     from autopar.bisect_worker import REFUSED_PREFIX
+    from autopar.examples import check_model_spec
     from autopar.layout import LayoutError
+
+    check_model_spec(args.model)  # here, not once per rank after the launch
 
     try:
         layout = _layout_from_args(args, sequence_parallel=args.sequence_parallel)
@@ -793,9 +798,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from autopar.examples import ModelSpecError
+
     configure_from_env()
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ModelSpecError as exc:  # the model argument names no model
+        raise SystemExit(f"autopar {args.command}: {exc}") from exc
 
 
 if __name__ == "__main__":

@@ -150,6 +150,13 @@ def test_loading_another_models_checkpoint_names_the_parameters(ex, tmp_path):
      "autopar validate: --layout '[2]' is not a JSON object of Layout fields"),
     (["validate", "gpt2-tiny", "--layout", '{"dp": 3}'],
      "autopar validate: the global batch of 8 does not split evenly into dp=3"),
+    # a model that is not there: found before anything is launched, named with what is
+    (["train", "gpt2-tny", "--dp", "2"],
+     "autopar train: no built-in example 'gpt2-tny' (did you mean 'gpt2-tiny'?)"),
+    (["bisect", "mypkg.models:gpt", "--dp", "2"],
+     "autopar bisect: cannot load model factory 'mypkg.models:gpt': No module named 'mypkg'"),
+    (["estimate", "lama", "--dp", "2"],
+     "autopar estimate: 'lama' is neither a built-in example"),
 ])
 def test_a_bad_cli_flag_names_the_flag(argv, message, capsys):
     with pytest.raises(SystemExit) as info:

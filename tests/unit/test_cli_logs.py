@@ -30,7 +30,8 @@ def test_trace_table_and_ir(capsys, tmp_path):
 def test_trace_list_and_unknown_model(capsys):
     assert cli.main(["trace", "--list"]) == 0
     assert "llama-tiny" in capsys.readouterr().out
-    with pytest.raises(KeyError, match="did you mean 'gpt2-tiny'"):
+    with pytest.raises(SystemExit, match="autopar trace: no built-in example 'gpt2-tny' "
+                                         r"\(did you mean 'gpt2-tiny'\?\)"):
         cli.main(["trace", "gpt2-tny"])
 
 
