@@ -10,6 +10,8 @@ per step), and the time in collectives.
     OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 2 \\
         benchmarks/profile_step.py --layout dp --vocab 4096
     ... --layout zero3        # against FSDP2 (fully_shard per block)
+    ... --layout tp           # against DTensor colwise/rowwise (Llama, as the grid runs it)
+    ... --layout pp           # against torch.distributed.pipelining Schedule1F1B
 
 `--json F` writes the per-op table of both sides for later comparison.
 """
@@ -49,11 +51,26 @@ def peer_step(layout: str, example, rank: int, world: int):
         from zero3_vs_fsdp2 import fsdp2_step_fn
 
         return fsdp2_step_fn(model, example.loss_fn, rank, world)[0]
-    raise ValueError(f"--layout {layout!r}: dp or zero3")
+    if layout == "tp":
+        from tp_vs_dtensor import dtensor_step_fn
+
+        return dtensor_step_fn(model, example.loss_fn, world)[0]
+    if layout == "pp":
+        from pp_vs_pipelining import pipelining_step_fn
+
+        return pipelining_step_fn(model, example.batch, rank)
+    raise ValueError(f"--layout {layout!r}: one of {', '.join(LAYOUTS)}")
+
+
+LAYOUTS = ("dp", "zero3", "tp", "pp")
 
 
 def autopar_layout(layout: str, world: int) -> autopar.Layout:
-    return {"dp": autopar.Layout(dp=world), "zero3": autopar.Layout(dp=world, zero=3)}[layout]
+    from pp_vs_pipelining import MICROBATCHES
+
+    return {"dp": autopar.Layout(dp=world), "zero3": autopar.Layout(dp=world, zero=3),
+            "tp": autopar.Layout(tp=world),
+            "pp": autopar.Layout(pp=world, microbatches=MICROBATCHES)}[layout]
 
 
 def profiled(step, batch, warmup: int, steps: int) -> dict:
@@ -108,10 +125,14 @@ def report(sides: dict[str, dict], steps: int, top: int) -> None:
 
 def main() -> None:
     parser = common.parser(__doc__.splitlines()[0], steps=3)
-    parser.add_argument("--layout", default="dp", choices=["dp", "zero3"])
+    parser.add_argument("--layout", default="dp", choices=LAYOUTS)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--json", help="write both sides' per-op tables here")
+    # tp's peer is DTensor's colwise/rowwise plan, which names Llama's modules (as the
+    # grid runs it: benchmarks/tp_vs_dtensor.py); the others run GPT-2
+    parser.set_defaults(model=None)
     args = parser.parse_args()
+    args.model = args.model or ("llama-small4" if args.layout == "tp" else "gpt2-small4")
     rank, world, example = common.start(args)
     ours, _ = common.compile_timed(example, autopar_layout(args.layout, world), adamw)
     theirs = peer_step(args.layout, example, rank, world)

@@ -90,7 +90,8 @@ def test_zero_in_a_pipeline_updates_blocks_and_gathers_them(zero):
     the same seconds on the step). A parameter with fewer rows than dp stays whole."""
     from dataclasses import replace
 
-    c = cluster(intra=(100e9, 1e-6), bandwidth=1e11)
+    # NCCL: its reduce-scatter and all-gather are the ring's halves of an all-reduce
+    c = cluster(intra=(100e9, 1e-6), bandwidth=1e11, backend="nccl")
     # p0 (1 GB, 1,000 rows) on stage 0, p1 (2 GB, 1,000 rows) on 1, tied p2 (0.5 GB, 1 row)
     params = [(250_000_000, 4), (500_000_000, 4), (125_000_000, 4)]
     summary, stages = two_stage(params, [{0}, {1}, {0, 1}])
