@@ -73,18 +73,21 @@ def autopar_layout(layout: str, world: int) -> autopar.Layout:
             "pp": autopar.Layout(pp=world, microbatches=MICROBATCHES)}[layout]
 
 
-def profiled(step, batch, warmup: int, steps: int) -> dict:
+def profiled(step, batch, warmup: int, steps: int, op: str | None = None) -> dict:
     """The step's ops under torch.profiler: {op: [self CPU µs, calls]}, allocations,
-    collective time, and the median wall time of the profiled steps."""
+    collective time, and the median wall time of the profiled steps. With `op`, also
+    where that op's calls come from: {"parent op | input shapes": [self CPU µs, calls]}."""
     common.time_steps(step, batch, warmup)
     walls = []
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True,
+                 record_shapes=op is not None) as prof:
         for _ in range(steps):
             dist.barrier()
             start = time.perf_counter()
             step(*batch)
             walls.append(time.perf_counter() - start)
     ops: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    callers: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
     allocs, alloc_bytes = 0, 0
     for event in prof.events():
         if event.name == "[memory]":
@@ -94,15 +97,20 @@ def profiled(step, batch, warmup: int, steps: int) -> dict:
             continue
         ops[event.name][0] += event.self_cpu_time_total
         ops[event.name][1] += 1
+        if event.name == op:
+            parent = event.cpu_parent.name if event.cpu_parent is not None else "(top level)"
+            key = f"{parent} | {event.input_shapes}"
+            callers[key][0] += event.self_cpu_time_total
+            callers[key][1] += 1
     comm = sum(us for name, (us, _) in ops.items()
                if any(mark in name for mark in COLLECTIVE_MARKS))
     return {"wall_s": sorted(walls)[len(walls) // 2], "ops": dict(ops),
             "allocs_per_step": allocs / steps, "alloc_mb_per_step": alloc_bytes / steps / 2**20,
             "self_cpu_s_per_step": sum(us for us, _ in ops.values()) / steps / 1e6,
-            "collective_s_per_step": comm / steps / 1e6}
+            "collective_s_per_step": comm / steps / 1e6, "callers": dict(callers)}
 
 
-def report(sides: dict[str, dict], steps: int, top: int) -> None:
+def report(sides: dict[str, dict], steps: int, top: int, op: str | None = None) -> None:
     names = list(sides)
     for name, side in sides.items():
         print(f"{name}: wall {side['wall_s']:.3f} s/step, self CPU {side['self_cpu_s_per_step']:.3f}"
@@ -115,12 +123,18 @@ def report(sides: dict[str, dict], steps: int, top: int) -> None:
         us, calls = sides[name]["ops"].get(op, (0.0, 0))
         return us / steps / 1e3, calls / steps
 
-    differ = sorted(every, key=lambda op: -abs(per_step(names[0], op)[0] - per_step(names[1], op)[0]))
+    differ = sorted(every, key=lambda o: -abs(per_step(names[0], o)[0] - per_step(names[1], o)[0]))
     print(f"\n| op | {names[0]} ms/step (calls) | {names[1]} ms/step (calls) | difference ms |")
     print("|---|---|---|---|")
-    for op in differ[:top]:
-        (a, ca), (b, cb) = per_step(names[0], op), per_step(names[1], op)
-        print(f"| {op} | {a:.1f} ({ca:.0f}) | {b:.1f} ({cb:.0f}) | {a - b:+.1f} |")
+    for name in differ[:top]:
+        (a, ca), (b, cb) = per_step(names[0], name), per_step(names[1], name)
+        print(f"| {name} | {a:.1f} ({ca:.0f}) | {b:.1f} ({cb:.0f}) | {a - b:+.1f} |")
+    if op is None:
+        return
+    for name, side in sides.items():
+        print(f"\n{name}: {op} by caller (parent op | input shapes), ms/step (calls/step)")
+        for key, (us, calls) in sorted(side["callers"].items(), key=lambda kv: -kv[1][0])[:top]:
+            print(f"  {us / steps / 1e3:8.1f} ({calls / steps:.0f})  {key}")
 
 
 def main() -> None:
@@ -128,6 +142,8 @@ def main() -> None:
     parser.add_argument("--layout", default="dp", choices=LAYOUTS)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--json", help="write both sides' per-op tables here")
+    parser.add_argument("--op", help="also break this op (e.g. aten::copy_) down by the op "
+                        "that called it and its input shapes")
     # tp's peer is DTensor's colwise/rowwise plan, which names Llama's modules (as the
     # grid runs it: benchmarks/tp_vs_dtensor.py); the others run GPT-2
     parser.set_defaults(model=None)
@@ -136,10 +152,10 @@ def main() -> None:
     rank, world, example = common.start(args)
     ours, _ = common.compile_timed(example, autopar_layout(args.layout, world), adamw)
     theirs = peer_step(args.layout, example, rank, world)
-    sides = {"autopar": profiled(ours, example.batch, args.warmup, args.steps),
-             "peer": profiled(theirs, example.batch, args.warmup, args.steps)}
+    sides = {"autopar": profiled(ours, example.batch, args.warmup, args.steps, args.op),
+             "peer": profiled(theirs, example.batch, args.warmup, args.steps, args.op)}
     if rank == 0:
-        report(sides, args.steps, args.top)
+        report(sides, args.steps, args.top, args.op)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"layout": args.layout, "model": args.model, "steps": args.steps,
