@@ -310,8 +310,12 @@ class ClusterSpec(_Spec):
             raise ClusterSpecError("ClusterSpec.local", [("nprocs", problem)])
         # Rough defaults until `autopar calibrate` measures this machine: ~50 GFLOP/s fp32
         # per core (AVX2 FMA at a few GHz, well below peak in practice), ~10 GB/s of DRAM
-        # bandwidth per process, and gloo over loopback at ~5 GB/s with ~20 us per message.
-        loopback = {"bandwidth": 5e9, "latency_s": 20e-6}
+        # bandwidth per process, and gloo over loopback as `autopar calibrate` fits it on a
+        # small host (2 cores, one thread per process): ~1 GB/s after the link efficiency
+        # and ~0.4 ms per ring step. gloo copies through TCP sockets on the cores that also
+        # compute; priced faster, the tensor-parallel solver trades collectives for
+        # elementwise work that gloo does not repay (docs/tensor_parallel.md).
+        loopback = {"bandwidth": 1.3e9, "latency_s": 400e-6}
         return cls.from_dict({
             "name": "local", "nodes": 1, "devices_per_node": nprocs, "backend": "gloo",
             "device": {"name": "cpu", "kind": "cpu", "peak_flops": {"fp32": 50e9},

@@ -112,6 +112,27 @@ def test_llama_attention_by_heads_and_vocabulary_parallel_loss():
     assert "model.layers.0.self_attn.q_proj.weight" in table and "S(0)" in table
 
 
+@pytest.mark.parametrize("hidden", [256, 512])
+def test_local_gloo_keeps_the_residual_stream_whole(hidden):
+    """On the cluster `compile` takes without one (`ClusterSpec.local`: gloo over
+    loopback, where a reduce-scatter or an all-gather costs about an all-reduce of the
+    whole tensor and each call ~0.4 ms), Llama gets Megatron's layout: an all-reduce
+    after each row-parallel projection, none of the residual stream reduce-scattered and
+    gathered again. Priced at 5 GB/s and 20 us a call, the solver split the stream
+    between blocks and the step ran 6-19% slower than with it whole (the grid's tp row,
+    docs/performance.md)."""
+    ex = llama(layers=2, hidden=hidden, heads=8, kv_heads=4, vocab=4096, batch=16, seq=128)
+    out, _ = tp_graph(ex.model, ex.batch, ex.loss_fn, cluster=autopar.ClusterSpec.local(2))
+    forward, backward = collectives(out, backward=False), collectives(out, backward=True)
+    assert "reduce_scatter_tensor" not in forward + backward, (forward, backward)
+    assert set(backward) == {"all_reduce"}, backward
+    placed = params(out)
+    for layer in range(2):
+        assert placed[f"model.layers.{layer}.self_attn.o_proj.weight"] == 1
+        assert placed[f"model.layers.{layer}.mlp.down_proj.weight"] == 1
+        assert placed[f"model.layers.{layer}.input_layernorm.weight"] == R
+
+
 def _split_by_heads(out, seq: int) -> list[tuple[int, ...]]:
     """Every matmul of the attention runs on a block of heads and the scores (..., seq,
     seq) are never gathered. Returns the shapes of the tp all-gathers."""
