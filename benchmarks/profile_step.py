@@ -133,6 +133,8 @@ def report(sides: dict[str, dict], steps: int, top: int, op: str | None = None) 
         return
     for name, side in sides.items():
         print(f"\n{name}: {op} by caller (parent op | input shapes), ms/step (calls/step)")
+        if not side["callers"]:
+            print(f"  no calls of {op!r} (names as the table above spells them, e.g. aten::copy_)")
         for key, (us, calls) in sorted(side["callers"].items(), key=lambda kv: -kv[1][0])[:top]:
             print(f"  {us / steps / 1e3:8.1f} ({calls / steps:.0f})  {key}")
 

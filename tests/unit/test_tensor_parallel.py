@@ -118,9 +118,8 @@ def test_local_gloo_keeps_the_residual_stream_whole(hidden):
     loopback, where a reduce-scatter or an all-gather costs about an all-reduce of the
     whole tensor and each call ~0.4 ms), Llama gets Megatron's layout: an all-reduce
     after each row-parallel projection, none of the residual stream reduce-scattered and
-    gathered again. Priced at 5 GB/s and 20 us a call, the solver split the stream
-    between blocks and the step ran 6-19% slower than with it whole (the grid's tp row,
-    docs/performance.md)."""
+    gathered again: on gloo the split stream's extra collectives cost more than the
+    elementwise work they save (docs/performance.md, the grid's tp row)."""
     ex = llama(layers=2, hidden=hidden, heads=8, kv_heads=4, vocab=4096, batch=16, seq=128)
     out, _ = tp_graph(ex.model, ex.batch, ex.loss_fn, cluster=autopar.ClusterSpec.local(2))
     forward, backward = collectives(out, backward=False), collectives(out, backward=True)
