@@ -355,7 +355,20 @@ def _align(items: list[tuple], ref_items: list, out: dict) -> None:
         found: dict[tuple, list] = {}
         for name, (_, op, origin, backward, seq) in entries:
             key = ("backward", by_seq.get(seq)) if backward else ("forward", origin)
-            found.setdefault(key, []).append((name, op))
+            found.setdefault(key, []).append((name, op, seq))
+        # a fused region's ops stand where the region does, which may be after an op
+        # traced later: a forward group is put back in the order autograd recorded its
+        # ops (one without a seq_nr stays after the op before it). A backward group keeps
+        # the graph's order: its ops carry the seq_nr of the forward op they differentiate.
+        for key, members in found.items():
+            if key[0] == "backward":
+                found[key] = [m[:2] for m in members]
+                continue
+            order, last = [], -1
+            for i, (_, _, seq) in enumerate(members):
+                last = seq if seq is not None else last
+                order.append((last, i))
+            found[key] = [members[i][:2] for _, i in sorted(order)]
         return found
 
     mine = groups([(name, p) for name, p in items if not p[1].startswith("_c10d_functional")])

@@ -99,3 +99,27 @@ def test_the_command_line_refuses_a_layout_the_model_cannot_take_in_one_line():
         "autopar bisect: 4 pipeline stages (pp=2 x virtual_stages=2) but the model has 2 "
         "repeated blocks to cut between; use pp*virtual_stages <= 2"), out.stderr
     assert "Traceback" not in out.stderr
+
+
+def _p(name, op, origin, backward, seq):
+    return (name, op, origin, backward, seq)
+
+
+def test_align_pairs_a_forward_group_in_traced_order_and_a_backward_group_by_its_last_op():
+    """A fused region's outputs stand where the region does: here the rank graph lists
+    the value cast of an attention before its key cast. Paired in graph order, each would
+    be compared with the other's reference (same op, same shape under GQA)."""
+    from autopar.bisection import _align
+
+    ref = [_p("cast_k", "_to_copy", "sdpa", False, 10), _p("cast_v", "_to_copy", "sdpa", False, 11),
+           _p("attn", "sdpa", "sdpa", False, 12),
+           _p("g_mm", "mm", None, True, 12), _p("g_view", "view", None, True, 12)]
+    mine = [(n, _p(n, op, origin, bw, seq)) for n, op, origin, bw, seq in [
+        ("my_v", "_to_copy", "sdpa", False, 11), ("my_k", "_to_copy", "sdpa", False, 10),
+        ("my_attn", "sdpa", "sdpa", False, 12),
+        # a pass lowered the backward another way: only its last value pairs
+        ("my_perm", "permute", None, True, 12), ("my_mm", "mm", None, True, 12),
+        ("my_view", "view", None, True, 12)]]
+    out = {}
+    _align(mine, ref, out)
+    assert out == {"my_k": "cast_k", "my_v": "cast_v", "my_attn": "attn", "my_view": "g_view"}
