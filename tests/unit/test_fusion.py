@@ -123,8 +123,7 @@ def test_gpt2_norms_and_gelu_are_one_kernel_forward_and_backward():
 
 def test_llama_rotary_embedding_is_one_kernel_forward_and_backward():
     """The rotary embedding (slices, neg, cat, the multiplies by cos and sin) and its
-    backward (the slices' gradients placed in zeros by slice_backward, added, with the
-    key's sum over grouped heads) fuse: no
+    backward (the slices' gradients placed in zeros by slice_backward, added) fuse: no
     float neg or cat is left, and the one slice_backward left is the loss's shift, after
     the log-softmax backward (a row value, which a remap cannot read elsewhere)."""
     ex = llama(layers=2, batch=2, seq=8)
@@ -136,10 +135,11 @@ def test_llama_rotary_embedding_is_one_kernel_forward_and_backward():
     assert left[0].args[0].args[0].target == aten._log_softmax_backward_data.default  # a view of
     fused_ops = [op for node in _fused(out) for op in _ops(node)]
     assert fused_ops.count("cat") >= 4 and fused_ops.count("slice_backward") >= 8
-    # the key's gradient, summed over the query heads sharing it (grouped-query attention),
-    # unrolled into its rotary backward's kernel
+    # grouped-query attention takes its grouped k and v (ir/grouped_kv.py): its kernel's
+    # backward gives each key-value head's gradient, none is summed over query heads
+    assert tg.attrs["grouped_kv"] == 2
     both = [n for n in _fused(out) if {"sum.dim_IntList", "slice_backward"} <= set(_ops(n))]
-    assert len(both) == 2, [_ops(n) for n in _fused(out)]
+    assert both == [], [_ops(n) for n in both]
     assert not any("other indices" in why for _, why in result.declined), result.declined
 
 

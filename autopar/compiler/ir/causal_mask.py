@@ -48,6 +48,8 @@ class Recovered:
 
     causal: int = 0
     left: list[tuple[str, str]] = field(default_factory=list)
+    # attentions without a mask then given their grouped k and v (grouped_kv.py)
+    grouped_kv: int = 0
 
 
 def recover_causal_masks(gm: fx.GraphModule) -> tuple[fx.GraphModule, Recovered]:

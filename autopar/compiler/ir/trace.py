@@ -43,6 +43,7 @@ from autopar.compiler.ir.causal_mask import Recovered, recover_causal_masks
 from autopar.compiler.ir.causal_mask import bound_args as _bound
 from autopar.compiler.ir.eager_attention import Fused, fuse_eager_attention
 from autopar.compiler.ir.graph import GraphSignature, TensorSpec, TrainGraph
+from autopar.compiler.ir.grouped_kv import group_repeated_kv
 from autopar.compiler.ir.program import LOSS_SCALE_INPUT
 from autopar.layout import Layout
 
@@ -215,6 +216,8 @@ def _source_attrs(source: TraceSource) -> dict[str, Any]:
     causal = causal_forward(source)[1]
     if causal.causal or causal.left:
         attrs["causal_masks"] = {"recovered": causal.causal, "left": list(causal.left)}
+    if causal.grouped_kv:
+        attrs["grouped_kv"] = causal.grouped_kv
     return attrs
 
 
@@ -231,12 +234,15 @@ def forward_module(source: TraceSource) -> fx.GraphModule:
 
 def causal_forward(source: TraceSource) -> tuple[fx.GraphModule, Recovered]:
     """`recover_causal_masks` of the exported forward (a GPU trace's: with its attention
-    fused first), kept per graph: every re-trace of a trace (AMP, tensor parallelism)
-    runs the same one."""
+    fused first), then `group_repeated_kv` (attention without a mask takes its grouped
+    k and v, as eager does), kept per graph: every re-trace of a trace (AMP, tensor
+    parallelism) runs the same one."""
     exported = source.exported.graph_module
     gm = gpu_forward(exported)[0] if _fuses_attention(source) else exported
     if gm not in _CAUSAL_FORWARDS:
-        _CAUSAL_FORWARDS[gm] = recover_causal_masks(gm)
+        recovered_gm, recovered = recover_causal_masks(gm)
+        recovered_gm, recovered.grouped_kv = group_repeated_kv(recovered_gm)
+        _CAUSAL_FORWARDS[gm] = recovered_gm, recovered
     return _CAUSAL_FORWARDS[gm]
 
 
