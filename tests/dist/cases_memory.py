@@ -4,14 +4,17 @@ predicted peak of each rank against live storage counted while its step runs."""
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import autopar
+from autopar.compiler.analysis.live_bytes import LiveBytes, measure_step
 from autopar.compiler.analysis.memory import profile_optimizer, step_memory
-from autopar.compiler.planner.pipeline_memory import pipeline_memory
 from autopar.compiler.analysis.summary import summarize
+from autopar.compiler.planner.pipeline_memory import pipeline_memory
 from autopar.examples import gpt2, llama
-from autopar.compiler.analysis.live_bytes import measure_step
 from tests.dist.cases_dp import adamw, check_parity, sgd
 from tests.dist.registry import case
 
@@ -143,3 +146,21 @@ memory_case("dp2_pp2_zero1_memory_model_llama_adamw", lambda: llama(layers=4), a
             dp=2, pp=2, microbatches=4, zero=1)
 memory_case("dp2_microbatches4_zero3_memory_model_gpt2_tied_adamw", gpt2, adamw, dp=2,
             microbatches=4, zero=3)
+
+
+@case(world=2)
+def live_bytes_counts_the_storage_a_dtensor_op_creates():
+    """A DTensor op runs its local op while the counting mode is off: the storage it
+    returns is counted by the DTensor op (the peer benchmarks' DTensor and FSDP2 sides
+    are measured this way), and freed when the DTensor is."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    weight = distribute_tensor(torch.randn(512, 256), mesh, [Shard(0)])
+    x = distribute_tensor(torch.randn(64, 256), mesh, [Replicate()])
+    with LiveBytes() as live:
+        y = x @ weight.t()  # column-parallel: (64, 256) on each rank, Shard(1)
+        z = y.to_local() * 2
+        del y, z
+        w = x * 3
+    local = 64 * 256 * 4
+    assert live.peak_bytes == 2 * local, (live.peak_bytes, 2 * local)
+    assert w.to_local().numel() * 4 < 2 * local

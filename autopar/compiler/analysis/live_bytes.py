@@ -13,6 +13,12 @@ gone (a storage weak reference expires). It is what the memory model
 Storages that existed before the block (parameters, optimizer states, the user's
 batch) are not counted: `held_bytes` measures those.
 
+Tensor subclasses (DTensor): an op on one runs its inner ops while the mode is off, so
+the storage such an op returns is counted by the subclass's op, through the tensors
+the subclass wraps; what the inner ops create and free within the one op (a
+redistribute's buffers) is not seen, which leaves a DTensor program's peak a lower
+bound.
+
 Collectives: an issued collective's work holds its tensors, and on gloo it lets go of
 them on the process group's worker thread whenever that thread gets to it (before
 the wait or a while after it), so when such a storage expires depends on thread
@@ -77,8 +83,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        inputs = {_weak(t).cdata for t in tree_leaves((args, kwargs))
-                  if isinstance(t, torch.Tensor) and not is_traceable_wrapper_subclass(t)}
+        inputs = {_weak(t).cdata for t in _plain(tree_leaves((args, kwargs)))}
         out = self._fused_fallback(func, args) or func(*args, **kwargs)
         index = len(self._ops)  # after a fused fallback's own ops
         for cdata in inputs:
@@ -86,11 +91,8 @@ class LiveBytes(TorchDispatchMode):
             if ref is not None:
                 self._live[ref].last_use = index
         self._collect(index)
-        for t in tree_leaves(out):
-            # a tensor subclass (DTensor) holds no storage of its own: the ops on its
-            # local tensors, which pass through this mode too, allocate it
-            if (isinstance(t, torch.Tensor) and t.device.type != "meta"
-                    and not is_traceable_wrapper_subclass(t)):
+        for t in _plain(tree_leaves(out)):
+            if t.device.type != "meta":
                 ref = _weak(t)
                 if ref.cdata in inputs or ref in self._live:
                     continue  # an in-place op or a view: no new storage
@@ -158,6 +160,23 @@ class LiveBytes(TorchDispatchMode):
         if timeline:
             at = max(range(len(timeline)), key=timeline.__getitem__)
             self.peak_bytes, self.peak_op = timeline[at], self._ops[at]
+
+
+def _plain(leaves) -> list[torch.Tensor]:
+    """The plain tensors among `leaves`, a tensor subclass (DTensor) by the tensors it
+    wraps: an op on a subclass runs its inner ops while this mode is off (a mode does not
+    see the ops its own handler calls), so the storage they create is counted by the
+    subclass's op that returns it, and read by the ops that take the subclass."""
+    out = []
+    for t in leaves:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            out += _plain(getattr(t, name) for name in names)
+        else:
+            out.append(t)
+    return out
 
 
 def _weak(t: torch.Tensor) -> StorageWeakRef:
