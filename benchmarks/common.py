@@ -89,7 +89,8 @@ def local_tensors(tensors) -> list:
     return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
 
 
-def peak_bytes(step: Callable, batch: tuple, held_tensors, extra_bytes: int = 0) -> dict:
+def peak_bytes(step: Callable, batch: tuple, held_tensors, extra_bytes: int = 0,
+               resizable=()) -> dict:
     """Peak bytes of one step on this rank, counted the same way for every side:
 
     - held: the distinct storages the side keeps between steps (`held_tensors`: its
@@ -97,14 +98,15 @@ def peak_bytes(step: Callable, batch: tuple, held_tensors, extra_bytes: int = 0)
       `extra_bytes` it holds where no tensor reaches it (DDP's buckets);
     - the step's own: the most storage created inside the step alive at once, counted
       as ops run by autopar's LiveBytes (the counter autopar's memory model is judged
-      against), gradients included.
+      against), gradients included, and what the storages in `resizable` (made before
+      the step, resized in place inside it: FSDP2's unsharded parameters) grew by.
 
     Call it after the side's own zero_grad(set_to_none=True), so that the old
     gradients are not counted twice."""
     from autopar.compiler.analysis.live_bytes import LiveBytes, held_bytes
 
     held = held_bytes(local_tensors(held_tensors)) + extra_bytes
-    with LiveBytes() as live:
+    with LiveBytes(resizable) as live:
         step(*batch)
     return {"held": held, "step": live.peak_bytes, "peak": held + live.peak_bytes,
             "peak_op": live.peak_op}

@@ -126,6 +126,24 @@ def test_live_bytes_counts_new_storage_once_and_frees_it():
     assert live.peak_bytes == 8000 and d.numel() == 1000
 
 
+def test_live_bytes_counts_what_a_storage_made_before_grew_by_in_place():
+    """FSDP2 allocates an unsharded parameter by resizing a storage it made earlier
+    (`UntypedStorage.resize_`, which no op reports): given as resizable, what it grew
+    by counts while it is grown, and once."""
+    held = torch.empty(0)
+    held.untyped_storage().resize_(0)
+    with LiveBytes(resizable=[held, held.view(-1)]) as live:
+        held.untyped_storage().resize_(4000)
+        a = torch.ones(1000)  # 8000 with the grown storage
+        held.untyped_storage().resize_(0)
+        b = a * 2  # 8000 again, the grown storage freed
+    assert live.peak_bytes == 8000 and b.numel() == 1000
+    with LiveBytes() as unseen:
+        held.untyped_storage().resize_(4000)
+        c = torch.ones(1000)
+    assert unseen.peak_bytes == 4000 and c.numel() == 1000
+
+
 @pytest.mark.parametrize("name, microbatches", [("gpt2-tiny", 4), ("llama-tiny", 2)])
 def test_gradient_accumulation_peak_matches_live_storage(name, microbatches):
     from autopar.compiler.planner.pipeline_memory import pipeline_memory

@@ -13,6 +13,10 @@ gone (a storage weak reference expires). It is what the memory model
 Storages that existed before the block (parameters, optimizer states, the user's
 batch) are not counted: `held_bytes` measures those.
 
+A storage made before the block and grown in place inside it (FSDP2 allocates and
+frees its unsharded parameters with `UntypedStorage.resize_`, which no op reports) is
+counted by what it grew, given as `LiveBytes(resizable=tensors)`.
+
 Tensor subclasses (DTensor): an op on one runs its inner ops while the mode is off, so
 the storage such an op returns is counted by the subclass's op, through the tensors
 the subclass wraps; what the inner ops create and free within the one op (a
@@ -56,8 +60,12 @@ class _Tracked:
 class LiveBytes(TorchDispatchMode):
     """Peak bytes of tensor storage created and still referenced inside the block."""
 
-    def __init__(self) -> None:
+    def __init__(self, resizable: Iterable[torch.Tensor] = ()) -> None:
         super().__init__()
+        # storages made before the block that may be resized in place inside it (a
+        # storage's `resize_` is no op this mode sees): counted by what they grew
+        distinct = {_weak(t).cdata: t for t in resizable}  # one storage once
+        self._resizable = [(t, t.untyped_storage().nbytes()) for t in distinct.values()]
         self._live: dict[StorageWeakRef, _Tracked] = {}
         self._by_cdata: dict[int, StorageWeakRef] = {}
         # collective output storage -> the input storages its work holds until the wait
@@ -102,7 +110,8 @@ class LiveBytes(TorchDispatchMode):
                 self.live_bytes += size
         self._track_collective(func, args, out, index)
         self._ops.append(str(func))
-        self._timeline.append(self.live_bytes)
+        self._timeline.append(self.live_bytes + sum(
+            max(0, t.untyped_storage().nbytes() - before) for t, before in self._resizable))
         return out
 
     def _fused_fallback(self, func, args):
