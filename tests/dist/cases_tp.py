@@ -18,6 +18,7 @@ from autopar.compiler.passes.tp_rules import P, R, Strided, as_pieces
 from autopar.examples import Example, gpt2, hf_tiny, llama, mlp, neox
 from autopar.runtime.shards import tp_block
 from autopar.testing import make_batches, reference_train
+from tests.cluster_util import with_fast_link
 from tests.dist.cases_dp import adamw, check_parity, sgd
 from tests.dist.registry import case
 
@@ -43,12 +44,10 @@ def _whole_entry(entry, tp):
 
 
 def fast_link(world: int) -> autopar.ClusterSpec:
-    """This machine's spec with a link of 5 GB/s at 20 us a message: on the test models
+    """This machine's spec with a link of 5 GB/s at 20 us a message (FAST_LINK): on the test models
     (hidden 64-128) a fused projection split in pieces pays only on such a link; on gloo's
     own prices (`ClusterSpec.local`, ~0.4 ms a message) the solver may keep it whole."""
-    link = {"bandwidth": 5e9, "latency_s": 20e-6}
-    return autopar.ClusterSpec.from_dict({**autopar.ClusterSpec.local(world).to_dict(),
-                                          "intra_node": link, "inter_node": link})
+    return with_fast_link(autopar.ClusterSpec.local(world))
 
 
 def tp_case(name, factory, optimizer, world=2, pieces=None, **layout):

@@ -19,6 +19,7 @@ from autopar import costs
 from autopar.compiler.planner import search as S
 from autopar.examples import gpt2
 from autopar.compiler.planner.result import Prediction
+from tests.cluster_util import with_fast_link
 from tests.unit.test_cost_model import cluster
 
 logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
@@ -553,8 +554,7 @@ def test_the_reference_bound_is_below_every_prediction_on_the_local_cpu_cluster(
     # 5 GB/s at 20 us a message, whose one pass and gradient sum keep the floor after
     # the schedule below this one: gloo's ~0.4 ms a message would lift it above)
     zb = next(lay for lay, _ in costed if lay.schedule == "zero-bubble")
-    link = {"bandwidth": 5e9, "latency_s": 20e-6}
-    fast = ClusterSpec.from_dict({**c.to_dict(), "intra_node": link, "inter_node": link})
+    fast = with_fast_link(c)
     sgd = Estimator(ex.model, fast, ex.batch, ex.loss_fn, optimizer="sgd")
     sgd.predict(reference_layout(zb))
     whole, blocks = model_compute_floor(sgd.rewritten_summary(reference_layout(zb)), fast)
