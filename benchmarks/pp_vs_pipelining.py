@@ -66,6 +66,22 @@ def pipelining_step_fn(model, batch, rank):
     return step
 
 
+def recv_buffers(stage) -> list:
+    """The buffers a pipelining stage receives each micro-batch's activations and
+    gradients into: made at its first step (one per micro-batch and input) and kept
+    between steps, so they count with what it holds (PipelineStage's `args_recv_info`
+    and `grad_recv_info` in the torch this benchmark pins). A stage that receives
+    nothing (the first one's activations, the last one's gradients) has none there."""
+    out = []
+    for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
+        out += [info.buffer for info in infos if getattr(info, "buffer", None) is not None
+                and not getattr(info, "is_root_arg", False)]
+    if not out:
+        raise RuntimeError("found no receive buffer on a stage of two: PipelineStage's "
+                           "attributes changed in this torch; the peak would leave them out")
+    return out
+
+
 def measured_vs_simulated_bubble(step) -> dict:
     """Idle fraction of each rank over the last step's schedule: measured (compute
     spans from the step's start, sends and receives counted as idle), against the
@@ -119,7 +135,7 @@ def main() -> None:
     peaks = {"autopar": common.autopar_peak(ours, batch),
              "pipelining": common.peak_bytes(theirs, batch, [
                  *theirs.stage.submod.parameters(), *theirs.stage.submod.buffers(),
-                 *common.optimizer_state(theirs.opt)])}
+                 *recv_buffers(theirs.stage), *common.optimizer_state(theirs.opt)])}
     every = [None] * dist.get_world_size()  # each stage holds its own: compare per rank
     dist.all_gather_object(every, peaks)
     if rank == 0:
