@@ -226,20 +226,9 @@ def dp_sum_time(nbytes: float, cluster: ClusterSpec, layout: Layout,
                 eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
     """The runtime's sum of `nbytes` over dp outside a graph (runtime/mesh.py
     `Mesh.sum_over_dp`: a pipeline's gradients, Local SGD's average): one all-reduce, or
-    Layout.allreduce="hierarchical"'s three levels
-    in the cluster's form (reduce, all-reduce among the node leaders, broadcast on gloo;
-    reduce-scatter, all-reduce of the shards, all-gather on NCCL)."""
-    if layout.allreduce != "hierarchical":
-        return collective_time("all_reduce", nbytes, layout.dp, cluster, layout.tp, eff)
-    local, nodes = dp_node_split(layout, cluster)
-    among = layout.tp * local  # one rank of each node's run
-    if cluster.backend == "nccl":
-        return (collective_time("reduce_scatter", nbytes, local, cluster, layout.tp, eff)
-                + collective_time("all_reduce", nbytes / local, nodes, cluster, among, eff)
-                + collective_time("all_gather", nbytes, local, cluster, layout.tp, eff))
-    return (collective_time("reduce", nbytes, local, cluster, layout.tp, eff)
-            + collective_time("all_reduce", nbytes, nodes, cluster, among, eff)
-            + collective_time("broadcast", nbytes, local, cluster, layout.tp, eff))
+    Layout.allreduce="hierarchical"'s three levels (`dp_sum_collectives`)."""
+    return sum(collective_time(kind, size, group, cluster, stride, eff)
+               for _, kind, size, group, stride in dp_sum_collectives(nbytes, cluster, layout))
 
 
 def dp_sum_bytes(nbytes: float, cluster: ClusterSpec, layout: Layout) -> dict[str, float]:
@@ -249,15 +238,34 @@ def dp_sum_bytes(nbytes: float, cluster: ClusterSpec, layout: Layout) -> dict[st
     and all-gather on NCCL, inside each node) and "dp.node" (the all-reduce among the
     node leaders: the whole on gloo, one shard on NCCL); a level of one rank moves
     nothing. Empty when dp is 1."""
+    out: dict[str, float] = {}
     if layout.dp == 1 or not nbytes:
-        return {}
-    if layout.allreduce != "hierarchical":
-        return {"dp": nbytes}
-    local, nodes = dp_node_split(layout, cluster)
-    out = {"dp.local": 2 * nbytes} if local > 1 else {}  # a group of one moves nothing
-    if nodes > 1:
-        out["dp.node"] = nbytes / local if cluster.backend == "nccl" else nbytes
+        return out
+    for level, _, size, group, _ in dp_sum_collectives(nbytes, cluster, layout):
+        if group > 1:
+            out[level] = out.get(level, 0.0) + size
     return out
+
+
+def dp_sum_collectives(nbytes: float, cluster: ClusterSpec, layout: Layout
+                       ) -> list[tuple[str, str, float, int, int]]:
+    """(level, collective, full-tensor bytes, group size, stride) of the runtime's sum of
+    `nbytes` over dp, in order: one all-reduce over "dp", or for
+    Layout.allreduce="hierarchical" the cluster's three levels: a reduce inside each
+    node ("dp.local"), an all-reduce among the node leaders ("dp.node") and a broadcast
+    inside each node on gloo; a reduce-scatter, an all-reduce of the shards and an
+    all-gather on NCCL."""
+    if layout.allreduce != "hierarchical":
+        return [("dp", "all_reduce", nbytes, layout.dp, layout.tp)]
+    local, nodes = dp_node_split(layout, cluster)
+    among = layout.tp * local  # one rank of each node's run
+    if cluster.backend == "nccl":
+        return [("dp.local", "reduce_scatter", nbytes, local, layout.tp),
+                ("dp.node", "all_reduce", nbytes / local, nodes, among),
+                ("dp.local", "all_gather", nbytes, local, layout.tp)]
+    return [("dp.local", "reduce", nbytes, local, layout.tp),
+            ("dp.node", "all_reduce", nbytes, nodes, among),
+            ("dp.local", "broadcast", nbytes, local, layout.tp)]
 
 
 def group_spans_nodes(group_size: int, stride: int, cluster: ClusterSpec) -> bool:
