@@ -361,14 +361,12 @@ def _align(items: list[tuple], ref_items: list, out: dict) -> None:
         # ops (one without a seq_nr stays after the op before it). A backward group keeps
         # the graph's order: its ops carry the seq_nr of the forward op they differentiate.
         for key, members in found.items():
-            if key[0] == "backward":
-                found[key] = [m[:2] for m in members]
-                continue
-            order, last = [], -1
-            for i, (_, _, seq) in enumerate(members):
-                last = seq if seq is not None else last
-                order.append((last, i))
-            found[key] = [members[i][:2] for _, i in sorted(order)]
+            if key[0] == "forward":
+                last, order = -1, []
+                for _, _, seq in members:
+                    last = seq if seq is not None else last
+                    order.append(last)
+                members[:] = [m for _, m in sorted(zip(order, members), key=lambda x: x[0])]
         return found
 
     mine = groups([(name, p) for name, p in items if not p[1].startswith("_c10d_functional")])
@@ -377,13 +375,13 @@ def _align(items: list[tuple], ref_items: list, out: dict) -> None:
         if key[1] is None or key not in theirs:
             continue
         ref_members = theirs[key]
-        if [op for _, op in members] == [op for _, op in ref_members]:
+        if [m[1] for m in members] == [m[1] for m in ref_members]:
             pairs = list(zip(members, ref_members))
         elif members[-1][1] == ref_members[-1][1]:
             pairs = [(members[-1], ref_members[-1])]
         else:
             continue
-        for (name, _), (ref, _) in pairs:
+        for (name, _, _), (ref, _, _) in pairs:
             if name is not None:
                 out[name] = ref
 

@@ -44,9 +44,9 @@ def _whole_entry(entry, tp):
 
 
 def fast_link(world: int) -> autopar.ClusterSpec:
-    """This machine's spec with a link of 5 GB/s at 20 us a message (FAST_LINK): on the test models
-    (hidden 64-128) a fused projection split in pieces pays only on such a link; on gloo's
-    own prices (`ClusterSpec.local`, ~0.4 ms a message) the solver may keep it whole."""
+    """This machine's spec with FAST_LINK: on the test models (hidden 64-128) a fused
+    projection split in pieces pays only on such a link; on gloo's own prices
+    (`ClusterSpec.local`, ~0.4 ms a message) the solver may keep it whole."""
     return with_fast_link(autopar.ClusterSpec.local(world))
 
 

@@ -5,7 +5,7 @@ named with its node and pass, and what bisect cannot compare is refused clearly.
 import pytest
 
 import autopar
-from autopar.bisection import BisectError, bisect
+from autopar.bisection import BisectError, _align, bisect
 from autopar.examples import gpt2, hf_tiny
 from tests.bisect_bugs import StaleRecomputeInput, with_bug
 
@@ -101,20 +101,16 @@ def test_the_command_line_refuses_a_layout_the_model_cannot_take_in_one_line():
     assert "Traceback" not in out.stderr
 
 
-def _p(name, op, origin, backward, seq):
-    return (name, op, origin, backward, seq)
-
 
 def test_align_pairs_a_forward_group_in_traced_order_and_a_backward_group_by_its_last_op():
     """A fused region's outputs stand where the region does: here the rank graph lists
     the value cast of an attention before its key cast. Paired in graph order, each would
-    be compared with the other's reference (same op, same shape under GQA)."""
-    from autopar.bisection import _align
-
-    ref = [_p("cast_k", "_to_copy", "sdpa", False, 10), _p("cast_v", "_to_copy", "sdpa", False, 11),
-           _p("attn", "sdpa", "sdpa", False, 12),
-           _p("g_mm", "mm", None, True, 12), _p("g_view", "view", None, True, 12)]
-    mine = [(n, _p(n, op, origin, bw, seq)) for n, op, origin, bw, seq in [
+    be compared with the other's reference (same op, same shape under GQA). Entries are
+    Provenance tuples: (name, op, exported op, backward?, seq_nr)."""
+    ref = [("cast_k", "_to_copy", "sdpa", False, 10), ("cast_v", "_to_copy", "sdpa", False, 11),
+           ("attn", "sdpa", "sdpa", False, 12),
+           ("g_mm", "mm", None, True, 12), ("g_view", "view", None, True, 12)]
+    mine = [(p[0], p) for p in [
         ("my_v", "_to_copy", "sdpa", False, 11), ("my_k", "_to_copy", "sdpa", False, 10),
         ("my_attn", "sdpa", "sdpa", False, 12),
         # a pass lowered the backward another way: only its last value pairs
