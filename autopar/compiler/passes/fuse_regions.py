@@ -288,14 +288,27 @@ def _candidates(tg: TrainGraph, rejected: dict[fx.Node, str]) -> list[list[fx.No
     order = {n: i for i, n in enumerate(tg.graph.nodes)}
     programs = dict.fromkeys(p for n in tg.call_nodes() if (p := program_of(n)) is not None)
     out = []
+    partitioner = None
     for program in programs:
         support = _Fusable(program)
-        partitioner = CapabilityBasedPartitioner(tg.gm, support, allows_single_node_partition=True,
-                                                 skip_horizontal_fusion=True)
+        if partitioner is None:
+            partitioner = _ProgramPartitioner(tg.gm, support, allows_single_node_partition=True,
+                                              skip_horizontal_fusion=True)
+        # the graph does not change before every program is proposed: one partitioner,
+        # whose dependency map (every node's downstream set) is built once, serves all
+        partitioner.operator_support = support
         for part in partitioner.propose_partitions():
             out.append(sorted(part.nodes, key=order.__getitem__))
         rejected.update(support.rejected)
     return sorted(out, key=lambda nodes: order[nodes[0]])
+
+
+class _ProgramPartitioner(CapabilityBasedPartitioner):
+    """The partitioner asking `_Fusable`, which reads no submodule: without the dict of
+    the graph module's submodules the base class builds for each node it asks about."""
+
+    def _is_node_supported(self, node: fx.Node) -> bool:
+        return self.operator_support.is_node_supported({}, node)
 
 
 def _replace(tg: TrainGraph, region: _Region, key: str, name: str) -> list[fx.Node]:
