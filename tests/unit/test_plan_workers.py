@@ -242,7 +242,7 @@ def test_what_a_child_rewrote_ahead_is_taken_without_asking(gpt8, monkeypatch):
             time.sleep(0.02)
         assert len(worker.ready) == len(ahead)  # sent as each was done
         asked = []
-        monkeypatch.setattr(worker, "result", lambda kind, lay: asked.append(lay))
+        monkeypatch.setattr(worker, "result", lambda kind, lay, *rest: asked.append(lay))
         for lay in ahead:
             assert est.predict(lay) == alone.predict(lay), lay
         assert not asked and not worker.ready
@@ -250,24 +250,32 @@ def test_what_a_child_rewrote_ahead_is_taken_without_asking(gpt8, monkeypatch):
         worker.close()
 
 
-def test_the_parent_rewrites_a_group_the_child_has_not_started_instead_of_waiting(
-        gpt8, monkeypatch):
-    from autopar.compiler.planner.workers import RewriteWorker
-
+def _slow_first_group(gpt8, monkeypatch):
+    """(the unpipelined layouts without ZeRO or micro-batches, an Estimator alone, one to
+    fork, the first two groups, the Rewrites.run_passes in place): rewriting the first
+    group sleeps 3 s, long enough for the parent to ask while the child is at it."""
     model, batch = gpt8
     candidates = S.candidate_layouts(CLUSTER, 16, 8, {"amp": "bf16"})
     flat = [lay for lay in candidates if lay.pp == 1 and lay.microbatches == 1 and lay.zero == 0]
     alone = Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2)
     est = Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2)
-    slow, later = list(dict.fromkeys(est.group_of(lay) for lay in flat))[:2]
+    groups = list(dict.fromkeys(est.group_of(lay) for lay in flat))[:2]
     original = Rewrites.run_passes
 
     def slow_child(self, traced, trace_key, layout, options):
-        if self.group_of(layout) == slow:  # only the child rewrites it: long enough for
-            time.sleep(3)                  # the parent to ask while it is at it
+        if self.group_of(layout) == groups[0]:  # only the child rewrites it
+            time.sleep(3)
         return original(self, traced, trace_key, layout, options)
 
     monkeypatch.setattr(Rewrites, "run_passes", slow_child)  # the child forks with it
+    return flat, alone, est, groups, slow_child
+
+
+def test_the_parent_rewrites_a_group_the_child_has_not_started_instead_of_waiting(
+        gpt8, monkeypatch):
+    from autopar.compiler.planner.workers import RewriteWorker
+
+    flat, alone, est, (slow, later), slow_child = _slow_first_group(gpt8, monkeypatch)
     first = next(lay for lay in flat if est.group_of(lay) == slow)
     second = next(lay for lay in flat if est.group_of(lay) == later)
     worker = RewriteWorker(est, [first, second], [slow, later])
@@ -279,6 +287,32 @@ def test_the_parent_rewrites_a_group_the_child_has_not_started_instead_of_waitin
         assert worker.claims[worker.slots[later]] == PARENT
         assert later not in est.workers.by_group
         assert est.predict(second) == alone.predict(second)
+    finally:
+        worker.close()
+
+
+def test_while_the_child_answers_the_parent_rewrites_its_own_groups_ahead(gpt8, monkeypatch):
+    from autopar.compiler.planner.workers import RewriteWorker
+
+    flat, alone, est, (slow, own), slow_child = _slow_first_group(gpt8, monkeypatch)
+    first = next(lay for lay in flat if est.group_of(lay) == slow)
+    mine = next(lay for lay in flat if est.group_of(lay) == own)
+    worker = RewriteWorker(est, [first], [slow])
+    est.workers.by_group = {slow: worker}
+    est.workers.ahead = [mine]  # the parent's own group, not yet asked for
+    parent = []
+    monkeypatch.setattr(Rewrites, "run_passes", _recording(slow_child, parent, est.rewrites))
+    try:
+        _wait_for_child(worker, slow)
+        assert est.predict(first) == alone.predict(first)
+        # asking for `first` (the child's, still at it), the parent rewrote `mine`
+        # meanwhile, and keeps it aside: the search has not asked for it
+        key = est.rewrites.key(mine)
+        assert parent == [mine] and not est.workers.ahead
+        assert key in est.workers.aside and key not in est.rewrites
+        assert worker.claims[worker.slots[slow]] == CHILD
+        assert est.predict(mine) == alone.predict(mine)
+        assert parent == [mine] and not est.workers.aside  # taken, not rewritten again
     finally:
         worker.close()
 

@@ -175,6 +175,23 @@ class Rewrites:
     def rewrite(self, layout: Layout) -> RewrittenEntry:
         """Rewrite `layout`'s trace and keep the entry under `key(layout)`: a template
         (two stages cut between the two traced blocks), or the summary of the graph."""
+        key, entry, table = self._rewritten(layout)
+        self._entries[key] = entry
+        if table is not None:
+            self._tables[key] = table
+        return entry
+
+    def rewrite_aside(self, layout: Layout) -> ExportedEntry:
+        """`layout`'s entry rewritten as `rewrite` does but not kept: as a worker sends it
+        (plain data), for the caller to keep aside until the search asks for it (what
+        the search knows when it decides stays what it asked for: Estimator.adopt)."""
+        key, entry, table = self._rewritten(layout)
+        if entry.graph is not None:
+            raise RuntimeError("an exact trace's rewritten graph is not set aside")
+        return ExportedEntry(key, entry, table, self.traces.entry(key[0]).without_graph())
+
+    def _rewritten(self, layout: Layout) -> tuple[RewriteKey, RewrittenEntry, dict | None]:
+        """(key, entry, tensor-parallel table or None) of `layout`, rewritten now."""
         key = self.key(layout)
         trace = self.traces.get(layout, graph=True)
         template = self.traces.is_template(layout)
@@ -191,10 +208,7 @@ class Rewrites:
             if stages is not None:  # accumulation over a scaled trace: one stage
                 summary, stages = split_copies(summary, stages)
             entry = RewrittenEntry(summary, stages, None if trace.scaling else rewritten)
-        self._entries[key] = entry
-        if "tp" in rewritten.attrs:
-            self._tables[key] = rewritten.attrs["tp"]
-        return entry
+        return key, entry, rewritten.attrs.get("tp")
 
     def run_passes(self, trace: TracedEntry, asked: Layout, layout: Layout,
                    options: dict[str, Any]) -> TrainGraph:

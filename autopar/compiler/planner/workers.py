@@ -66,6 +66,11 @@ class WorkerPool:
 
     def __init__(self) -> None:
         self.by_group: dict[tuple, RewriteWorker] = {}
+        # the parent's own groups' `firsts`, in the search's order: what it rewrites
+        # ahead while a child answers it (`_rewrite_ahead`), kept aside by rewrite key
+        # until the search asks (as what a child sends ahead is)
+        self.ahead: list[Layout] = []
+        self.aside: dict[tuple, Any] = {}  # rewrites.ExportedEntry
 
     def start(self, estimator, count: int, order: Sequence[Layout],
               bound: Callable[[Layout], float]) -> None:
@@ -84,11 +89,16 @@ class WorkerPool:
                                estimator.group_of)
                 worker = RewriteWorker(estimator, ahead, share)
                 self.by_group.update(dict.fromkeys(share, worker))
+        if self.by_group:
+            self.ahead = firsts([lay for lay in order
+                                 if estimator.group_of(lay) not in self.by_group],
+                                estimator.group_of)
 
     def close(self) -> None:
         for worker in set(self.by_group.values()):
             worker.close()
         self.by_group = {}
+        self.ahead, self.aside = [], {}
 
     def alive(self, group: tuple) -> RewriteWorker | None:
         """The worker that rewrites `group`, if it is alive."""
@@ -102,6 +112,10 @@ class WorkerPool:
         group = estimator.group_of(layout)
         worker = self.alive(group)
         if worker is None:
+            if self.aside:  # one of the parent's own, perhaps rewritten ahead
+                key = estimator.rewrites.key(layout)
+                if key in self.aside:
+                    return estimator.adopt(layout, self.aside.pop(key))
             return None
         traces = estimator.traces
         # not started there: rewritten here rather than waited for, unless the child has
@@ -128,10 +142,27 @@ class WorkerPool:
             del self.by_group[stolen[0]]
             with contextlib.suppress(ValueError):  # reported when the search asks for it
                 estimator.rewrite(stolen[1])
-        status, data = worker.result("entry", layout)
+        status, data = worker.result("entry", layout, lambda: self._rewrite_ahead(estimator))
         if status == "error":
             raise ValueError(data)
         return estimator.adopt(layout, data) if status == "ok" else None
+
+    def _rewrite_ahead(self, estimator) -> bool:
+        """Rewrite the next layout of the parent's own `ahead` not rewritten yet, while a
+        child answers (both processes busy, where the parent would wait), and keep it
+        aside; False when none is left. Kept aside, not in the estimator: the bounds
+        the search decides by read the templates it has asked for, so a template known
+        early could settle a layout by another bound and queue other variants. A cut
+        or placement the model cannot take is reported when the search asks for it."""
+        while self.ahead:
+            layout = self.ahead.pop(0)
+            key = estimator.rewrites.key(layout)
+            if key in estimator.rewrites or key in self.aside:
+                continue
+            with contextlib.suppress(ValueError):
+                self.aside[key] = estimator.rewrites.rewrite_aside(layout)
+            return True
+        return False
 
 
 PENDING, CHILD, PARENT = 0, 1, 2  # who rewrites a child's group (RewriteWorker.claims)
@@ -210,12 +241,17 @@ class RewriteWorker:
                 return group, layout
         return None
 
-    def result(self, kind: str, layout: Layout) -> tuple[str, Any]:
+    def result(self, kind: str, layout: Layout,
+               meanwhile: Callable[[], bool] = lambda: False) -> tuple[str, Any]:
         """("ok", data) | ("error", message) | ("local", None): `kind` "entry"
-        (Estimator.export_entry) or "layers" (Estimator.layer_rows) of `layout`."""
+        (Estimator.export_entry) or "layers" (Estimator.layer_rows) of `layout`.
+        `meanwhile()` does a piece of the parent's own work while the child has sent
+        nothing (False: none is left, so wait)."""
         try:
             self.conn.send((kind, layout))
             while True:
+                if not self.conn.poll() and meanwhile():
+                    continue
                 tag, payload = self.conn.recv()
                 if tag == REPLY:
                     return payload
