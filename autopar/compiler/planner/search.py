@@ -29,9 +29,11 @@ variant's step is bounded below by its layout's step less its exposed communicat
 (`Costing.compute_floor`: compute, optimizer and a pipeline's bubble), not by that
 layout's step. A variant is skipped when that floor is slower than a layout that
 fits, and a layout skipped on its step time is still tried recomputing selectively
-when its floor is not. Then `refinements` add layouts worth
-costing given what was learnt, each round ranked with the rest: the fastest fitting
-data-parallel layout with other gradient bucket sizes (and, for a caller without
+when its floor is not; so is a layout over memory whose full variant its bound rules
+out (selective adds less compute, and whether it fits is not known). Then
+`refinements` add layouts worth costing given what was learnt, each round ranked with
+the rest: the fastest fitting data-parallel layout with other gradient bucket sizes
+(and, for a caller without
 `variants`, rounds that retry a layout over memory faster than the fastest fitting
 one with full, then selective recomputation: the same plan). A field the user fixed
 is never varied.
@@ -659,6 +661,10 @@ class CostingRound:
                 continue
             order = self._order(more)
             if state.costing.bound is not None and order[0] > state.best:
+                # ruled out by its bound, as `_cost` would rule it out: what `_cost` then
+                # queues for it is still worth its own bound (full recomputation too slow
+                # says nothing of selective, which adds less: its memory is not known)
+                self._vary(more, None)
                 continue
             state.ties.add(more)
             heapq.heappush(self.queue, (0 if state.best == math.inf else 1, *order,
