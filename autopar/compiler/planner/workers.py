@@ -152,15 +152,19 @@ class WorkerPool:
         child answers (both processes busy, where the parent would wait), and keep it
         aside; False when none is left. Kept aside, not in the estimator: the bounds
         the search decides by read the templates it has asked for, so a template known
-        early could settle a layout by another bound and queue other variants. A cut
-        or placement the model cannot take is reported when the search asks for it."""
+        early could settle a layout by another bound and queue other variants. Work the
+        search may never ask for: whatever fails here (a cut or placement the model
+        cannot take, a micro-batch that does not trace) is left for the search to meet,
+        and report, if it asks for that layout."""
         while self.ahead:
             layout = self.ahead.pop(0)
-            key = estimator.rewrites.key(layout)
-            if key in estimator.rewrites or key in self.aside:
-                continue
-            with contextlib.suppress(ValueError):
+            try:
+                key = estimator.rewrites.key(layout)
+                if key in estimator.rewrites or key in self.aside:
+                    continue
                 self.aside[key] = estimator.rewrites.rewrite_aside(layout)
+            except Exception:  # noqa: BLE001 - raised again where the search asks for it
+                pass
             return True
         return False
 
