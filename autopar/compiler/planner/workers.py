@@ -16,7 +16,9 @@ sends is what the search reads: the summaries, the pipeline template, the
 tensor-parallel table and the trace's FLOPs (plain data; graphs stay in the process that
 made them). The parent keeps what was sent ahead until the search asks for it
 (`RewriteWorker.ready`): a child busy with its next group never keeps the parent waiting
-for one it has finished.
+for one it has finished. While the parent waits for a child's answer it rewrites ahead
+the first layouts of its own groups (`WorkerPool.ahead`), kept aside the same way
+(`WorkerPool.aside`) until the search asks for them.
 
 The search runs unchanged in the parent, in the same order: a layout of the child's
 groups is asked of the child (it rewrites it then if it has not yet), any other is
