@@ -287,15 +287,16 @@ def inline_timeline(nodes: list[fx.Node], inputs: list[fx.Node],
 def _candidates(tg: TrainGraph, rejected: dict[fx.Node, str]) -> list[list[fx.Node]]:
     order = {n: i for i, n in enumerate(tg.graph.nodes)}
     programs = dict.fromkeys(p for n in tg.call_nodes() if (p := program_of(n)) is not None)
+    if not programs:
+        return []
+    # the graph does not change before every program is proposed: one partitioner, whose
+    # dependency map (every node's downstream set) is built once, serves them all, its
+    # operator support swapped for each
+    partitioner = _ProgramPartitioner(tg.gm, None, allows_single_node_partition=True,
+                                      skip_horizontal_fusion=True)
     out = []
-    partitioner = None
     for program in programs:
         support = _Fusable(program)
-        if partitioner is None:
-            partitioner = _ProgramPartitioner(tg.gm, support, allows_single_node_partition=True,
-                                              skip_horizontal_fusion=True)
-        # the graph does not change before every program is proposed: one partitioner,
-        # whose dependency map (every node's downstream set) is built once, serves all
         partitioner.operator_support = support
         for part in partitioner.propose_partitions():
             out.append(sorted(part.nodes, key=order.__getitem__))

@@ -143,11 +143,13 @@ class Rewrites:
 
     def export(self, key: RewriteKey) -> ExportedEntry:
         """The entry of `key` as plain data, with its trace's FLOPs and scaling."""
-        entry = self._entries[key]
+        return self._exported(key, self._entries[key], self._tables.get(key))
+
+    def _exported(self, key: RewriteKey, entry: RewrittenEntry, table: dict | None
+                  ) -> ExportedEntry:
         if entry.graph is not None:
-            raise RuntimeError("an exact trace's rewritten graph is not sent")
-        trace = self.traces.entry(key[0]).without_graph()
-        return ExportedEntry(key, entry, self._tables.get(key), trace)
+            raise RuntimeError("an exact trace's rewritten graph is not sent or set aside")
+        return ExportedEntry(key, entry, table, self.traces.entry(key[0]).without_graph())
 
     def key(self, layout: Layout) -> RewriteKey:
         """The key of `layout`'s rewritten graph: its trace's, and what its passes read
@@ -185,10 +187,7 @@ class Rewrites:
         """`layout`'s entry rewritten as `rewrite` does but not kept: as a worker sends it
         (plain data), for the caller to keep aside until the search asks for it (what
         the search knows when it decides stays what it asked for: Estimator.adopt)."""
-        key, entry, table = self._rewritten(layout)
-        if entry.graph is not None:
-            raise RuntimeError("an exact trace's rewritten graph is not set aside")
-        return ExportedEntry(key, entry, table, self.traces.entry(key[0]).without_graph())
+        return self._exported(*self._rewritten(layout))
 
     def _rewritten(self, layout: Layout) -> tuple[RewriteKey, RewrittenEntry, dict | None]:
         """(key, entry, tensor-parallel table or None) of `layout`, rewritten now."""
