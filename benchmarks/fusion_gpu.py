@@ -17,7 +17,11 @@ against eager PyTorch, torch.compile and autopar without fusion. One process, CU
   allocation alone, the eager fallback): host microseconds per call, the GPU not waited
   for;
 - `--profile`: torch.profiler over a few steps of the fused and the unfused step: host
-  time per op, GPU time per kernel and by kind, and the GPU's busy share of the step.
+  time per op, GPU time per kernel and by kind, and the GPU's busy share of the step;
+- `--sweep`: per distinct region (the same kernel on the same shapes counted once, with
+  how often the step calls it), the GPU time of its kernel under each launch
+  configuration (`triton_gen.Launch`: BLOCK, warps, a row looped or not), the host not
+  counted (triton.testing.do_bench_cudagraph), each checked against the eager ops.
 
 Figures and the conditions they were taken in: docs/benchmarks.md ("On a GPU").
 """
@@ -34,7 +38,8 @@ import torch
 import triton.testing
 
 import autopar
-from autopar.compiler.codegen import kernels
+from autopar.compiler.codegen import kernels, triton_gen
+from autopar.compiler.codegen.triton_gen import Launch, TensorArg
 from autopar.compiler.ir import meta as M
 from autopar.examples import gpt2
 
@@ -132,6 +137,82 @@ def launch_costs(tg, reps: int = 200) -> list[dict]:
         except Exception as exc:  # noqa: BLE001 - reported per region, never dropped
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
         rows.append(row)
+    return rows
+
+
+def _candidates(src) -> list[Launch]:
+    """Launch configurations to time for a kernel the rule generated as `src`."""
+    width = src.block if src.kind == "row" else None
+    if src.kind == "pointwise":
+        return [Launch(b, w) for b in (256, 512, 1024, 2048, 4096) for w in (1, 2, 4, 8)
+                if 32 * w <= b and b // (32 * w) <= 32]
+    out = []
+    if src.kind == "row":
+        out += [Launch(width, w, False) for w in (1, 2, 4, 8, 16, 32) if 32 * w <= 4 * width]
+    if src.kind == "looped row" or width >= 1024:
+        out += [Launch(b, w, True) for b in (512, 1024, 2048, 4096, 8192) for w in (4, 8, 16)
+                if width is None or b < width]
+    return out
+
+
+def _gpu_ms(src, fn, inputs) -> float:
+    """The kernel's GPU time, outputs allocated once, the host's launch cost not counted."""
+    outs = [torch.empty_strided(o.shape, o.stride, dtype=o.dtype, device="cuda")
+            for o in src.outputs]
+    seeds = list(range(3, 3 + src.seeds))
+
+    def call():
+        fn[(src.grid,)](*inputs, *outs, *seeds, BLOCK=src.block, num_warps=src.num_warps)
+    call()
+    try:
+        return triton.testing.do_bench_cudagraph(call, rep=20)
+    except Exception:  # noqa: BLE001 - a kernel capture refuses is timed with the host
+        return triton.testing.do_bench(call, rep=20)
+
+
+def sweep(tg, bandwidth: float, budget_s: float) -> list[dict]:
+    """Per distinct region, its kernel's GPU time under each candidate launch (see the
+    module docstring); stops starting regions after `budget_s` seconds."""
+    rows, seen, start = [], {}, time.perf_counter()
+    for key, region, args in _fused_calls(tg):
+        fakes = [a.meta[M.VAL] for a in args]
+        targs = [TensorArg.of(f) for f in fakes]
+        try:
+            rule = region.source(targs)
+        except Exception as exc:  # noqa: BLE001 - reported per region, never dropped
+            rows.append({"region": region.name, "error": f"{type(exc).__name__}: {exc}"[:300]})
+            continue
+        ident = (rule.text, tuple(targs), rule.block, rule.kind)
+        if ident in seen:
+            seen[ident]["calls"] += 1
+            continue
+        row = seen[ident] = {"region": region.name, "kind": rule.kind, "calls": 1,
+                             "grid": rule.grid, "rule": [rule.block, rule.num_warps],
+                             "shapes": [list(a.shape) for a in targs], "configs": []}
+        rows.append(row)
+        if time.perf_counter() - start > budget_s:
+            row["skipped"] = "the sweep's time budget was spent"
+            continue
+        inputs = [_random_like(f) for f in fakes]
+        ref = region.fallback(inputs)
+        row["bytes"] = _nbytes(inputs) + _nbytes(ref)
+        for launch in [None, *_candidates(rule)]:
+            cfg = {"block": rule.block if launch is None else launch.block,
+                   "warps": rule.num_warps if launch is None else launch.num_warps,
+                   "looped": rule.kind == "looped row" if launch is None or launch.looped is None
+                   else launch.looped, "rule": launch is None}
+            try:
+                src = triton_gen.generate(region.gm, targs, region.name, launch)
+                fn = kernels._compile(src)
+                outs = kernels._launcher(src, fn)(inputs)
+                cfg["max_abs_err"] = max(
+                    ((o.float() - r.float()).abs().max().item() if o.is_floating_point() else
+                     float((o != r).sum().item())) for o, r in zip(outs, ref)) if outs else 0.0
+                cfg["ms"] = _gpu_ms(src, fn, inputs)
+                cfg["roofline"] = row["bytes"] / (cfg["ms"] * 1e-3) / bandwidth
+            except Exception as exc:  # noqa: BLE001 - reported per configuration
+                cfg["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            row["configs"].append(cfg)
     return rows
 
 
@@ -245,6 +326,10 @@ def main() -> None:
     p.add_argument("--launch", action="store_true", help="host cost of a region's call by path")
     p.add_argument("--profile", action="store_true",
                    help="torch.profiler of the fused and the unfused step")
+    p.add_argument("--sweep", type=float, default=None, metavar="SECONDS",
+                   help="time each distinct region's kernel under candidate launch "
+                        "configurations, for at most about SECONDS")
+    p.add_argument("--no-regions", action="store_true", help="skip the per-region comparison")
     args = p.parse_args()
     torch.manual_seed(0)
     example = gpt2(layers=args.layers, hidden=args.hidden, heads=8, vocab=args.vocab,
@@ -257,7 +342,10 @@ def main() -> None:
                            layout=autopar.Layout(fusion=True))
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "shape": vars(args), "compile_s": time.perf_counter() - start,
-              "regions": per_region(step.train_graph, args.bandwidth, not args.no_inductor)}
+              "regions": [] if args.no_regions else
+              per_region(step.train_graph, args.bandwidth, not args.no_inductor)}
+    if args.sweep is not None:
+        result["sweep"] = sweep(step.train_graph, args.bandwidth, args.sweep)
     if args.launch:
         result["launch_us"] = launch_costs(step.train_graph)
     sides = step_sides(example)

@@ -16,7 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.compiler.codegen.kernels import backend
 from autopar.compiler.codegen.ops import Unsupported
-from autopar.compiler.codegen.triton_gen import TensorArg, generate
+from autopar.compiler.codegen.triton_gen import Launch, TensorArg, generate
 from tests.codegen_util import assert_error_model, region_of, run_both
 
 aten = torch.ops.aten
@@ -492,6 +492,52 @@ def test_vocabulary_wide_log_softmax_loops_in_blocks():
     src = generate(region_of(fn, x, dy).gm, [TensorArg.of(x), TensorArg.of(dy)])
     assert src.kind == "looped row" and src.grid == 2 and src.block == 4096
     assert_error_model(*run_both(fn, x, dy))
+
+
+def _launched(fn, inputs, launch):
+    """Outputs of `fn`'s region as the kernel generated under `launch` computes them."""
+    from autopar.compiler.codegen import kernels
+
+    region = region_of(fn, *inputs)
+    src = generate(region.gm, [TensorArg.of(x) for x in inputs], "test", launch)
+    return src, kernels._launcher(src, kernels._compile(src))(list(inputs))
+
+
+@pytest.mark.parametrize("launch", [Launch(4, 2, True), Launch(8, 1, True), Launch(32, 8, False),
+                                    Launch(16, 4)])
+def test_a_launch_chosen_instead_of_the_rule_gives_the_same_results(launch):
+    """Every launch `benchmarks/fusion_gpu.py --sweep` times computes what the rule's
+    does: a 13-column softmax and layer norm looped in blocks of 4 or 8, held whole at
+    more warps, and a pointwise chain over blocks of 16."""
+    x, dy = _rand((3, 2, 13), torch.float32, 0), _rand((3, 2, 13), torch.float32, 1)
+    w, b = _rand((13,), torch.float32, 2), _rand((13,), torch.float32, 3)
+
+    def softmax(x, dy):
+        y = aten._log_softmax(x, -1, False)
+        return [y, aten._log_softmax_backward_data(dy, y, -1, x.dtype)]
+
+    def norm(x, dy, w, b):
+        out, mean, rstd = aten.native_layer_norm(x, [13], w, b, 1e-5)
+        return [out, *aten.native_layer_norm_backward(dy, x, [13], mean, rstd, w, b,
+                                                       [True, True, True])]
+    for fn, inputs in ((softmax, (x, dy)), (norm, (x, dy, w, b)),
+                       (_gelu_tanh_chain, (x, dy))):
+        src, got = _launched(fn, inputs, launch)
+        if src.kind == "pointwise":
+            assert src.block == launch.block and src.grid == -(-x.numel() // launch.block)
+        else:
+            assert src.kind == ("looped row" if launch.looped else "row")
+        assert (src.block, src.num_warps) == (launch.block, launch.num_warps)
+        eager = region_of(fn, *inputs).fallback(list(inputs))
+        for g, e in zip(got, eager):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
+
+
+def test_a_row_held_whole_in_a_smaller_block_is_refused():
+    x = _rand((3, 13), torch.float32, 0)
+    region = region_of(lambda x: [aten._softmax(x, -1, False)], x)
+    with pytest.raises(ValueError, match="BLOCK 8 < the row's 13 columns"):
+        generate(region.gm, [TensorArg.of(x)], "test", Launch(8, 4, False))
 
 
 # -- dropout: the mask drawn in the kernel ----------------------------------------------------

@@ -96,7 +96,7 @@ def input_key(inputs: list[torch.Tensor]) -> tuple:
 def _launcher(src: KernelSource, fn):
     """The launch of `fn` with what does not change from call to call (grid, block,
     outputs' layouts) computed once: each call allocates the outputs and launches."""
-    kernel, block, draws = fn[(src.grid,)], src.block, src.seeds
+    kernel, block, draws, warps = fn[(src.grid,)], src.block, src.seeds, src.num_warps
     # per output: zeroed (column sums accumulate into it), shape, stride, dtype
     layouts = [(o.kind == COLUMN, o.shape, o.stride, o.dtype) for o in src.outputs]
 
@@ -109,7 +109,7 @@ def _launcher(src: KernelSource, fn):
         # torch.manual_seed reproduces the masks; the eager fallback draws from the
         # device's generator instead
         seeds = torch.randint(0, 2 ** 31 - 1, (draws,)).tolist() if draws else ()
-        kernel(*inputs, *outs, *seeds, BLOCK=block)
+        kernel(*inputs, *outs, *seeds, BLOCK=block, num_warps=warps)
         return outs
     return launch
 

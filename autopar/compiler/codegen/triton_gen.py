@@ -76,6 +76,15 @@ POINTWISE_BLOCK = 1024
 # assumptions, not measured on a GPU (none on the development machine)
 MAX_ROW_BLOCK = 1 << 14
 LOOP_BLOCK = 1 << 12
+# warps per program. Measured on an H200 (benchmarks/fusion_gpu.py --sweep,
+# docs/benchmarks.md), GPT-2's regions at hidden 256 and 1,024: pointwise kernels and
+# row kernels without column sums are within noise from 2 to 8 warps (Triton's default,
+# 4, kept); a looped row (the 50k log-softmax) is 25% faster at 16 (its loads spread over
+# more threads); a row kernel with column sums (layer norm's backward, one atomic add per
+# row and column) 9-17% faster at 8
+NUM_WARPS = 4
+LOOPED_WARPS = 16
+COLUMN_SUM_WARPS = 8
 # program ids and aranges are int32: a kernel over a tensor spanning this many elements or
 # more computes its indices in int64 (the program id widened first)
 INT32_LIMIT = 2 ** 31
@@ -111,6 +120,19 @@ class KernelSource:
     block: int
     outputs: tuple[OutputSpec, ...]
     seeds: int = 0  # random draws (dropout masks): one seed argument each, after the outputs
+    num_warps: int = NUM_WARPS
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A launch configuration chosen instead of the rule's (benchmarks/fusion_gpu.py
+    --sweep measures them): BLOCK (elements per program, or columns per block of a row
+    kernel), warps per program, and for a row kernel whether it loops over blocks of
+    columns (a row kernel that does not needs BLOCK >= its row's width)."""
+
+    block: int
+    num_warps: int = NUM_WARPS
+    looped: bool | None = None  # None: the rule's (rows wider than MAX_ROW_BLOCK loop)
 
 
 def _numel(shape) -> int:
@@ -615,10 +637,12 @@ def _needs(body, defined: dict[str, int], full: set, roots: set[int], done: set[
     return out
 
 
-def generate(gm: fx.GraphModule, args: list[TensorArg], name_hint: str = "fused") -> KernelSource:
+def generate(gm: fx.GraphModule, args: list[TensorArg], name_hint: str = "fused",
+             launch: Launch | None = None) -> KernelSource:
     """The Triton source of region `gm` for inputs described by `args`; raises
     Unsupported (with the reason) for a region the generator cannot emit. A row wider
-    than MAX_ROW_BLOCK loops over blocks of LOOP_BLOCK columns."""
+    than MAX_ROW_BLOCK loops over blocks of LOOP_BLOCK columns; `launch` overrides
+    the block, the warps and whether a row loops."""
     em = _Emitter(gm, args)
     _check_limits(em, args)
     for node in em.ops:
@@ -631,16 +655,33 @@ def generate(gm: fx.GraphModule, args: list[TensorArg], name_hint: str = "fused"
     params = [f"in{i}" for i in range(len(args))] + [f"out{k}" for k in range(len(outputs))] \
         + [f"seed{j}" for j in range(len(em.seeds))]
     looped = em.row_kernel and _next_pow2(em.full[-1]) > MAX_ROW_BLOCK
+    if launch is not None and launch.looped is not None and em.row_kernel:
+        looped = launch.looped
     body = _looped(em.lines, em.full[-1], em.wide) if looped else em.prologue() + em.lines
     digest = hashlib.sha256("\n".join(body).encode()).hexdigest()[:12]
     name = f"{name_hint}_{digest}"
     text = "\n".join(["import triton", "import triton.language as tl", "", "",
                       "@triton.jit", f"def {name}({', '.join(params)}, BLOCK: tl.constexpr):"]
                      + [f"    {line}" for line in body]) + "\n"
+    if launch is not None:
+        warps = launch.num_warps
+    elif looped:
+        warps = LOOPED_WARPS
+    elif any(o.kind == COLUMN for o in outputs):
+        warps = COLUMN_SUM_WARPS
+    else:
+        warps = NUM_WARPS
     if em.row_kernel:
         block = min(LOOP_BLOCK, _next_pow2(em.full[-1])) if looped else _next_pow2(em.full[-1])
+        if launch is not None:
+            if not looped and launch.block < em.full[-1]:
+                raise ValueError(f"a row kernel that does not loop holds its whole row: BLOCK "
+                                 f"{launch.block} < the row's {em.full[-1]} columns")
+            block = launch.block
         return KernelSource(name, text, "looped row" if looped else "row", _numel(em.full[:-1]),
-                            block, outputs, len(em.seeds))
+                            block, outputs, len(em.seeds), warps)
     block = min(POINTWISE_BLOCK, _next_pow2(_numel(em.full)))
+    if launch is not None:
+        block = launch.block
     return KernelSource(name, text, "pointwise", -(-_numel(em.full) // block), block, outputs,
-                        len(em.seeds))
+                        len(em.seeds), warps)
