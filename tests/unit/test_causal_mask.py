@@ -108,6 +108,11 @@ MASKS = {
     # batch rows computed by ops (a clone, an & with a batch of ones): alike, causal
     "batch_rows_alike": (lambda: (torch.arange(S)[None, :] <= torch.arange(S)[:, None]).expand(
         B, 1, S, S).clone() & torch.ones(B, 1, 1, 1, dtype=torch.bool), True),
+    # tensors made from literals (export lifts each to an input of its own): constants
+    "literal_offset": (lambda: torch.arange(S)[None, :] <= torch.arange(S)[:, None]
+                       + torch.tensor(0), True),
+    "literal_shifted": (lambda: torch.arange(S)[None, :] <= torch.arange(S)[:, None]
+                        + torch.tensor([1]), False),
     # causal in batch row 0, row 1 without its diagonal: every row is checked
     "batch_rows_differ": (lambda: torch.ones(S, S, dtype=torch.bool).tril() & ~(
         (torch.arange(B).view(B, 1, 1, 1) == 1) & torch.eye(S, dtype=torch.bool)), False),

@@ -42,11 +42,12 @@ class Attention(torch.nn.Module):
     """q, k, v projections and an attention whose score ops are `steps`, its softmax in
     `softmax_dtype`, its probabilities cast back to v's dtype or not."""
 
-    def __init__(self, steps, softmax_dtype, cast_back, transpose_k):
+    def __init__(self, steps, softmax_dtype, cast_back, transpose_k, native_dropout=False):
         super().__init__()
         self.qkv = torch.nn.Linear(D, 3 * D * H)
         self.steps, self.softmax_dtype = steps, softmax_dtype
         self.cast_back, self.transpose_k = cast_back, transpose_k
+        self.native_dropout = native_dropout
 
     def forward(self, x, mask):
         q, k, v = (t.view(B, S, H, D).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
@@ -56,7 +57,10 @@ class Attention(torch.nn.Module):
         probs = torch.softmax(scores, dim=-1, dtype=self.softmax_dtype)
         if self.cast_back:
             probs = probs.to(v.dtype)
-        probs = torch.nn.functional.dropout(probs, 0.3, training=False)
+        if self.native_dropout:  # as export records some models' dropout: (output, mask)
+            probs = torch.native_dropout(probs, 0.3, False)[0]
+        else:
+            probs = torch.nn.functional.dropout(probs, 0.3, training=False)
         return (probs.to(v.dtype) @ v).transpose(1, 2).reshape(B, S, H * D)
 
 
@@ -72,11 +76,12 @@ def _exported(module, *inputs):
 @settings(max_examples=30, deadline=None)
 @given(steps=st.lists(st.sampled_from(sorted(SCORE_STEPS)), max_size=4),
        softmax_dtype=st.sampled_from([None, torch.float32]),
-       cast_back=st.booleans(), transpose_k=st.booleans(), seed=st.integers(0, 2**16))
+       cast_back=st.booleans(), transpose_k=st.booleans(), native_dropout=st.booleans(),
+       seed=st.integers(0, 2**16))
 def test_a_rewritten_chain_computes_what_the_model_does(steps, softmax_dtype, cast_back,
-                                                        transpose_k, seed):
+                                                        transpose_k, native_dropout, seed):
     torch.manual_seed(seed)
-    module = Attention(steps, softmax_dtype, cast_back, transpose_k)
+    module = Attention(steps, softmax_dtype, cast_back, transpose_k, native_dropout)
     x = torch.randn(B, S, D)
     mask = torch.ones(S, S, dtype=torch.bool).tril().expand(B, 1, S, S)
     gm, args = _exported(module, x, mask)
@@ -134,6 +139,33 @@ def test_a_chain_it_cannot_take_is_left_with_why(module, why):
     expected = module(q, k, v)
     expected = expected if isinstance(expected, tuple) else (expected,)
     torch.testing.assert_close(tuple(fx.Interpreter(fused).run(*args)), expected)
+
+
+class NativeDropoutAttention(torch.nn.Module):
+    """Attention whose dropout in training is `native_dropout` (export records
+    transformers' dropout so in some versions), its mask returned too or not."""
+
+    def __init__(self, returns_mask: bool):
+        super().__init__()
+        self.returns_mask = returns_mask
+
+    def forward(self, q, k, v):
+        probs = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(D), dim=-1)
+        dropped, mask = torch.native_dropout(probs, 0.1, True)
+        return (dropped @ v, mask) if self.returns_mask else dropped @ v
+
+
+def test_a_native_dropout_in_training_is_the_kernels_dropout_unless_its_mask_is_read():
+    q, k, v = (torch.randn(B, H, S, D) for _ in range(3))
+    gm, _ = _exported(NativeDropoutAttention(False), q, k, v)
+    fused, result = fuse_eager_attention(gm)
+    assert result.rewritten == 1 and not result.left, result
+    (sdpa,) = [n for n in fused.graph.nodes if n.target is SDPA]
+    assert sdpa.kwargs["dropout_p"] == 0.1
+    assert not [n for n in fused.graph.nodes if n.target is torch.ops.aten.native_dropout.default]
+    gm, _ = _exported(NativeDropoutAttention(True), q, k, v)
+    fused, result = fuse_eager_attention(gm)
+    assert result.rewritten == 0 and "its dropout's mask is read" in result.left[0][1], result
 
 
 def test_a_causal_kernel_computes_the_scores_on_and_below_the_diagonal():

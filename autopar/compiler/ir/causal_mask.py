@@ -13,7 +13,9 @@ mask, runs attention over the masked half, and keeps the mask alive for the back
 (4 bytes an element of batch x s x s in fp32).
 
 `recover_causal_masks` finds each attention whose mask depends on nothing but constants
-(no input of the step, no parameter or buffer: it is the same tensor every step),
+(no input of the step, no parameter or buffer: it is the same tensor every step; a
+tensor the forward makes from a literal, which export lifts to an input of its own, is
+a constant),
 evaluates that mask once at trace time, and where its value is exactly the causal
 pattern (True / 0 on and below the diagonal, False / -inf or the dtype's lowest value
 above it, broadcast over batch and heads) replaces it by `attn_mask=None,
@@ -52,10 +54,13 @@ class Recovered:
     grouped_kv: int = 0
 
 
-def recover_causal_masks(gm: fx.GraphModule) -> tuple[fx.GraphModule, Recovered]:
+def recover_causal_masks(gm: fx.GraphModule, constants: dict[str, torch.Tensor] | None = None,
+                         ) -> tuple[fx.GraphModule, Recovered]:
     """`gm` (an exported forward graph) with each constant causal mask given back as
     `is_causal=True` (module docstring): a copy if anything changed, `gm` itself if not;
-    `gm` is never changed."""
+    `gm` is never changed. `constants`: the values of its placeholders that are lifted
+    tensor constants, by placeholder name (`lifted_constants`)."""
+    constants = constants or {}
     result = Recovered()
     causal = []
     evaluated: dict[fx.Node, Any] = {}  # a mask shared by every layer is evaluated once
@@ -65,7 +70,7 @@ def recover_causal_masks(gm: fx.GraphModule) -> tuple[fx.GraphModule, Recovered]
         q, k, _, mask, _, is_causal, _, _ = bound(node)
         if not isinstance(mask, fx.Node) or is_causal:
             continue
-        value = _evaluate(gm, mask, evaluated)
+        value = _evaluate(gm, mask, evaluated, constants)
         why = value if isinstance(value, str) else _not_causal(value, q, k)
         if why:
             result.left.append((node.name, why))
@@ -109,7 +114,16 @@ def bound_args(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[Any
     return out
 
 
-def _evaluate(gm: fx.GraphModule, mask: fx.Node, evaluated: dict) -> Any:
+def lifted_constants(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
+    """The tensors the forward makes from literals (export lifts each to a placeholder
+    of its own), by placeholder name: the same every step."""
+    kind = torch.export.graph_signature.InputKind.CONSTANT_TENSOR
+    return {spec.arg.name: ep.constants[spec.target] for spec in ep.graph_signature.input_specs
+            if spec.kind == kind and isinstance(ep.constants.get(spec.target), torch.Tensor)}
+
+
+def _evaluate(gm: fx.GraphModule, mask: fx.Node, evaluated: dict,
+              constants: dict[str, torch.Tensor]) -> Any:
     """The mask's value, computed from the graph's constants on the CPU, or why it
     cannot be (a str)."""
     if mask in evaluated:
@@ -121,6 +135,9 @@ def _evaluate(gm: fx.GraphModule, mask: fx.Node, evaluated: dict) -> Any:
         if node in seen:
             return None
         seen.add(node)
+        if node.op == "placeholder" and node.name in constants:
+            order.append(node)
+            return None
         if node.op == "placeholder":
             return f"it depends on the step's input or state {node.name!r}"
         if node.op not in ("call_function", "get_attr"):
@@ -143,6 +160,8 @@ def _evaluate(gm: fx.GraphModule, mask: fx.Node, evaluated: dict) -> Any:
     for k, node in enumerate(order):
         if node.op == "get_attr":
             value = getattr(gm, node.target)
+        elif node.op == "placeholder":
+            value = constants[node.name]
         else:
             args = _on_cpu(fx.node.map_arg(node.args, values.__getitem__))
             kwargs = _on_cpu(fx.node.map_arg(node.kwargs, values.__getitem__))

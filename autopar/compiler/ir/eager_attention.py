@@ -7,7 +7,7 @@ Transformers' `eager` attention (and any model's hand-written attention) exports
     scores = scores * c | scores / c            # any number of scalings ...
     scores = scores + mask | where(m, scores, -inf) | masked_fill(scores, m, -inf)
     probs  = softmax(scores, -1)  [.to(dtype)]  # ... masks and casts, in any order
-    probs  = dropout(probs, p, train)           # optional
+    probs  = dropout(probs, p, train)           # optional (or native_dropout's output 0)
     out    = matmul(probs, v)
 
 A GPU cluster runs that as one fused kernel (FlashAttention, or the memory-efficient
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,8 @@ _SOFTMAXES = frozenset({aten.softmax.int, aten._softmax.default, aten._safe_soft
 _CASTS = frozenset({aten.to.dtype, aten.to.dtype_layout, aten._to_copy.default,
                     aten.type_as.default, aten.clone.default, aten.contiguous.default})
 _DROPOUT = aten.dropout.default
+# dropout as export may record it, (output, mask): the probabilities are its output 0
+_NATIVE_DROPOUT = aten.native_dropout.default
 _WHERES = frozenset({aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf})
 # ops that only check a value's traced metadata: they go with the value they check
 _ASSERTS = frozenset({aten._assert_tensor_metadata.default})
@@ -138,6 +141,16 @@ def _chain_from_softmax(softmax: fx.Node) -> Chain | str:
             break
         if user.target is _DROPOUT and user.args[0] is node:
             dropout, train = user.args[1], user.args[2] if len(user.args) > 2 else True
+        elif user.target is _NATIVE_DROPOUT and user.args[0] is node:
+            outputs = {u.args[1]: u for u in _users(user) if u.target is operator.getitem}
+            if len(outputs) != len(_users(user)) or 0 not in outputs or \
+                    (1 in outputs and _users(outputs[1])):
+                return "its dropout's mask is read (native_dropout's second output)"
+            dropout, train = user.args[1], True if user.args[2] is None else user.args[2]
+            nodes.append(user)
+            if 1 in outputs:  # the mask, read by nothing: it goes with the chain
+                nodes.append(outputs[1])
+            user = outputs[0]
         elif user.target not in _CASTS:
             return f"{user.target} after the softmax"
         nodes.append(user)

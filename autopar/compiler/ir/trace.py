@@ -39,7 +39,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.compiler.ir.annotate import annotate, repeated_block_container
 from autopar.compiler.ir.batch import BatchError, LossFn, Objective, as_objective
-from autopar.compiler.ir.causal_mask import Recovered, recover_causal_masks
+from autopar.compiler.ir.causal_mask import Recovered, lifted_constants, recover_causal_masks
 from autopar.compiler.ir.causal_mask import bound_args as _bound
 from autopar.compiler.ir.eager_attention import Fused, fuse_eager_attention
 from autopar.compiler.ir.graph import GraphSignature, TensorSpec, TrainGraph
@@ -240,7 +240,7 @@ def causal_forward(source: TraceSource) -> tuple[fx.GraphModule, Recovered]:
     exported = source.exported.graph_module
     gm = gpu_forward(exported)[0] if _fuses_attention(source) else exported
     if gm not in _CAUSAL_FORWARDS:
-        recovered_gm, recovered = recover_causal_masks(gm)
+        recovered_gm, recovered = recover_causal_masks(gm, lifted_constants(source.exported))
         recovered_gm, recovered.grouped_kv = group_repeated_kv(recovered_gm)
         _CAUSAL_FORWARDS[gm] = recovered_gm, recovered
     return _CAUSAL_FORWARDS[gm]
@@ -258,7 +258,9 @@ class GpuKernels:
       The trace draws a bool mask the same way, `x * empty_like(x, bool).bernoulli_(1 -
       p) / (1 - p)`: its backward keeps the bool mask, and the fusion pass joins the draw
       and the product to the kernels around them as it does the CPU's, where a GPU
-      compiler (or Megatron's fused kernels) would.
+      compiler (or Megatron's fused kernels) would. A `native_dropout` in the exported
+      graph (how export records `dropout` in some models) is traced the same way, its
+      mask the bool one drawn.
     - `scaled_dot_product_attention(..., dropout_p > 0)`: the CPU's fused kernel has no
       dropout, so attention takes its math path, keeping the probabilities, their mask
       and the dropped probabilities, batch x heads x s x s each, in fp32. A GPU's flash
@@ -285,6 +287,11 @@ class GpuKernels:
             x, p, train = _bound(_DROPOUT, args, kwargs)
             if train and 0 < p < 1 and x.is_floating_point() and x.numel() > 0:
                 return _bool_mask_dropout(x, p)
+        elif node.target is _NATIVE_DROPOUT:
+            x, p, train = _bound(_NATIVE_DROPOUT, args, kwargs)
+            if train is not False and 0 < p < 1 and x.is_floating_point() and x.numel() > 0:
+                keep = torch.empty_like(x, dtype=torch.bool).bernoulli_(1 - p)
+                return x * keep / (1 - p), keep
         elif node.target is _SDPA:
             q, k, v, mask, p, causal, scale, gqa = _bound(_SDPA, args, kwargs)
             if self.fused and p == 0:  # the CPU's kernel: the fused one, in the trace
@@ -327,6 +334,7 @@ def _unfused_attention(q, k, v, mask, p: float, causal: bool, scale) -> torch.Te
 
 
 _DROPOUT = torch.ops.aten.dropout.default
+_NATIVE_DROPOUT = torch.ops.aten.native_dropout.default
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 GPU_KERNELS = GpuKernels()
 GPU_KERNELS_UNFUSED = GpuKernels(fused=False)
