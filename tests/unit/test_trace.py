@@ -171,6 +171,52 @@ def test_untraceable_code_names_module_and_source_line():
     assert "hint:" in text and "torch.where" in text
 
 
+@torch.library.custom_op("autopar_test::grouped_scale", mutates_args=())
+def _grouped_scale(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_grouped_scale.register_fake
+def _(x, offsets):
+    return torch.empty_like(x)
+
+
+def _grouped_scale_backward(ctx, grad):
+    start, out = 0, torch.zeros_like(grad)
+    for end in ctx.offsets.tolist():  # a tensor's values read in the backward
+        out[start:end] = grad[start:end] * 2
+        start = end
+    return out, None
+
+
+def _grouped_scale_setup(ctx, inputs, output):
+    ctx.offsets = inputs[1]
+
+
+_grouped_scale.register_autograd(_grouped_scale_backward, setup_context=_grouped_scale_setup)
+
+
+class ValueReadingBackward(torch.nn.Module):
+    """A custom op whose backward reads a tensor's values (as an MoE's grouped matmul
+    fallback may): the forward exports, the joint trace cannot take the backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _grouped_scale(self.w(x), torch.tensor([1, 2])).square().mean()
+
+
+def test_a_backward_that_reads_values_names_its_source_line():
+    with pytest.raises(TraceError) as err:
+        trace_train_step(ValueReadingBackward(), (torch.randn(2, 4),))
+    text = str(err.value)
+    assert "cannot trace the backward of the model" in text
+    assert "test_trace.py:" in text and "ctx.offsets.tolist()" in text, text
+    assert "hint:" in text and ".tolist()" in text
+
+
 def test_model_without_loss_needs_loss_fn():
     with pytest.raises(TraceError, match="loss_fn"):
         trace_train_step(torch.nn.Linear(4, 4), (torch.randn(2, 4),))

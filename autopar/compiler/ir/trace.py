@@ -33,9 +33,10 @@ import torch.fx.traceback as fx_traceback
 from torch._functorch._aot_autograd.logging_utils import (
     setup_stacktrace_preservation_hooks,
 )
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from autopar.compiler.ir.annotate import annotate, repeated_block_container
 from autopar.compiler.ir.batch import BatchError, LossFn, Objective, as_objective
@@ -519,7 +520,12 @@ def _trace_joint(source: TraceSource) -> tuple[fx.GraphModule, GraphSignature]:
     if extra:
         flat.append(fake_mode.from_tensor(torch.ones((), dtype=torch.float32)))
     with fake_mode:
-        gm = make_fx(joint_step, tracing_mode="real")(*flat)
+        try:
+            gm = make_fx(joint_step, tracing_mode="real")(*flat)
+        except (DataDependentOutputException, GuardOnDataDependentSymNode) as exc:
+            # the forward exported, so what reads a tensor's value is a backward the
+            # model registered itself (an autograd.Function's or a custom op's)
+            raise TraceError(_explain_trace_failure(exc, None, "the backward of")) from exc
     gm.graph._codegen = fx.graph.CodeGen()  # plain flat-args signature, no pytree wrapping
     _drop_shape_asserts(gm)
     _name_placeholders(gm, trainable, buffers, len(user_inputs), [s.name for s in extra])
@@ -653,16 +659,18 @@ def _safe(name: str) -> str:
 
 # -- error messages for untraceable code ---------------------------------------------------
 
-_HINTS = (
-    ("data-dependent", "Python control flow on a tensor's value (`if x.sum() > 0`, `.item()`, "
-     "`.tolist()`) cannot be traced: use torch.where / torch.cond, or compute it outside the model"),
-    ("DynamicCache", "the model returns a KV cache: build it with use_cache=False"),
-    ("non-tensor", "inputs and outputs must be tensors (or Hugging Face ModelOutputs)"),
+_HINTS = (  # (what the error's type or text holds, the hint)
+    (("data-dependent", "DataDependentOutput"),
+     "Python control flow on a tensor's value (`if x.sum() > 0`, `.item()`, `.tolist()`) "
+     "cannot be traced: use torch.where / torch.cond, or compute it outside the model"),
+    (("DynamicCache",), "the model returns a KV cache: build it with use_cache=False"),
+    (("non-tensor",), "inputs and outputs must be tensors (or Hugging Face ModelOutputs)"),
 )
 
 
-def _explain_trace_failure(exc: BaseException, model: torch.nn.Module) -> str:
-    frame, module_path = _user_frame(exc, model)
+def _explain_trace_failure(exc: BaseException, model: torch.nn.Module | None,
+                           what: str = "") -> str:
+    frame, module_path = _user_frame(exc, model or torch.nn.Module())
     where = ""
     if frame is not None:
         where = f" at {frame.filename}:{frame.lineno} in {frame.name}"
@@ -670,8 +678,10 @@ def _explain_trace_failure(exc: BaseException, model: torch.nn.Module) -> str:
             where += f"\n    {frame.line.strip()}"
     owner = f"module `{module_path}`" if module_path else "the model"
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    hint = next((h for key, h in _HINTS if key.lower() in str(exc).lower()), None)
-    message = f"cannot trace {owner}{where}\n  {type(exc).__name__}: {first_line}"
+    text = f"{type(exc).__name__}: {exc}".lower()
+    hint = next((h for keys, h in _HINTS if any(k.lower() in text for k in keys)), None)
+    message = f"cannot trace {what + ' ' if what else ''}{owner}{where}\n  " \
+              f"{type(exc).__name__}: {first_line}"
     if hint:
         message += f"\n  hint: {hint}"
     return message
