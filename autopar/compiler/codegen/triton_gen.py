@@ -72,8 +72,10 @@ FULL, ROW, COLUMN = "full", "row", "column"
 POINTWISE_BLOCK = 1024
 # NOTE: a row kernel holds a whole row in one block; Triton caps a block at 2^20 elements
 # (tl.TRITON_MAX_TENSOR_NUMEL) and registers run out long before. Wider rows (a 50k
-# vocabulary's softmax) loop over blocks of LOOP_BLOCK columns; both sizes are
-# assumptions, not measured on a GPU (none on the development machine)
+# vocabulary's softmax) loop over blocks of LOOP_BLOCK columns. On an H200 (docs/
+# benchmarks.md, "launch configurations") blocks of 2,048 to 8,192 columns were within 5%
+# of each other for the 50k row, and a 4,096-wide row was faster whole than looped; where
+# between 4,096 and 2^14 looping starts to pay was not measured
 MAX_ROW_BLOCK = 1 << 14
 LOOP_BLOCK = 1 << 12
 # warps per program. Measured on an H200 (benchmarks/fusion_gpu.py --sweep,
@@ -81,7 +83,7 @@ LOOP_BLOCK = 1 << 12
 # row kernels without column sums are within noise from 2 to 8 warps (Triton's default,
 # 4, kept); a looped row (the 50k log-softmax) is 25% faster at 16 (its loads spread over
 # more threads); a row kernel with column sums (layer norm's backward, one atomic add per
-# row and column) 9-17% faster at 8
+# row and column) 9-20% faster at 8
 NUM_WARPS = 4
 LOOPED_WARPS = 16
 COLUMN_SUM_WARPS = 8

@@ -146,7 +146,8 @@ def _chain_from_softmax(softmax: fx.Node) -> Chain | str:
             if len(outputs) != len(_users(user)) or 0 not in outputs or \
                     (1 in outputs and _users(outputs[1])):
                 return "its dropout's mask is read (native_dropout's second output)"
-            dropout, train = user.args[1], True if user.args[2] is None else user.args[2]
+            train = user.args[2] if len(user.args) > 2 else user.kwargs.get("train")
+            dropout, train = user.args[1], True if train is None else train
             nodes.append(user)
             if 1 in outputs:  # the mask, read by nothing: it goes with the chain
                 nodes.append(outputs[1])
