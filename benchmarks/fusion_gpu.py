@@ -69,6 +69,13 @@ def _fused_calls(tg):
             yield key, kernels.region(key), args
 
 
+def _max_err(outs, ref) -> float:
+    """The largest difference of the kernel's outputs from the eager ops' (floats), or
+    the count of differing elements (masks, integers)."""
+    return max(((o.float() - r.float()).abs().max().item() if o.is_floating_point() else
+                float((o != r).sum().item())) for o, r in zip(outs, ref)) if outs else 0.0
+
+
 def per_region(tg, bandwidth: float, inductor: bool = True) -> list[dict]:
     rows = []
     for key, region, args in _fused_calls(tg):
@@ -77,9 +84,7 @@ def per_region(tg, bandwidth: float, inductor: bool = True) -> list[dict]:
             inputs = [_random_like(a.meta[M.VAL]) for a in args]
             outs = region.launch(inputs)
             ref = region.fallback(inputs)
-            row["max_abs_err"] = max(
-                ((o.float() - r.float()).abs().max().item() if o.is_floating_point() else
-                 float((o != r).sum().item())) for o, r in zip(outs, ref)) if outs else 0.0
+            row["max_abs_err"] = _max_err(outs, ref)
             row["triton_ms"] = triton.testing.do_bench(lambda r=region, x=inputs: r.launch(x))
             row["eager_ms"] = triton.testing.do_bench(lambda r=region, x=inputs: r.fallback(x))
             if inductor:
@@ -205,9 +210,7 @@ def sweep(tg, bandwidth: float, budget_s: float) -> list[dict]:
                 src = triton_gen.generate(region.gm, targs, region.name, launch)
                 fn = kernels._compile(src)
                 outs = kernels._launcher(src, fn)(inputs)
-                cfg["max_abs_err"] = max(
-                    ((o.float() - r.float()).abs().max().item() if o.is_floating_point() else
-                     float((o != r).sum().item())) for o, r in zip(outs, ref)) if outs else 0.0
+                cfg["max_abs_err"] = _max_err(outs, ref)
                 cfg["ms"] = _gpu_ms(src, fn, inputs)
                 cfg["roofline"] = row["bytes"] / (cfg["ms"] * 1e-3) / bandwidth
             except Exception as exc:  # noqa: BLE001 - reported per configuration

@@ -291,8 +291,7 @@ class GpuKernels:
         elif node.target is _NATIVE_DROPOUT:
             x, p, train = _bound(_NATIVE_DROPOUT, args, kwargs)
             if train is not False and 0 < p < 1 and x.is_floating_point() and x.numel() > 0:
-                keep = torch.empty_like(x, dtype=torch.bool).bernoulli_(1 - p)
-                return x * keep / (1 - p), keep
+                return _bool_mask_dropout(x, p, with_mask=True)
         elif node.target is _SDPA:
             q, k, v, mask, p, causal, scale, gqa = _bound(_SDPA, args, kwargs)
             if self.fused and p == 0:  # the CPU's kernel: the fused one, in the trace
@@ -310,9 +309,11 @@ class GpuKernels:
         return run(args, kwargs)
 
 
-def _bool_mask_dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+def _bool_mask_dropout(x: torch.Tensor, p: float, with_mask: bool = False):
+    """x dropped with a bool mask drawn as a GPU draws it; (x dropped, the mask) with
+    `with_mask`, as native_dropout returns them."""
     keep = torch.empty_like(x, dtype=torch.bool).bernoulli_(1 - p)
-    return x * keep / (1 - p)
+    return (x * keep / (1 - p), keep) if with_mask else x * keep / (1 - p)
 
 
 def _unfused_attention(q, k, v, mask, p: float, causal: bool, scale) -> torch.Tensor:
