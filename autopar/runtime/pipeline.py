@@ -11,7 +11,10 @@ not one per micro-batch.
 
 A stage's backward adds its gradient parts into their sums in place from the second
 micro-batch on (`pipeline_program.accumulating`), each as soon as it is made, as autograd
-adds into `.grad`. After the last action: gradients (summed over micro-batches; the backward seed is
+adds into `.grad`. A program is called boxed (`pipeline_program.boxed`) with the values
+of the micro-batch's environment it reads last given up (`dying_inputs`), so it frees
+each saved activation after its last use, as autograd frees a saved tensor once the
+node reading it has run. After the last action: gradients (summed over micro-batches; the backward seed is
 already scaled by 1/(microbatches*dp)) are summed over data-parallel ranks, each
 parameter's gradient parts are summed over the pipeline ranks that read it (a tied
 embedding has one part per stage that uses it, accumulated locally), and every
@@ -29,7 +32,12 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autopar.compiler.ir.batch import BatchError, Objective, normalizer_means
-from autopar.compiler.ir.pipeline_program import PipelineProgram, StageProgram, accumulating
+from autopar.compiler.ir.pipeline_program import (
+    PipelineProgram,
+    StageProgram,
+    accumulating,
+    boxed,
+)
 from autopar.compiler.ir.program import TensorEntry, bind_groups, runnable
 from autopar.runtime.loss_scaler import LossScaler
 from autopar.runtime.mesh import Mesh, build_mesh
@@ -102,6 +110,10 @@ class PipelineStep(TrainingState):
         self._releases = program.send_releases(self.pp_rank)
         self._accumulators: dict[tuple[int, str], tuple] = {}  # (stage, kind) -> accumulating
         self._read = program.values_read()
+        # action index -> the inputs its program reads last (freed inside it), and the
+        # boxed copy of each module run (pipeline_program.boxed)
+        self._dying = program.dying_inputs(self.pp_rank)
+        self._boxed: dict[fx.GraphModule, fx.GraphModule] = {}
         # whether the gradients are summed over dp after the schedule: Local SGD's local
         # steps and DGC's compressed ones turn it off (runtime/local_sgd.py, dgc.py)
         self.sum_over_dp = True
@@ -185,7 +197,8 @@ class PipelineStep(TrainingState):
                 stage = by_stage[action.stage]
                 env = envs.setdefault(action.microbatch, self._inputs_env(micro[action.microbatch]))
                 begin = time.perf_counter()
-                self._do(action, stage, env, grads, losses, sends.setdefault(i, []))
+                self._do(action, stage, env, grads, losses, sends.setdefault(i, []),
+                         self._dying.get(i, ()))
                 for j in self._releases.get(i, ()):  # received: the wait returns at once
                     for request, _tensor in sends.pop(j, ()):
                         request.wait()
@@ -210,10 +223,10 @@ class PipelineStep(TrainingState):
         self.steps += 1
         return loss
 
-    def _do(self, action, stage, env, grads, losses, sends) -> None:
+    def _do(self, action, stage, env, grads, losses, sends, dying=()) -> None:
         kind, mb = action.kind, action.microbatch
         if kind == "F":
-            self._run(stage.forward, stage.f_inputs, stage.f_outputs, env, action)
+            self._run(stage.forward, stage.f_inputs, stage.f_outputs, env, action, dying=dying)
             if self.program.loss_key in stage.f_outputs:
                 losses.append(env[self.program.loss_key])
         elif kind in ("B", "I", "W"):
@@ -224,9 +237,9 @@ class PipelineStep(TrainingState):
                 # the program adds its parts into their sums itself, each as soon as it
                 # is made (autopar.bisect records the parts themselves: the plain program)
                 gm, sums, outputs = self._accumulating(stage.stage, kind, gm, outputs)
-                self._run(gm, inputs, outputs, env, action, [grads[k] for k in sums])
+                self._run(gm, inputs, outputs, env, action, [grads[k] for k in sums], dying)
                 return
-            self._run(gm, inputs, outputs, env, action)
+            self._run(gm, inputs, outputs, env, action, dying=dying)
             made = [(k, env[k] if k in self._read else env.pop(k)) for k in parts]
             shared = _storages([*env.values(), *grads.values()]) if made else set()
             for grad_key, value in made:
@@ -274,12 +287,22 @@ class PipelineStep(TrainingState):
         return self._accumulators[key]
 
     def _run(self, gm: fx.GraphModule, inputs: tuple[str, ...], outputs: tuple[str, ...],
-             env: dict[str, torch.Tensor], action, sums: Sequence[torch.Tensor] = ()) -> None:
+             env: dict[str, torch.Tensor], action, sums: Sequence[torch.Tensor] = (),
+             dying: Sequence[str] = ()) -> None:
+        """Run `gm` on the environment's `inputs` (then `sums`); `dying`: the inputs no
+        later action reads, given up by the environment so that the program frees each
+        after its last use (`_dying`)."""
         args = [env[k] for k in inputs] + list(sums)
-        # on a CPU the fused regions' ops run inline (codegen/kernels.py's run rule); autopar.bisect's
-        # run_graph records the values of the program as compiled, region by region
-        results = (runnable(gm, args)(*args) if self.run_graph is None
-                   else self.run_graph(gm, args, action))
+        for key in dying:
+            del env[key]
+        if self.run_graph is not None:  # autopar.bisect records every value, region by region
+            results = self.run_graph(gm, args, action)
+        else:
+            # on a CPU the fused regions' ops run inline (codegen/kernels.py's run rule)
+            module = runnable(gm, args)
+            if module not in self._boxed:
+                self._boxed[module] = boxed(module)
+            results = self._boxed[module](args)  # empties `args`
         env.update(zip(outputs, results))
 
     def held_tensors(self) -> list[torch.Tensor]:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -155,23 +155,37 @@ class GraphLiveness:
     outputs_bytes: int  # alive when the program ends (what it returns)
 
 
-def graph_liveness(summary: GraphSummary, regions_inline: bool = False) -> GraphLiveness:
+def graph_liveness(summary: GraphSummary, regions_inline: bool = False,
+                   dying_inputs: Mapping[str, str] | None = None) -> GraphLiveness:
     """Walk the ops in order, adding each new storage and dropping it after its last use.
     `regions_inline`: fused regions run as their ops inline (a CPU, where no kernel runs:
     codegen/kernels.py's run rule), so a region's values come and go op by op inside it
     and an input it reads last is freed after the op that reads it last
-    (`OpRecord.inline`); otherwise a region is one kernel."""
+    (`OpRecord.inline`); otherwise a region is one kernel. Inputs are held outside the
+    program, except `dying_inputs` (input op name -> category): the caller gave them up
+    (a pipeline stage's boxed call), so they count from the start in that category, or
+    as gradients where the program returns them, and are freed after their last use."""
     ops = summary.ops
     last_use = last_uses(summary)
     freed_after: dict[int, list[int]] = {}
     for s, last in last_use.items():
         freed_after.setdefault(last, []).append(s)
+    dying_inputs = dying_inputs or {}
+    dying = {i: dying_inputs[op.name] for i, op in enumerate(ops)
+             if op.role == "input" and op.storage == i and op.allocates
+             and op.name in dying_inputs}
 
     def freeable(s: int) -> bool:
         return bool(ops[s].allocates) and s not in summary.output_storages \
-            and ops[s].role != "input"
+            and (ops[s].role != "input" or s in dying)
+
+    def category(s: int) -> str:
+        return dying[s] if s in dying and s not in summary.output_storages \
+            else _category(summary, s)
 
     live = dict.fromkeys(CATEGORIES, 0)
+    for s in dying:
+        live[category(s)] += ops[s].allocates
     peak, peak_op, at_peak, saved = 0, "", dict(live), None
     for i, op in enumerate(ops):
         if saved is None and op.role == "backward":
@@ -182,15 +196,15 @@ def graph_liveness(summary: GraphSummary, regions_inline: bool = False) -> Graph
             peak, peak_op, at_peak = sum(live.values()), op.name, dict(live)
         if regions_inline and op.inline:
             peak, peak_op, at_peak = _replay_inline(summary, i, live, set(freed_after.get(i, ())),
-                                                    freeable, (peak, peak_op, at_peak))
+                                                    freeable, (peak, peak_op, at_peak), category)
         for s in freed_after.get(i, ()):
             if freeable(s):
-                live[_category(summary, s)] -= ops[s].allocates
+                live[category(s)] -= ops[s].allocates
     return GraphLiveness(peak, peak_op, at_peak, saved or 0, live["gradients"])
 
 
 def _replay_inline(summary: GraphSummary, i: int, live: dict[str, int], dying: set[int],
-                   freeable, best: tuple[int, str, dict[str, int]]):
+                   freeable, best: tuple[int, str, dict[str, int]], category):
     """The peak (bytes, op, by category) of `best` and of fused region i run op by op on
     top of `live`: its values as OpRecord.inline makes and frees them (the outputs stay:
     the getitems after it count them), and each input storage that dies with the region
@@ -211,7 +225,7 @@ def _replay_inline(summary: GraphSummary, i: int, live: dict[str, int], dying: s
             at_peak = {**now, "temporaries": now["temporaries"] + made}
         made -= frees
         for s in [s for s, at in last_read.items() if at == k]:
-            now[_category(summary, s)] -= ops[s].allocates
+            now[category(s)] -= ops[s].allocates
     return peak, peak_op, at_peak
 
 

@@ -17,7 +17,7 @@ step returns); the op owns the outputs nobody takes.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -175,13 +175,23 @@ def summarize(tg: TrainGraph) -> GraphSummary:
                         param_blocks=tuple(tg.signature.param_blocks))
 
 
-def summarize_program(gm: fx.GraphModule) -> GraphSummary:
+def summarize_program(gm: fx.GraphModule,
+                      owned: Mapping[str, tuple[str, int]] | None = None) -> GraphSummary:
     """The summary of one program of a pipelined step (a stage's forward or backward):
-    its inputs are held by the runtime, so they own no storage here."""
+    its inputs are held by the runtime, so they own no storage here, except the
+    placeholders in `owned` (inputs the runtime gives up to the program:
+    PipelineProgram.dying_inputs), recorded as "input" ops: name -> (the placeholder
+    owning the storage, its bytes), a placeholder that views an earlier one's storage
+    naming that one (with 0 bytes)."""
     index: dict[fx.Node, int] = {}
+    by_name: dict[str, int] = {}
     ops: list[OpRecord] = []
     for node in gm.graph.nodes:
-        if node.op == "call_function":
+        if node.op == "placeholder" and node.name in (owned or {}):
+            owner, size = owned[node.name]
+            index[node] = by_name[node.name] = len(ops)
+            ops.append(OpRecord(node.name, "input", allocates=size, storage=by_name[owner]))
+        elif node.op == "call_function":
             index[node] = len(ops)
             ops.append(_record(node, index, ops))
     returned = [a for a in gm.graph.output_node().all_input_nodes if a in index]

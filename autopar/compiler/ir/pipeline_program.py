@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+from torch.fx.graph import _BoxedCodeGen
 
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.program import LOSS_SCALE_INPUT, TensorEntry
@@ -100,10 +101,66 @@ class PipelineProgram:
                     read.update(keys)
         return read
 
+    def dying_inputs(self, pp_rank: int) -> dict[int, tuple[str, ...]]:
+        """Action index (in the rank's schedule) -> the inputs of its program (F, B, I or
+        W) that no later action of the rank reads in that micro-batch: outputs of the
+        rank's programs that it never sends to another rank (a saved activation, an
+        input gradient W reads). The runtime gives them up when it calls that program,
+        which frees each after its last use inside it (autograd frees a saved tensor
+        once the node reading it has run); the memory replays free them there too
+        (planner/pipeline_memory.py, and replicated.py's from a summary). Received
+        values stay to the micro-batch's last action, as do parameters, buffers and the
+        micro-batch's inputs (not the micro-batch's own, or the step keeps them)."""
+        by_stage = {p.stage: p for p in self.stages}
+        actions = self.schedule.ranks[pp_rank]
+        pp = self.schedule.pp
+        made, sent, last = set(), set(), {}
+        for i, action in enumerate(actions):
+            stage, mb = by_stage[action.stage], action.microbatch
+            if action.kind in PROGRAM_KINDS:
+                inputs, outputs = program_io(stage, action.kind)
+                last.update(((mb, k), i) for k in inputs)
+                made.update((mb, k) for k in outputs)
+            elif action.kind in ("SF", "SB"):
+                table = stage.send_forward if action.kind == "SF" else stage.send_backward
+                for dst, keys in table.items():
+                    last.update(((mb, k), i) for k in keys)
+                    if dst % pp != pp_rank:
+                        sent.update((mb, k) for k in keys)
+        dying: dict[int, list[str]] = {}
+        for (mb, key), i in last.items():
+            if actions[i].kind in PROGRAM_KINDS and (mb, key) in made and (mb, key) not in sent:
+                dying.setdefault(i, []).append(key)
+        return {i: tuple(keys) for i, keys in sorted(dying.items())}
+
     def stages_reading(self, param_key: str, parts: tuple[str, ...]) -> set[int]:
         """Stages whose programs read the parameter or produce a part of its gradient."""
         return {p.stage for p in self.stages
                 if param_key in p.uses() or set(parts) & (set(p.b_outputs) | set(p.f_outputs))}
+
+
+PROGRAM_KINDS = ("F", "B", "I", "W")  # the schedule's actions that run a stage program
+
+
+def program_io(stage: StageProgram, kind: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(input keys, output keys) of the program a `kind` action runs on `stage`."""
+    if kind == "F":
+        return stage.f_inputs, stage.f_outputs
+    if kind == "B":
+        return stage.b_inputs, stage.b_outputs
+    program = stage.input_grad if kind == "I" else stage.weight_grad
+    return program[1], program[2]
+
+
+def boxed(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of `gm` called with one list of its inputs, which it empties before its
+    first op (torch.fx's boxed calling convention, as AOTAutograd's compiled programs
+    take theirs): the caller's list no longer holds the inputs, and the generated code
+    drops each after its last use, so an input nothing else holds is freed there."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    graph.set_codegen(_BoxedCodeGen())
+    return fx.GraphModule(gm, graph)
 
 
 def accumulating(gm: fx.GraphModule, outputs: tuple[str, ...], parts: set[str],

@@ -33,7 +33,7 @@ from autopar.compiler.analysis.memory import (
     optimizer_memory,
 )
 from autopar.compiler.analysis.summary import summarize_program
-from autopar.compiler.ir.pipeline_program import PipelineProgram
+from autopar.compiler.ir.pipeline_program import PROGRAM_KINDS, PipelineProgram, program_io
 from autopar.compiler.ir.program import block_nbytes
 
 
@@ -93,27 +93,52 @@ class _Replay:
         self.leaving = self.part_keys - program.values_read()
         self.live = dict.fromkeys(CATEGORIES, 0)
         self.env: dict[int, dict[str, int]] = {}  # micro-batch -> its environment's bytes
+        # the storages of the values the rank made (the ones a program may free:
+        # PipelineProgram.dying_inputs), per micro-batch: key -> its storage's id, and
+        # id -> [the keys naming it still in the environment, its bytes, its category]
+        self.env_keys: dict[int, dict[str, int]] = {}
+        self.env_storages: dict[int, dict[int, list]] = {}
+        self.dying = program.dying_inputs(pp_rank)
         self.sends = SentBuffers(program.send_releases(pp_rank))
         self.grads: set[str] = set()
         self.peak, self.at_peak, self.peak_op = 0, dict(self.live), ""
         self._programs: dict[tuple[int, str], tuple] = {}
+        self._liveness_memo: dict[tuple, object] = {}
 
-    def _liveness(self, stage: int, kind: str, accumulate: bool = False):
-        """(liveness, outputs) of the stage's program; `accumulate`: as the runtime runs
-        it once its gradient parts have their sums (pipeline_program.accumulating), each
-        part freed at its last use instead of returned."""
-        if (stage, kind, accumulate) not in self._programs:
+    def _program(self, stage: int, kind: str):
+        """(module, input keys, output keys, summary) of the stage's program."""
+        if (stage, kind) not in self._programs:
             p = self.stages[stage]
-            gm, outputs = {"F": (p.forward, p.f_outputs), "B": (p.backward, p.b_outputs),
-                           "I": p.input_grad[::2] if p.input_grad else None,
-                           "W": p.weight_grad[::2] if p.weight_grad else None}[kind]
-            summary = summarize_program(gm)
+            gm = {"F": p.forward, "B": p.backward, "I": (p.input_grad or (None,))[0],
+                  "W": (p.weight_grad or (None,))[0]}[kind]
+            self._programs[stage, kind] = (gm, *program_io(p, kind), summarize_program(gm))
+        return self._programs[stage, kind]
+
+    def _liveness(self, stage: int, kind: str, accumulate: bool = False,
+                  moved: tuple[tuple[tuple[str, ...], int, str], ...] = ()):
+        """The liveness of the stage's program; `accumulate`: as the runtime runs it once
+        its gradient parts have their sums (pipeline_program.accumulating), each part
+        freed at its last use instead of returned; `moved`: (input keys naming one
+        storage, its bytes, its category) for each storage the environment gave up to
+        the program, freed after its last use inside it."""
+        key = (stage, kind, accumulate, moved)
+        if key not in self._liveness_memo:
+            gm, inputs, outputs, summary = self._program(stage, kind)
+            placeholders = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+            order = {name: i for i, name in enumerate(placeholders)}
+            names = dict(zip(inputs, placeholders))
+            owned, categories = {}, {}
+            for keys, size, category in moved:
+                first, *aliases = sorted((names[k] for k in keys), key=order.__getitem__)
+                owned[first], categories[first] = (first, size), category
+                owned.update((alias, (first, 0)) for alias in aliases)
+            if owned:
+                summary = summarize_program(gm, owned)
             if accumulate:
                 summary = replace(summary, output_storages=summary.output_storages
                                   - _part_storages(gm, summary, outputs, self.leaving))
-            self._programs[stage, kind, accumulate] = (
-                graph_liveness(summary, self.regions_inline), outputs)
-        return self._programs[stage, kind, accumulate]
+            self._liveness_memo[key] = graph_liveness(summary, self.regions_inline, categories)
+        return self._liveness_memo[key]
 
     def note(self, label: str, extra: dict[str, int]) -> None:
         total = sum(self.live.values()) + sum(extra.values())
@@ -123,8 +148,8 @@ class _Replay:
 
     def act(self, index: int, action) -> None:
         self.env.setdefault(action.microbatch, {})
-        if action.kind in ("F", "B", "I", "W"):
-            self._compute(action)
+        if action.kind in PROGRAM_KINDS:
+            self._compute(action, self.dying.get(index, ()))
         elif action.kind in ("RF", "RB"):
             sources = self.program.receives(action.stage,
                                             "forward" if action.kind == "RF" else "backward")
@@ -136,13 +161,16 @@ class _Replay:
             table = stage.send_forward if action.kind == "SF" else stage.send_backward
             self.sends.sent(index, action.microbatch, self._bytes_across(action.stage, table))
 
-    def _compute(self, action) -> None:
-        """A program runs: its own peak on top of what is alive; then its gradient parts
-        join their accumulators and its other outputs the micro-batch's environment."""
-        outputs = self._liveness(action.stage, action.kind)[1]
+    def _compute(self, action, dying: tuple[str, ...] = ()) -> None:
+        """A program runs: its own peak on top of what is alive, the environment's values
+        it reads last (`dying`) moved into it, freed after their last use there; then its
+        gradient parts join their accumulators and its other outputs the micro-batch's
+        environment."""
+        outputs = self._program(action.stage, action.kind)[2]
         parts = [k for k in outputs if k in self.part_keys]
         accumulate = bool(parts) and self.grads.issuperset(parts)
-        liveness = self._liveness(action.stage, action.kind, accumulate)[0]
+        moved = self._take_env(action.microbatch, dying)
+        liveness = self._liveness(action.stage, action.kind, accumulate, moved)
         mine = "activations" if action.kind == "F" else "temporaries"
         transient = dict(liveness.at_peak)
         transient[mine] += transient.pop("gradients")  # its outputs, alive at its peak
@@ -152,6 +180,51 @@ class _Replay:
         kept = liveness.outputs_bytes - (0 if accumulate else sum(
             _bytes(self.program, k) for k in parts if k in self.leaving))
         self._add_env(action.microbatch, max(kept, 0), mine)
+        for keys, size in self._output_storages(action.stage, action.kind):
+            keys = tuple(k for k in keys if k not in parts or k not in self.leaving)
+            if keys:
+                self._name_env(action.microbatch, keys, size, mine)
+
+    def _output_storages(self, stage: int, kind: str) -> list[tuple[tuple[str, ...], int]]:
+        """(the output keys naming it, its bytes) of each storage the program makes and
+        returns: what the environment holds of it (an output that views an input or a
+        parameter names no storage of the program's and frees nothing when let go of)."""
+        gm, _, outputs, summary = self._program(stage, kind)
+        ops = {op.name: op for op in summary.ops}
+        returned = gm.graph.output_node().args[0]
+        returned = returned if isinstance(returned, (tuple, list)) else (returned,)
+        storages: dict[int, list[str]] = {}
+        for key, node in zip(outputs, returned):
+            op = ops.get(getattr(node, "name", None))
+            if op is not None and op.storage is not None and summary.ops[op.storage].allocates:
+                storages.setdefault(op.storage, []).append(key)
+        return [(tuple(keys), summary.ops[s].allocates) for s, keys in storages.items()]
+
+    def _name_env(self, mb: int, keys: tuple[str, ...], size: int, category: str) -> None:
+        """One storage of `size` bytes, in `category`, named by `keys` in the environment."""
+        storages = self.env_storages.setdefault(mb, {})
+        sid = len(storages)
+        storages[sid] = [set(keys), size, category]
+        self.env_keys.setdefault(mb, {}).update(dict.fromkeys(keys, sid))
+
+    def _take_env(self, mb: int, dying: tuple[str, ...]
+                  ) -> tuple[tuple[tuple[str, ...], int, str], ...]:
+        """The environment lets go of the keys `dying` for the program about to run: each
+        storage no other key of the environment names moves into the program (its bytes
+        leave the environment), as (its keys, bytes, category); the others stay."""
+        moved, keys_of = [], self.env_keys.get(mb, {})
+        for sid in dict.fromkeys(keys_of[k] for k in dying if k in keys_of):
+            keys, size, category = self.env_storages[mb][sid]
+            going = keys.intersection(dying)
+            keys -= going
+            if not keys and size <= self.env[mb].get(category, 0):
+                del self.env_storages[mb][sid]
+                self.env[mb][category] -= size
+                self.live[category] -= size
+                moved.append((tuple(sorted(going)), size, category))
+        for k in dying:
+            keys_of.pop(k, None)
+        return tuple(moved)
 
     def _bytes_across(self, stage: int, by_stage: dict[int, tuple[str, ...]]) -> int:
         """Bytes of the values exchanged with stages on other ranks (a later stage on
@@ -166,6 +239,8 @@ class _Replay:
     def drop(self, mb: int) -> None:
         """The micro-batch's environment is released; what is not known received is not."""
         env = self.env.pop(mb, {})
+        self.env_keys.pop(mb, None)
+        self.env_storages.pop(mb, None)
         for category, size in env.items():
             self.live[category] -= size
         self.live["comm_buffers"] += self.sends.dropped(mb, sum(env.values()))

@@ -488,12 +488,20 @@ def _program(summary: GraphSummary, members: list[int], own: set[tuple[int, str]
              readers: dict[int, set[tuple[int, str]]], blocks: int = 1,
              repeated: frozenset[int] = frozenset(),
              handed_back: tuple[int, frozenset[int]] = (0, frozenset()),
-             late: dict[int, int] | None = None, accumulate: bool = False):
+             late: dict[int, int] | None = None, accumulate: bool = False,
+             dying: dict[int, str] | None = None):
     """Liveness of one program (its inputs held outside it: `own` are its (stage, program)
     labels) and the bytes of step outputs (gradients) it makes. `accumulate`: as the
     runtime runs it once its gradients have their sums (pipeline_program.accumulating):
     each gradient added into its sum as it is made and freed at its last use, so no
     gradient outlives the program (nor do the earlier blocks' copies).
+
+    `dying` (storage -> category): values an earlier program of the stage made that this
+    program reads last (PipelineProgram.dying_inputs: the runtime gives them up to it).
+    They count from the program's start and are freed after their last use in it; of a
+    `repeated` one, the block ops' copy so, and the c - 1 other blocks' copies through
+    the block ops in part: run j of c holds c - 1 - j blocks' copies beside j blocks'
+    kept outputs (`earlier`), so the block ops hold the larger (j = 0 or c - 1).
 
     An output of a multi-output op that a later program of the stage takes (`late`:
     getitem -> op; a fused region's weight-gradient part, which W takes from I) is made
@@ -566,14 +574,48 @@ def _program(summary: GraphSummary, members: list[int], own: set[tuple[int, str]
     new = [k for k, i in enumerate(order) if i is None]  # in kept_new's order
     last_reader = where[here[-1]] if transient and first is not None else None
     back_at = new[before + made.index((transient, False))] if last_reader is not None else None
-    ops = [changed(op, storage=k) if i is None else
-           changed(op, uses=tuple(where[u] for u in op.uses if u in where)
-                   + ((back_at,) if k == last_reader else ()),
-                   storage=where.get(op.storage), waits_on=where.get(op.waits_on),
+    # the dying values first, as inputs: each its own record (index rec[storage]), the
+    # repeated ones' other copies one record after them
+    dying = dying or {}
+    rec = {x: j for j, x in enumerate(sorted(dying))}
+    pre = [OpRecord(f"{summary.ops[x].name} (input)", "input", storage=j,
+                    allocates=summary.ops[x].allocates // (blocks if x in repeated else 1))
+           for x, j in rec.items()]
+    copies = sum(summary.ops[x].allocates - pre[j].allocates for x, j in rec.items())
+    categories = {pre[j].name: dying[x] for x, j in rec.items()}
+    # the other blocks' copies: up to `earlier` of them freed before the first block op
+    # (the op before it and the records it brings), the rest after the last block op
+    gone = min(copies, earlier) if first is not None else 0
+    spans = [(name, size) for name, size in (("other blocks' inputs, read before", gone),
+                                             ("other blocks' inputs", copies - gone)) if size]
+    for name, size in spans:
+        pre.append(OpRecord(name, "input", storage=len(pre), allocates=size))
+        categories[name] = "activations"
+    n = len(pre)
+
+    def at(i: int | None) -> int | None:
+        if i is None:
+            return None
+        return where[i] + n if i in where else rec.get(summary.ops[i].storage)
+
+    ops = [changed(op, storage=k + n) if i is None else
+           changed(op, uses=tuple(u for u in map(at, op.uses) if u is not None)
+                   + ((back_at + n,) if k == last_reader else ()),
+                   storage=at(op.storage), waits_on=at(op.waits_on),
                    allocates=op.allocates if op.storage in where else 0)
            for k, (i, op) in enumerate(zip(order, ops))]
-    returned_at = {where[s] for s in returned} | {k for k, kept in zip(new, kept_new) if kept}
-    liveness = graph_liveness(GraphSummary(tuple(ops), (), (), 0, frozenset(returned_at)))
+    blocks_at = [k for k, op in enumerate(ops) if op.layer is not None]
+    for (name, _), index in zip(spans, range(len(rec), n)):
+        if name == "other blocks' inputs":  # to the last block op (or the program's end)
+            k = blocks_at[-1] if blocks_at else len(ops) - 1
+        else:  # to the op before the first block op and what it brings (none: the start)
+            k = first - 1
+        if k >= 0:
+            ops[k] = changed(ops[k], uses=ops[k].uses + (index,))
+    returned_at = {where[s] + n for s in returned} | {
+        k + n for k, kept in zip(new, kept_new) if kept}
+    liveness = graph_liveness(GraphSummary(tuple(pre + ops), (), (), 0, frozenset(returned_at)),
+                              dying_inputs=categories)
     grads = 0 if accumulate else sum(summary.ops[s].allocates
                                      for s in summary.output_storages if s in where)
     return liveness, grads
@@ -668,15 +710,43 @@ def stage_programs(summary: GraphSummary, stages: StageSummary, shared: dict | N
                 if stages.stage_of[source] == stages.stage_of[i] is not None \
                         and stages.program_of[source] != stages.program_of[i]:
                     late[i] = source
+        kept_apart = set(stages.handed) | set(stages.sent) | set(late)
     for s, kind, programs, key in keys:
         if key not in cache:
             members = sorted(i for p in programs for i in groups.get((s, p), ()))
+            dying = _dying(summary, stages, s, programs, readers, kept_apart)
             made = [_program(summary, members, {(s, p) for p in programs}, readers,
                              stages.kinds[s][1] if stages.kinds else 1, repeated,
-                             back.get(s, (0, frozenset())), late, accumulate)
+                             back.get(s, (0, frozenset())), late, accumulate, dying)
                     for accumulate in (False, True)]
-            cache[key] = (*made[0], made[1][0])
+            moved: dict[str, int] = {}
+            for x, category in dying.items():
+                moved[category] = moved.get(category, 0) + summary.ops[x].allocates
+            cache[key] = (*made[0], made[1][0], moved)
         out[s, kind] = cache[key]
+    return out
+
+
+_PROGRAM_ORDER = "FIW"  # a stage's programs in the order they run on a micro-batch
+
+
+def _dying(summary: GraphSummary, stages: StageSummary, s: int, programs: str,
+           readers: dict[int, set], kept_apart: set[int]) -> dict[int, str]:
+    """Storage -> category ("activations" made by F, "temporaries" by I) of the values an
+    earlier program of stage `s` made that `programs` read last: every reader on the
+    stage runs no later than them, and the stage does not send them, hand them to
+    its next blocks or take them from another program's op (`kept_apart`), as
+    PipelineProgram.dying_inputs gives them up in the lowered program."""
+    last = max(_PROGRAM_ORDER.index(p) for p in programs)
+    upto = {(s, p) for p in _PROGRAM_ORDER[:last + 1]}
+    mine = {(s, p) for p in programs}
+    out = {}
+    for x, who in readers.items():
+        if x is None or x in kept_apart or stages.stage_of[x] != s or not summary.ops[x].allocates:
+            continue
+        maker = (s, stages.program_of[x])
+        if summary.ops[x].storage == x and maker not in mine and who & mine and who <= upto:
+            out[x] = "activations" if maker[1] == "F" else "temporaries"
     return out
 
 
@@ -717,15 +787,19 @@ def _replay_activity(across: tuple[dict, dict], programs: dict, actions,
             # in place after that
             accumulate = key in done and programs[key][1] > 0
             if (key, accumulate) not in prepared:
-                plain, grads, summing = programs[key]
+                plain, grads, summing, moved = programs[key]
                 liveness = summing if accumulate else plain
                 grads = 0 if accumulate else grads
                 mine = "activations" if a.kind == "F" else "temporaries"
                 transient = dict(liveness.at_peak)
                 transient[mine] += transient.pop("gradients")
                 prepared[key, accumulate] = (transient, sum(transient.values()), mine, grads,
-                                             max(liveness.outputs_bytes - grads, 0))
-            transient, during, mine, grads, kept = prepared[key, accumulate]
+                                             max(liveness.outputs_bytes - grads, 0), moved)
+            transient, during, mine, grads, kept, moved = prepared[key, accumulate]
+            for category, size in moved.items():  # the values it frees, given up to it
+                mb_env[category] -= size
+                live[category] -= size
+                held -= size
             if held + during > peak:
                 peak, label, at_peak = held + during, a, (dict(live), transient)
             if key not in done:
