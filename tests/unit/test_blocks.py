@@ -135,7 +135,7 @@ def test_any_interleaving_trains_each_block_exactly_once_per_epoch(ops):
 def _worker(port: int, name: str, blocks: int, out, hold: bool) -> None:
     """Train epoch 0's blocks until none is left; `hold`: take one lease and keep it."""
     store = dist.TCPStore("127.0.0.1", port, is_master=False)
-    master = BlockMaster(store, blocks, timeout=1.0, worker=name, token=TOKEN)
+    master = BlockMaster(store, blocks, timeout=_LEASE_S, worker=name, token=TOKEN)
     while True:
         lease = master.lease()
         if lease is None:  # the rest are leased to others: one may time out
@@ -152,10 +152,16 @@ def _worker(port: int, name: str, blocks: int, out, hold: bool) -> None:
             out.put(("done", lease.block, lease.attempt))
 
 
+# the lease timeout of the killed-worker test: the killed worker's lease expires after it,
+# and a live worker must finish each block it leases within it, on a loaded 2-core host
+# too (a lease that expires there counts its block failed once more)
+_LEASE_S = 5.0
+
+
 def test_workers_over_a_tcpstore_survive_one_killed_holding_a_lease():
     blocks = 12
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    BlockMaster(store, blocks, timeout=1.0, token=TOKEN)  # the state exists before the workers start
+    BlockMaster(store, blocks, timeout=_LEASE_S, token=TOKEN)  # the state exists before the workers start
     ctx = mp.get_context("spawn")
     # the killed process gets a queue of its own: it may die holding the queue's lock
     told, out = ctx.Queue(), ctx.Queue()
@@ -176,7 +182,7 @@ def test_workers_over_a_tcpstore_survive_one_killed_holding_a_lease():
     # each block exactly once, the killed worker's too (leased a second time)
     assert sorted(block for _, block, _ in done) == list(range(blocks))
     assert ("done", 0, 2) in done
-    state = BlockMaster(store, blocks, timeout=1.0, token=TOKEN).state()
+    state = BlockMaster(store, blocks, timeout=_LEASE_S, token=TOKEN).state()
     assert state.epoch == 1 and state.failures == {0: 1} and not state.pending
 
 
