@@ -20,8 +20,7 @@ def _interpreter_without_overflow_checks() -> None:
     and mul of a kernel, then drops it: its `device_assert` asserts only with
     `debug=True`, which the interpreter's options never set. A compiled kernel without
     debug emits no check either. Turning the dead check off changes no result; it takes
-    about a quarter off the CPU time of a test that runs the kernels interpreted
-    (test_fusion's dropout test: 32.7 -> 25.0 s)."""
+    about a quarter off the CPU time of a test that runs the kernels interpreted."""
     try:
         from triton.runtime import interpreter
     except ImportError:

@@ -230,8 +230,7 @@ class PipelineStep(TrainingState):
             if self.program.loss_key in stage.f_outputs:
                 losses.append(env[self.program.loss_key])
         elif kind in ("B", "I", "W"):
-            gm, inputs, outputs = {"B": (stage.backward, stage.b_inputs, stage.b_outputs),
-                                   "I": stage.input_grad, "W": stage.weight_grad}[kind]
+            gm, inputs, outputs = stage.program(kind)
             parts = [k for k in outputs if k in self.part_keys]
             if parts and self.run_graph is None and all(k in grads for k in parts):
                 # the program adds its parts into their sums itself, each as soon as it

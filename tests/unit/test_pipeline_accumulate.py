@@ -121,7 +121,7 @@ def test_the_inputs_a_program_reads_last_are_its_own_values_never_sent_or_shared
     micro-batch, never a value the stage sends, a parameter or a micro-batch input; and
     the weight gradient (W, each micro-batch's last program on a stage) frees every
     value an earlier program of the stage made and W reads."""
-    from autopar.compiler.ir.pipeline_program import PROGRAM_KINDS, program_io
+    from autopar.compiler.ir.pipeline_program import PROGRAM_KINDS
     from autopar.compiler.lowering.lower_pipeline import lower_pipeline
     from autopar.examples import load_example
 
@@ -139,21 +139,21 @@ def test_the_inputs_a_program_reads_last_are_its_own_values_never_sent_or_shared
             action = actions[i]
             assert action.kind in PROGRAM_KINDS
             stage = by_stage[action.stage]
-            inputs, _ = program_io(stage, action.kind)
+            _, inputs, _ = stage.program(action.kind)
             sent = {k for keys in (*stage.send_forward.values(), *stage.send_backward.values())
                     for k in keys}
             assert set(keys) <= set(inputs) and not set(keys) & (kept | sent), action
             for later in actions[i + 1:]:
                 if later.microbatch == action.microbatch and later.kind in PROGRAM_KINDS:
-                    assert not set(keys) & set(program_io(by_stage[later.stage], later.kind)[0])
+                    assert not set(keys) & set(by_stage[later.stage].program(later.kind)[1])
             kinds.add(action.kind)
         for i, action in enumerate(actions):
             if action.kind != "W":
                 continue
             stage = by_stage[action.stage]
-            made = {k for kind in "FI" for k in program_io(stage, kind)[1]}
+            made = {k for kind in "FI" for k in stage.program(kind)[2]}
             sent = {k for keys in (*stage.send_forward.values(), *stage.send_backward.values())
                     for k in keys}
-            reads = set(program_io(stage, "W")[0]) & made - sent
+            reads = set(stage.program("W")[1]) & made - sent
             assert reads and reads == set(dying[i]), action
         assert "W" in kinds, kinds

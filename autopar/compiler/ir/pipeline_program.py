@@ -43,6 +43,15 @@ class StageProgram:
     def uses(self) -> set[str]:
         return set(self.f_inputs) | set(self.b_inputs)
 
+    def program(self, kind: str) -> tuple[fx.GraphModule, tuple[str, ...], tuple[str, ...]]:
+        """(module, input keys, output keys) of the program a `kind` action (F, B, I, W)
+        runs on this stage."""
+        if kind == "F":
+            return self.forward, self.f_inputs, self.f_outputs
+        if kind == "B":
+            return self.backward, self.b_inputs, self.b_outputs
+        return self.input_grad if kind == "I" else self.weight_grad
+
 
 @dataclass
 class PipelineProgram:
@@ -118,7 +127,7 @@ class PipelineProgram:
         for i, action in enumerate(actions):
             stage, mb = by_stage[action.stage], action.microbatch
             if action.kind in PROGRAM_KINDS:
-                inputs, outputs = program_io(stage, action.kind)
+                _, inputs, outputs = stage.program(action.kind)
                 last.update(((mb, k), i) for k in inputs)
                 made.update((mb, k) for k in outputs)
             elif action.kind in ("SF", "SB"):
@@ -140,16 +149,6 @@ class PipelineProgram:
 
 
 PROGRAM_KINDS = ("F", "B", "I", "W")  # the schedule's actions that run a stage program
-
-
-def program_io(stage: StageProgram, kind: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(input keys, output keys) of the program a `kind` action runs on `stage`."""
-    if kind == "F":
-        return stage.f_inputs, stage.f_outputs
-    if kind == "B":
-        return stage.b_inputs, stage.b_outputs
-    program = stage.input_grad if kind == "I" else stage.weight_grad
-    return program[1], program[2]
 
 
 def boxed(gm: fx.GraphModule) -> fx.GraphModule:

@@ -33,7 +33,7 @@ from autopar.compiler.analysis.memory import (
     optimizer_memory,
 )
 from autopar.compiler.analysis.summary import summarize_program
-from autopar.compiler.ir.pipeline_program import PROGRAM_KINDS, PipelineProgram, program_io
+from autopar.compiler.ir.pipeline_program import PROGRAM_KINDS, PipelineProgram
 from autopar.compiler.ir.program import block_nbytes
 
 
@@ -108,10 +108,8 @@ class _Replay:
     def _program(self, stage: int, kind: str):
         """(module, input keys, output keys, summary) of the stage's program."""
         if (stage, kind) not in self._programs:
-            p = self.stages[stage]
-            gm = {"F": p.forward, "B": p.backward, "I": (p.input_grad or (None,))[0],
-                  "W": (p.weight_grad or (None,))[0]}[kind]
-            self._programs[stage, kind] = (gm, *program_io(p, kind), summarize_program(gm))
+            gm, inputs, outputs = self.stages[stage].program(kind)
+            self._programs[stage, kind] = (gm, inputs, outputs, summarize_program(gm))
         return self._programs[stage, kind]
 
     def _liveness(self, stage: int, kind: str, accumulate: bool = False,
@@ -190,15 +188,9 @@ class _Replay:
         returns: what the environment holds of it (an output that views an input or a
         parameter names no storage of the program's and frees nothing when let go of)."""
         gm, _, outputs, summary = self._program(stage, kind)
-        ops = {op.name: op for op in summary.ops}
-        returned = gm.graph.output_node().args[0]
-        returned = returned if isinstance(returned, (tuple, list)) else (returned,)
-        storages: dict[int, list[str]] = {}
-        for key, node in zip(outputs, returned):
-            op = ops.get(getattr(node, "name", None))
-            if op is not None and op.storage is not None and summary.ops[op.storage].allocates:
-                storages.setdefault(op.storage, []).append(key)
-        return [(tuple(keys), summary.ops[s].allocates) for s, keys in storages.items()]
+        return [(tuple(keys), summary.ops[s].allocates)
+                for s, keys in _returned_storages(gm, summary, outputs).items()
+                if summary.ops[s].allocates]
 
     def _name_env(self, mb: int, keys: tuple[str, ...], size: int, category: str) -> None:
         """One storage of `size` bytes, in `category`, named by `keys` in the environment."""
@@ -246,14 +238,23 @@ class _Replay:
         self.live["comm_buffers"] += self.sends.dropped(mb, sum(env.values()))
 
 
-def _part_storages(gm, summary, outputs: tuple[str, ...], part_keys: set[str]) -> frozenset:
-    """The storages of the program's outputs that are gradient parts."""
+def _returned_storages(gm, summary, outputs: tuple[str, ...]) -> dict[int, list[str]]:
+    """Storage -> the output keys of the program that return it (views included)."""
     ops = {op.name: op for op in summary.ops}
     returned = gm.graph.output_node().args[0]
     returned = returned if isinstance(returned, (tuple, list)) else (returned,)
-    return frozenset(ops[node.name].storage for key, node in zip(outputs, returned)
-                     if key in part_keys and getattr(node, "name", None) in ops
-                     and ops[node.name].storage is not None)
+    storages: dict[int, list[str]] = {}
+    for key, node in zip(outputs, returned):
+        op = ops.get(getattr(node, "name", None))
+        if op is not None and op.storage is not None:
+            storages.setdefault(op.storage, []).append(key)
+    return storages
+
+
+def _part_storages(gm, summary, outputs: tuple[str, ...], part_keys: set[str]) -> frozenset:
+    """The storages of the program's outputs that are gradient parts."""
+    return frozenset(s for s, keys in _returned_storages(gm, summary, outputs).items()
+                     if part_keys.intersection(keys))
 
 
 def held_parameter_bytes(program: PipelineProgram, pp_rank: int) -> tuple[int, list[int], int]:
