@@ -4,8 +4,12 @@ before triton is first imported (collecting tests/dist imports autopar, which pu
 in), so it is set here, before any test module is collected."""
 
 import os
+import resource
 import sys
 import time
+from collections import Counter
+
+import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -79,6 +83,26 @@ def pytest_collection_finish(session):
         jobs.start(names)
 
 
+def _cpu_seconds() -> float:
+    """User and system CPU seconds of this process and of the children it has waited for."""
+    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+_CPU: dict[str, float] = {}  # node id -> CPU seconds of its setup, call and teardown
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Count each test's CPU time, its processes' included (a process is counted when it
+    is waited for: the multi-process cases' torchrun jobs in the case that waits for
+    them). The suite's wall time is bound by CPU on this 2-core machine, so this, not
+    --durations, says where its time goes."""
+    start = _cpu_seconds()
+    yield
+    _CPU[item.nodeid] = _cpu_seconds() - start
+
+
 def pytest_sessionfinish(session):
     if "tests.dist.jobs" in sys.modules:
         sys.modules["tests.dist.jobs"].stop()
@@ -91,6 +115,18 @@ def pytest_terminal_summary(terminalreporter):
     if "loop_s" in _HOST:
         terminalreporter.write_line(f"host speed: 5 million Python additions took "
                                     f"{_HOST['loop_s']:.2f} s at the session's start")
+    if _CPU:
+        total = sum(_CPU.values())
+        per_file = Counter()
+        for nodeid, seconds in _CPU.items():
+            per_file[nodeid.split("::")[0]] += seconds
+        terminalreporter.write_sep("=", f"most CPU by file (this process and those it waited "
+                                        f"for; {total:.0f} s in all)")
+        for path, seconds in per_file.most_common(25):
+            terminalreporter.write_line(f"{seconds:8.1f}s {seconds / total:6.1%} {path}")
+        terminalreporter.write_sep("=", "most CPU by test")
+        for nodeid, seconds in Counter(_CPU).most_common(25):
+            terminalreporter.write_line(f"{seconds:8.1f}s {nodeid}")
     times = []
     for reports in terminalreporter.stats.values():
         for report in reports:

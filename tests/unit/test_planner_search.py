@@ -603,9 +603,11 @@ def test_a_model_that_fits_only_on_more_nodes_names_them_and_a_layout_that_fits(
     one = ClusterSpec.local(nprocs=2)
     two = ClusterSpec.from_dict({**one.to_dict(), "nodes": 2})
 
+    from autopar.compiler.planner.estimate import Estimator
+
     def smallest_peak(c):
-        return min(autopar.estimate(ex.model, c, lay.replace(recompute=r), ex.batch,
-                                    ex.loss_fn).peak_memory_bytes
+        est = Estimator(ex.model, c, ex.batch, ex.loss_fn)  # what estimate predicts, traced once
+        return min(est.predict(lay.replace(recompute=r)).peak_memory_bytes
                    for lay in S.candidate_layouts(c, 8, 2, {"tp": 1, "pp": 1})
                    for r in ("none", "full", "selective"))
 
