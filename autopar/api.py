@@ -75,7 +75,8 @@ def compile(model: torch.nn.Module,
             optimizer: OptimizerFactory = _default_optimizer, layout: Layout | Plan | None = None,
             passes: Sequence[GraphPass | str] | None = None,
             amp_lists: dict[str, Sequence[str]] | None = None,
-            example_targets: Batch | None = None) -> DistributedStep | PipelineStep:
+            example_targets: Batch | None = None,
+            pass_options: dict[str, Any] | None = None) -> DistributedStep | PipelineStep:
     """Compile one training step of `model` for this job's processes and return it.
 
     `example_inputs` is what the model takes of one global batch: a tuple of tensors
@@ -91,7 +92,19 @@ def compile(model: torch.nn.Module,
     pass list (`autopar.default_passes(layout)`) with your own list of passes or
     registered pass names. `amp_lists={"white": [...], "black": [...], "gray": [...]}`
     moves aten ops ("mm" or "aten.mm") between AMP's lists (with Layout.amp on).
+    `pass_options` sets fields of the passes' options (`autopar.PassOptions`) for a
+    given layout, e.g. {"pipeline_cuts": ["transformer.h.2.mlp"]}: where pipeline
+    stages start, at a block or a module inside one.
     """
+    if pass_options and layout is None:
+        raise ValueError("pass_options set how the passes rewrite a given layout; pass "
+                         "layout= too (the planner costs its candidates with the default "
+                         "options)")
+    own = sorted(set(pass_options or ()) & {"tp_rank", "dp_rank", "optimizer_memory",
+                                             "amp_lists"})
+    if own:
+        raise ValueError(f"pass_options {own} are set by compile itself (each rank's "
+                         f"coordinates, the optimizer you pass, amp_lists=)")
     configure_from_env()
     world = launched_world_size()
     objective, example_inputs = Objective.from_example(example_inputs, example_targets, loss_fn)
@@ -107,7 +120,7 @@ def compile(model: torch.nn.Module,
     if layout.ps is not None:
         return build_ps(model, cluster, example_inputs, objective, optimizer, layout)
     step = build_step(model, cluster, example_inputs, objective, optimizer, layout, passes,
-                      amp_lists)
+                      amp_lists, pass_options=pass_options)
     step.plan = plan  # the Plan it came from (layout=None or a Plan), else None
     return step
 

@@ -11,9 +11,16 @@ from tests.dist.cases_dp import adamw, check_parity, sgd
 from tests.dist.registry import case
 
 
-def pp_case(name, factory, optimizer, world=2, **layout):
+def pp_case(name, factory, optimizer, world=2, cuts=None, **layout):
+    """`cuts`: PassOptions.pipeline_cuts, module paths where stages start."""
     def run():
-        check_parity(factory(), optimizer, autopar.Layout(**layout))
+        options = {"pass_options": {"pipeline_cuts": cuts}} if cuts else {}
+        step = check_parity(factory(), optimizer, autopar.Layout(**layout), **options)
+        if cuts:  # the stages start where asked: a block by its index, else the module
+            stats = {r.name: r for r in step.pass_results}["assign_stages"].stats
+            tails = [c.rsplit(".", 1)[1] for c in cuts]
+            assert stats["first_block_of_stage"] == \
+                [int(t) if t.isdigit() else c for t, c in zip(tails, cuts)], stats
     run.__name__ = name
     case(world=world)(run)
 
@@ -43,6 +50,17 @@ pp_case("tp2_pp2_1f1b_llama_adamw", lambda: llama(layers=4), adamw, world=4, tp=
         microbatches=4)
 pp_case("tp2_pp2_zero_bubble_llama_sgd", lambda: llama(layers=4), sgd, world=4, tp=2, pp=2,
         microbatches=2, schedule="zero-bubble")
+# stages that start inside a block (pinned cuts at a module in it): what crosses is the
+# residual and the module's inputs
+pp_case("pp2_1f1b_cut_inside_a_block_gpt2_tied_sgd", lambda: gpt2(layers=4), sgd, pp=2,
+        microbatches=4, cuts=["transformer.h.2.mlp"])
+pp_case("pp2_zero_bubble_cut_inside_a_block_llama_adamw", lambda: llama(layers=4), adamw, pp=2,
+        microbatches=4, schedule="zero-bubble", cuts=["model.layers.1.self_attn.o_proj"])
+pp_case("pp2_interleaved_cuts_inside_blocks_gpt2_sgd", lambda: gpt2(layers=4), sgd, pp=2,
+        microbatches=4, schedule="interleaved", virtual_stages=2,
+        cuts=["transformer.h.1.mlp", "transformer.h.2", "transformer.h.3.attn"])
+pp_case("tp2_pp2_cut_inside_a_block_llama_sgd", lambda: llama(layers=4), sgd, world=4, tp=2,
+        pp=2, microbatches=2, cuts=["model.layers.2.mlp"])
 pp_case("tp2_microbatches4_gradient_accumulation_gpt2_adamw", lambda: gpt2(layers=2), adamw,
         tp=2, microbatches=4)
 pp_case("tp2_microbatches4_gradient_accumulation_llama_sgd", lambda: llama(layers=2), sgd,

@@ -95,9 +95,20 @@ def test_pipeline_cuts_must_be_distinct_blocks(ex):
         autopar.run_passes(tg, layout, options={"pipeline_cuts": ["transformer.h.1",
                                                                   "transformer.h.1"]})
     with pytest.raises(StageError, match=r"cut 'model.transformer.h.1' is not a block of the "
-                                         r"model; the blocks are transformer.h.0 \.\.\. "
-                                         r"transformer.h.1"):
+                                         r"model or a module inside one; the blocks are "
+                                         r"transformer.h.0 \.\.\. transformer.h.1"):
         autopar.run_passes(tg, layout, options={"pipeline_cuts": ["model.transformer.h.1"]})
+
+
+def test_pass_options_of_compile_need_a_layout_and_leave_its_own_fields(ex):
+    with pytest.raises(ValueError, match=r"pass_options set how the passes rewrite a given "
+                                         r"layout; pass layout= too"):
+        autopar.compile(ex.model, None, ex.batch, ex.loss_fn,
+                        pass_options={"pipeline_cuts": ["transformer.h.1"]})
+    with pytest.raises(ValueError, match=r"pass_options \['amp_lists', 'tp_rank'\] are set by "
+                                         r"compile itself"):
+        autopar.compile(ex.model, None, ex.batch, ex.loss_fn, layout=autopar.Layout(),
+                        pass_options={"tp_rank": 1, "amp_lists": {}})
 
 
 def test_heads_that_do_not_split_over_tp_are_said_in_the_pass_result(ex):

@@ -98,15 +98,8 @@ def assigned(example, **layout):
 def test_every_node_in_one_stage_and_data_flows_forward_then_back(factory):
     tg, result = assigned(factory(), pp=2, microbatches=2)
     assert result.stats["stages"] == 2
-    for node in tg.call_nodes():
-        assert node.meta[STAGE] in (0, 1)
-        for source in node.all_input_nodes:
-            if STAGE not in source.meta:
-                continue
-            if source.meta[M.ROLE] == M.Role.BACKWARD:  # gradients flow to earlier stages
-                assert source.meta[STAGE] >= node.meta[STAGE], (source.name, node.name)
-            else:  # activations to later ones (or the same stage's backward)
-                assert source.meta[STAGE] <= node.meta[STAGE], (source.name, node.name)
+    assert {node.meta[STAGE] for node in tg.call_nodes()} == {0, 1}
+    _data_flows_forward_then_back(tg)
     for node in tg.call_nodes():
         if node.meta.get(M.LAYER) is not None:
             assert node.meta[STAGE] == (node.meta[M.LAYER] >= result.stats["first_block_of_stage"][0])
@@ -119,11 +112,80 @@ def test_pinned_cuts_and_errors():
     _, result = AssignStages().run(tg, ctx)
     assert result.stats["first_block_of_stage"] == [3]
     bad = PassContext(autopar.Layout(pp=2, microbatches=2), options={"pipeline_cuts": ["transformer.h.9"]})
-    with pytest.raises(StageError, match="not a block of the model; the blocks are transformer.h.0"):
+    with pytest.raises(StageError, match="not a block of the model or a module inside one; the blocks are transformer.h.0"):
         AssignStages().run(tg, bad)
     with pytest.raises(StageError, match="use pp\\*virtual_stages <= 4"):
         AssignStages().run(tg, PassContext(autopar.Layout(pp=4, microbatches=4, virtual_stages=2,
                                                           schedule="interleaved")))
+
+
+def _cut_at(example, *paths, **layout):
+    tg = autopar.trace(example.model, example.batch, example.loss_fn)
+    layout = autopar.Layout(**{"pp": 2, "microbatches": 2, **layout})
+    return AssignStages().run(tg, PassContext(layout, options={"pipeline_cuts": list(paths)}))
+
+
+def _data_flows_forward_then_back(tg):
+    for node in tg.call_nodes():
+        for source in node.all_input_nodes:
+            if STAGE not in source.meta:
+                continue
+            if source.meta[M.ROLE] == M.Role.BACKWARD:  # gradients flow to earlier stages
+                assert source.meta[STAGE] >= node.meta[STAGE], (source.name, node.name)
+            else:  # activations to later ones (or the same stage's backward)
+                assert source.meta[STAGE] <= node.meta[STAGE], (source.name, node.name)
+
+
+@pytest.mark.parametrize("factory, path", [
+    (lambda: gpt2(layers=4), "transformer.h.2.mlp"),
+    (lambda: gpt2(layers=4), "transformer.h.1.attn.c_proj"),
+    (lambda: llama(layers=4), "model.layers.2.post_attention_layernorm"),
+    (lambda: llama(layers=4), "model.layers.1.mlp.down_proj")],
+    ids=["gpt2-mlp", "gpt2-attn-proj", "llama-norm", "llama-down-proj"])
+def test_a_cut_inside_a_block_splits_its_forward_ops_where_the_module_starts(factory, path):
+    """A pinned cut at a module inside a block: the block's forward ops before the first
+    one that runs in that module stay on the stage before, the rest and every later
+    block go to the next; the backward follows each op's forward."""
+    tg, result = _cut_at(factory(), path)
+    assert result.stats["first_block_of_stage"] == [path]
+    block = int(path.split(".")[2])
+    ops = [n for n in tg.call_nodes() if n.meta.get(M.LAYER) == block
+           and n.meta[M.ROLE] != M.Role.BACKWARD]
+    first = next(k for k, n in enumerate(ops) if (n.meta[M.MODULE_PATH] + ".").startswith(path + "."))
+    assert first > 0 and {n.meta[STAGE] for n in ops[:first]} == {0}
+    assert {n.meta[STAGE] for n in ops[first:]} == {1}
+    for node in tg.call_nodes():
+        layer = node.meta.get(M.LAYER)
+        if layer is not None and layer != block:
+            assert node.meta[STAGE] == (layer > block), node.name
+    _data_flows_forward_then_back(tg)
+
+
+def test_a_cut_at_the_first_module_of_a_block_is_the_blocks_cut_and_bad_cuts_say_why():
+    ex = gpt2(layers=4)
+    assert _cut_at(ex, "transformer.h.2.ln_1")[1].stats["first_block_of_stage"] == [2]
+    with pytest.raises(StageError, match=r"cut 'transformer.h.2.mpl' names no module that runs a "
+                                         r"forward op in block transformer.h.2; its modules that "
+                                         r"do are transformer.h.2.attn, transformer.h.2.attn."):
+        _cut_at(ex, "transformer.h.2.mpl")
+    with pytest.raises(StageError, match=r"3 stages need 2 distinct cuts, in order, none at "
+                                         r"the first block; got \['transformer.h.2.mlp', "
+                                         r"'transformer.h.2'\]"):
+        _cut_at(ex, "transformer.h.2.mlp", "transformer.h.2", pp=3, microbatches=3)
+    with pytest.raises(StageError, match="none at the first block"):
+        _cut_at(ex, "transformer.h.0.ln_1")
+    # recomputation replays a block in its backward: on one stage only
+    with pytest.raises(StageError, match=r"cut 'transformer.h.2.mlp' is inside block "
+                                         r"transformer.h.2, whose forward is recomputed in its "
+                                         r"backward \(recompute='selective'\).*cut at a block "
+                                         r"\(transformer.h.2 or transformer.h.3\) or use "
+                                         r"recompute='none'"):
+        tg = autopar.trace(ex.model, ex.batch, ex.loss_fn)
+        autopar.run_passes(tg, autopar.Layout(pp=2, microbatches=2, recompute="selective"),
+                           options={"pipeline_cuts": ["transformer.h.2.mlp"]})
+    # inside the first block is a cut: the first stage holds the embeddings and part of it
+    assert _cut_at(ex, "transformer.h.0.mlp")[1].stats["first_block_of_stage"] == \
+        ["transformer.h.0.mlp"]
 
 
 def run_back_to_back(program, model, batch):
@@ -141,24 +203,44 @@ def run_back_to_back(program, model, batch):
     return env[program.loss_key], [sum(env[k] for k in parts) for parts in program.grad_parts]
 
 
-@pytest.mark.parametrize("factory", [lambda: gpt2(layers=4), lambda: llama(layers=4),
-                                     lambda: hf_tiny("falcon")], ids=["gpt2", "llama", "falcon"])
-def test_stage_programs_back_to_back_equal_the_joint_graph(factory):
-    ex = factory()
-    layout = autopar.Layout(pp=2, microbatches=1)
-    tg, _ = assigned(ex, pp=2)
-    program = lower_pipeline(tg, layout)
+def _back_to_back_equals_the_joint_graph(ex, tg):
+    """Lower `tg` (stages assigned, one micro-batch), run its stages back to back, and
+    check the loss and gradients against the joint graph's; the program."""
+    program = lower_pipeline(tg, autopar.Layout(pp=2, microbatches=1))
     loss, grads = run_back_to_back(program, ex.model, ex.batch)
     named = dict(ex.model.named_parameters())
     named.update(ex.model.named_buffers())
-    flat = [named[p.name] for p in tg.signature.params] + [named[b.name] for b in tg.signature.buffers]
+    flat = [named[p.name] for p in tg.signature.params] + \
+        [named[b.name] for b in tg.signature.buffers]
     with torch.no_grad():
         expected = tg.gm(*flat, *ex.batch)
     torch.testing.assert_close(loss, expected[0], rtol=0, atol=0)
     for got, want in zip(grads, expected[1:]):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-8)
+    return program
+
+
+@pytest.mark.parametrize("factory", [lambda: gpt2(layers=4), lambda: llama(layers=4),
+                                     lambda: hf_tiny("falcon")], ids=["gpt2", "llama", "falcon"])
+def test_stage_programs_back_to_back_equal_the_joint_graph(factory):
+    ex = factory()
+    tg, _ = assigned(ex, pp=2)
+    program = _back_to_back_equals_the_joint_graph(ex, tg)
     sends = {s.stage: s.send_forward for s in program.stages}
     assert set(sends[0]) == {1} and sends[1] == {}  # activations go to the next stage only
+
+
+@pytest.mark.parametrize("factory, path", [
+    (lambda: gpt2(layers=2), "transformer.h.1.mlp"),
+    (lambda: llama(layers=2), "model.layers.0.self_attn.o_proj")], ids=["gpt2", "llama"])
+def test_stage_programs_cut_inside_a_block_back_to_back_equal_the_joint_graph(factory, path):
+    """What crosses a cut inside a block (the residual and the module's inputs) is sent,
+    and the stages' programs run back to back compute the joint graph's loss and
+    gradients."""
+    ex = factory()
+    tg, _ = _cut_at(ex, path, microbatches=1)
+    program = _back_to_back_equals_the_joint_graph(ex, tg)
+    assert program.stages[0].send_forward[1] and program.stages[1].send_backward[0]
 
 
 def test_tied_weight_gets_one_gradient_part_per_stage_and_nothing_big_crosses():

@@ -12,7 +12,10 @@ state, and the activations its forward keeps per micro-batch times the micro-bat
 the schedule keeps in flight on it: under 1F1B pp on the first stage, one on the
 last); not with virtual stages (a rank holds several stages).
 `PassOptions.pipeline_cuts` pins the cuts by module
-path: the named blocks start a new stage. Every other node follows the data:
+path: a named block starts a new stage, and so does a module inside a block
+("transformer.h.2.mlp": the block's forward ops from the first one that runs in that
+module on go to the next stage, as torch.distributed.pipelining's split points cut
+at any module). Every other node follows the data:
 a forward op runs on the latest stage among its inputs, an op fed only by
 parameters and inputs on the earliest stage that uses it, and a backward op on the
 stage of the forward op it differentiates (same autograd `seq_nr`).
@@ -414,6 +417,35 @@ def cut_weights(tg: TrainGraph, cluster: ClusterSpec) -> CutWeights:
         saved.get("head", 0), saved.get("tail", 0))
 
 
+def _positions(tg: TrainGraph) -> dict:
+    """Each forward op of a block -> its position among that block's forward ops, in the
+    order they run."""
+    seen: dict[int, int] = {}
+    out = {}
+    for n in tg.call_nodes():
+        layer = n.meta.get(M.LAYER)
+        if layer is not None and n.meta[M.ROLE] != M.Role.BACKWARD:
+            out[n] = seen.get(layer, 0)
+            seen[layer] = out[n] + 1
+    return out
+
+
+def _in_module(node, path: str) -> bool:
+    """Whether `node` runs in the module at `path` or in one inside it."""
+    where = node.meta.get(M.MODULE_PATH) or ""
+    return where == path or where.startswith(path + ".")
+
+
+def _modules(node, block: str) -> list[str]:
+    """The modules inside `block` that `node` runs in, outermost first: the cut points
+    a message can offer."""
+    where = node.meta.get(M.MODULE_PATH) or ""
+    if not where.startswith(block + "."):
+        return []
+    parts = where[len(block) + 1:].split(".")
+    return [".".join([block, *parts[:k]]) for k in range(1, len(parts) + 1)]
+
+
 @register_pass
 class AssignStages(GraphPass):
     name = "assign_stages"
@@ -449,14 +481,15 @@ class AssignStages(GraphPass):
         layers = sorted({n.meta[M.LAYER] for n in tg.call_nodes() if n.meta.get(M.LAYER) is not None})
         check_stage_count(ctx.layout, len(layers))
         cluster = ctx.cluster or ClusterSpec.local(1)  # without one: this machine's device
-        stage_of_layer, cuts, memory, weights = self._cut(tg, layers, stages, cluster, ctx)
+        base, cuts, memory, weights = self._cut(tg, layers, stages, cluster, ctx)
         tg.attrs[CUT_WEIGHTS] = weights
-        self._assign_forward(tg, stage_of_layer, stages - 1)
+        self._assign_forward(tg, base, stages - 1)
         self._assign_backward(tg, stages)
         per_stage = [0.0] * stages
         for n in tg.call_nodes():
             per_stage[n.meta[M.STAGE]] += node_time(n, cluster)
-        # first_block_of_stage: None for a stage of only final norm, head and loss
+        # first_block_of_stage: the block a stage starts with; None for a stage of only
+        # final norm, head and loss; a module path where it starts inside a block
         stats = {"stages": stages, "first_block_of_stage": cuts,
                  "estimated_stage_seconds": [round(t, 6) for t in per_stage]}
         if memory is not None:  # the stages' bytes as the cut weighed them, and the budget
@@ -469,8 +502,9 @@ class AssignStages(GraphPass):
         costs = [weights.seconds.get(layer, 0.0) for layer in layers]
         pinned = ctx.options.pipeline_cuts
         memory = None
+        inside: dict[int, tuple[int, str]] = {}  # cut -> (position in its block, path)
         if pinned:
-            cuts = self._pinned(tg, layers, pinned, stages)
+            cuts, inside = self._pinned(tg, layers, pinned, stages, ctx.layout.recompute)
         elif stages > 1:
             if self.weigh_memory and ctx.layout.virtual_stages == 1:
                 memory = weights.memory(layers, ctx.layout, ctx.options.optimizer_memory)
@@ -478,34 +512,71 @@ class AssignStages(GraphPass):
                                  stage_budget(cluster, ctx.options))
         else:
             cuts = []
-        stage_of_layer = {}
-        for index, layer in enumerate(layers):
-            stage_of_layer[layer] = sum(1 for c in cuts if index >= c)
+        # each cut as (block index, forward-op position in the block): 0 at its start
+        at = [(c, inside[k][0] if k in inside else 0) for k, c in enumerate(cuts)]
+        index = {layer: i for i, layer in enumerate(layers)}
+        position = _positions(tg)
+
+        def base(node) -> int:
+            """The stage a forward op of a block runs on at least: the cuts at or before it."""
+            here = (index[node.meta[M.LAYER]], position[node])
+            return sum(1 for cut in at if cut <= here)
         # a cut after the last block: that stage holds only what follows the stack
-        return (stage_of_layer, [layers[c] if c < len(layers) else None for c in cuts],
-                memory.stage_bytes(cuts) if memory is not None else None, weights)
+        first = [inside[k][1] if k in inside else layers[c] if c < len(layers) else None
+                 for k, c in enumerate(cuts)]
+        return base, first, memory.stage_bytes(cuts) if memory is not None else None, weights
 
     @staticmethod
-    def _pinned(tg, layers, pinned, stages) -> list[int]:
-        """Cut indices from block paths ("transformer.h.2": stage boundary before block 2)."""
+    def _pinned(tg, layers, pinned, stages, recompute: str
+                ) -> tuple[list[int], dict[int, tuple[int, str]]]:
+        """Cut indices from module paths ("transformer.h.2": stage boundary before block 2;
+        "transformer.h.2.mlp": inside block 2, before the first of its forward ops that
+        runs in that module), with the position of each cut inside a block (k-th cut ->
+        (its op's position among the block's forward ops, the path))."""
         blocks = tg.source.blocks if tg.source is not None else None
         if blocks is None:
             raise StageError("pipeline_cuts needs a model with a stack of repeated blocks")
         container, count = blocks
         known = [f"{container}.{i}" for i in range(count)]
-        cuts = []
-        for path in pinned:
-            if path not in known:
-                raise StageError(f"pipeline cut {path!r} is not a block of the model; the blocks "
-                                 f"are {known[0]} ... {known[-1]}")
-            cuts.append(layers.index(known.index(path)))
-        if len(cuts) != stages - 1 or sorted(set(cuts)) != cuts or 0 in cuts:
+        position = _positions(tg)
+        cuts, inside, order = [], {}, []
+        for k, path in enumerate(pinned):
+            block = next((b for b, name in enumerate(known) if path.startswith(name + ".")),
+                         None)
+            if path not in known and block is None:
+                raise StageError(f"pipeline cut {path!r} is not a block of the model or a module "
+                                 f"inside one; the blocks are {known[0]} ... {known[-1]}")
+            if path in known:
+                cuts.append(layers.index(known.index(path)))
+                order.append((cuts[-1], 0))
+                continue
+            ops = [n for n in tg.call_nodes() if n.meta.get(M.LAYER) == block
+                   and n.meta[M.ROLE] != M.Role.BACKWARD]
+            runs = [n for n in ops if _in_module(n, path)]
+            if not runs:
+                named = sorted({m for n in ops for m in _modules(n, known[block])})
+                raise StageError(f"pipeline cut {path!r} names no module that runs a forward op "
+                                 f"in block {known[block]}; its modules that do are "
+                                 f"{', '.join(named)}")
+            if any(n.meta.get(M.RECOMPUTED) and n.meta.get(M.LAYER) == block
+                   for n in tg.call_nodes()):
+                after = f" or {known[block + 1]}" if block + 1 < count else ""
+                raise StageError(
+                    f"pipeline cut {path!r} is inside block {known[block]}, whose forward is "
+                    f"recomputed in its backward (recompute={recompute!r}): the recomputation "
+                    f"would run on both stages; cut at a block ({known[block]}{after}) or use "
+                    f"recompute='none'")
+            cuts.append(layers.index(block))
+            order.append((cuts[-1], position[runs[0]]))
+            if order[-1][1] > 0:  # at the block's first op it is the block's own cut
+                inside[k] = (order[-1][1], path)
+        if len(cuts) != stages - 1 or sorted(set(order)) != order or (0, 0) in order:
             raise StageError(f"{stages} stages need {stages - 1} distinct cuts, in order, none at "
                              f"the first block; got {list(pinned)}")
-        return cuts
+        return cuts, inside
 
     @staticmethod
-    def _assign_forward(tg: TrainGraph, stage_of_layer: dict[int, int], last: int) -> None:
+    def _assign_forward(tg: TrainGraph, base: Callable[[object], int], last: int) -> None:
         forward = [n for n in tg.call_nodes() if n.meta[M.ROLE] != M.Role.BACKWARD]
         in_stack = [i for i, n in enumerate(forward) if n.meta.get(M.LAYER) is not None]
         after_stack = in_stack[-1] if in_stack else len(forward)
@@ -514,7 +585,7 @@ class AssignStages(GraphPass):
             inputs = [a.meta[M.STAGE] for a in n.all_input_nodes if M.STAGE in a.meta]
             layer = n.meta.get(M.LAYER)
             if layer is not None:
-                n.meta[M.STAGE] = max([stage_of_layer[layer]] + inputs)
+                n.meta[M.STAGE] = max([base(n)] + inputs)
             elif inputs and i > after_stack:  # final norm, head, loss: the last stage's
                 n.meta[M.STAGE] = max(inputs + [last])
             elif inputs:

@@ -87,8 +87,9 @@ class PassOptions:
     # stage's cut must fit in): the bytes per device the step must fit in; None: the
     # cluster's device.memory_bytes. Set by callers who want a tighter budget
     memory_budget: int | None = None
-    # assign_stages: module paths of repeated blocks that each start a new pipeline
-    # stage, instead of the balanced cuts. Set by the planner (its pipeline templates)
+    # assign_stages: module paths that each start a new pipeline stage, instead of the
+    # balanced cuts: a repeated block, or a module inside one. Set by the planner (its
+    # pipeline templates) and by autopar.compile(pass_options=)
     pipeline_cuts: tuple[str, ...] | None = None
     # amp: aten ops moved between AMP's lists, {"white": [...], "black": [...], "gray":
     # [...]} (an AutoMixedPrecision(amp_lists=...) of its own wins). Set by
