@@ -243,6 +243,30 @@ def test_stage_programs_cut_inside_a_block_back_to_back_equal_the_joint_graph(fa
     assert program.stages[0].send_forward[1] and program.stages[1].send_backward[0]
 
 
+@pytest.mark.parametrize("arch", ["bert", "mixtral", "falcon", "gpt_neox", "phi3"])
+def test_a_cut_at_any_architectures_middle_module_lowers_to_the_joint_graph(arch):
+    """No module names assumed: cut the last block at whichever of its direct children
+    starts nearest the middle of its forward ops; data still flows forward then back,
+    and the lowered stages compute the joint graph's loss and gradients."""
+    ex = hf_tiny(arch)
+    tg = autopar.trace(ex.model, ex.batch, ex.loss_fn)
+    container, count = tg.source.blocks
+    block = f"{container}.{count - 1}"
+    ops = [n for n in tg.call_nodes() if n.meta.get(M.LAYER) == count - 1
+           and n.meta[M.ROLE] != M.Role.BACKWARD]
+    starts = {}
+    for k, n in enumerate(ops):
+        inside = (n.meta[M.MODULE_PATH] or "")[len(block) + 1:].split(".")[0]
+        if inside:
+            starts.setdefault(f"{block}.{inside}", k)
+    path = min((p for p in starts if starts[p] > 0), key=lambda p: abs(starts[p] - len(ops) / 2))
+    cut, result = AssignStages().run(tg, PassContext(autopar.Layout(pp=2, microbatches=1),
+                                                     options={"pipeline_cuts": [path]}))
+    assert result.stats["first_block_of_stage"] == [path]
+    _data_flows_forward_then_back(cut)
+    _back_to_back_equals_the_joint_graph(ex, cut)
+
+
 def test_tied_weight_gets_one_gradient_part_per_stage_and_nothing_big_crosses():
     ex = gpt2(layers=4, vocab=1024)
     tg, _ = assigned(ex, pp=2, microbatches=2)
