@@ -177,7 +177,7 @@ def test_a_cut_at_the_first_module_of_a_block_is_the_blocks_cut_and_bad_cuts_say
     # recomputation replays a block in its backward: on one stage only
     with pytest.raises(StageError, match=r"cut 'transformer.h.2.mlp' is inside block "
                                          r"transformer.h.2, whose forward is recomputed in its "
-                                         r"backward \(recompute='selective'\).*cut at a block "
+                                         r"backward \(Layout.recompute\).*cut at a block "
                                          r"\(transformer.h.2 or transformer.h.3\) or use "
                                          r"recompute='none'"):
         tg = autopar.trace(ex.model, ex.batch, ex.loss_fn)

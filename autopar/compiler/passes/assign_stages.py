@@ -504,7 +504,7 @@ class AssignStages(GraphPass):
         memory = None
         inside: dict[int, tuple[int, str]] = {}  # cut -> (position in its block, path)
         if pinned:
-            cuts, inside = self._pinned(tg, layers, pinned, stages, ctx.layout.recompute)
+            cuts, inside = self._pinned(tg, layers, pinned, stages)
         elif stages > 1:
             if self.weigh_memory and ctx.layout.virtual_stages == 1:
                 memory = weights.memory(layers, ctx.layout, ctx.options.optimizer_memory)
@@ -527,8 +527,7 @@ class AssignStages(GraphPass):
         return base, first, memory.stage_bytes(cuts) if memory is not None else None, weights
 
     @staticmethod
-    def _pinned(tg, layers, pinned, stages, recompute: str
-                ) -> tuple[list[int], dict[int, tuple[int, str]]]:
+    def _pinned(tg, layers, pinned, stages) -> tuple[list[int], dict[int, tuple[int, str]]]:
         """Cut indices from module paths ("transformer.h.2": stage boundary before block 2;
         "transformer.h.2.mlp": inside block 2, before the first of its forward ops that
         runs in that module), with the position of each cut inside a block (k-th cut ->
@@ -563,8 +562,8 @@ class AssignStages(GraphPass):
                 after = f" or {known[block + 1]}" if block + 1 < count else ""
                 raise StageError(
                     f"pipeline cut {path!r} is inside block {known[block]}, whose forward is "
-                    f"recomputed in its backward (recompute={recompute!r}): the recomputation "
-                    f"would run on both stages; cut at a block ({known[block]}{after}) or use "
+                    f"recomputed in its backward (Layout.recompute): the recomputation would "
+                    f"run on both stages; cut at a block ({known[block]}{after}) or use "
                     f"recompute='none'")
             cuts.append(layers.index(block))
             order.append((cuts[-1], position[runs[0]]))
