@@ -503,8 +503,9 @@ class AssignStages(GraphPass):
         pinned = ctx.options.pipeline_cuts
         memory = None
         inside: dict[int, tuple[int, str]] = {}  # cut -> (position in its block, path)
+        position = _positions(tg)
         if pinned:
-            cuts, inside = self._pinned(tg, layers, pinned, stages)
+            cuts, inside = self._pinned(tg, layers, pinned, stages, position)
         elif stages > 1:
             if self.weigh_memory and ctx.layout.virtual_stages == 1:
                 memory = weights.memory(layers, ctx.layout, ctx.options.optimizer_memory)
@@ -515,7 +516,6 @@ class AssignStages(GraphPass):
         # each cut as (block index, forward-op position in the block): 0 at its start
         at = [(c, inside[k][0] if k in inside else 0) for k, c in enumerate(cuts)]
         index = {layer: i for i, layer in enumerate(layers)}
-        position = _positions(tg)
 
         def base(node) -> int:
             """The stage a forward op of a block runs on at least: the cuts at or before it."""
@@ -527,17 +527,17 @@ class AssignStages(GraphPass):
         return base, first, memory.stage_bytes(cuts) if memory is not None else None, weights
 
     @staticmethod
-    def _pinned(tg, layers, pinned, stages) -> tuple[list[int], dict[int, tuple[int, str]]]:
+    def _pinned(tg, layers, pinned, stages, position: dict
+                ) -> tuple[list[int], dict[int, tuple[int, str]]]:
         """Cut indices from module paths ("transformer.h.2": stage boundary before block 2;
         "transformer.h.2.mlp": inside block 2, before the first of its forward ops that
         runs in that module), with the position of each cut inside a block (k-th cut ->
-        (its op's position among the block's forward ops, the path))."""
+        (its op's position among the block's forward ops, the path)); `position`: _positions(tg)."""
         blocks = tg.source.blocks if tg.source is not None else None
         if blocks is None:
             raise StageError("pipeline_cuts needs a model with a stack of repeated blocks")
         container, count = blocks
         known = [f"{container}.{i}" for i in range(count)]
-        position = _positions(tg)
         cuts, inside, order = [], {}, []
         for k, path in enumerate(pinned):
             block = next((b for b, name in enumerate(known) if path.startswith(name + ".")),
