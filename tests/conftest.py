@@ -84,9 +84,13 @@ def pytest_collection_finish(session):
 
 
 def _cpu_seconds() -> float:
-    """User and system CPU seconds of this process and of the children it has waited for."""
-    return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
-                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+    """User and system CPU seconds of this process and of the children it has waited for,
+    less the background torchrun jobs' (reaped by tests/dist/jobs.py's thread whenever a
+    job ends, whichever test runs then; counted apart, in jobs.JOB_CPU)."""
+    own = sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                                resource.getrusage(resource.RUSAGE_CHILDREN)))
+    jobs = sys.modules.get("tests.dist.jobs")
+    return own - (jobs.reaped_cpu() if jobs is not None else 0.0)
 
 
 _CPU: dict[str, float] = {}  # node id -> CPU seconds of its setup, call and teardown
@@ -94,10 +98,10 @@ _CPU: dict[str, float] = {}  # node id -> CPU seconds of its setup, call and tea
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Count each test's CPU time, its processes' included (a process is counted when it
-    is waited for: the multi-process cases' torchrun jobs in the case that waits for
-    them). The suite's wall time is bound by CPU on this 2-core machine, so this, not
-    --durations, says where its time goes."""
+    """Count each test's CPU time, the processes it started and waited for included; the
+    multi-process cases' torchrun jobs count apart, each under its own name. The suite's
+    wall time is bound by CPU on this 2-core machine, so this, not --durations, says
+    where its time goes."""
     start = _cpu_seconds()
     yield
     _CPU[item.nodeid] = _cpu_seconds() - start
@@ -115,6 +119,11 @@ def pytest_terminal_summary(terminalreporter):
     if "loop_s" in _HOST:
         terminalreporter.write_line(f"host speed: 5 million Python additions took "
                                     f"{_HOST['loop_s']:.2f} s at the session's start")
+    jobs = sys.modules.get("tests.dist.jobs")
+    if jobs is not None:
+        with jobs._JOB_CPU_LOCK:
+            _CPU.update({f"{_DIST_CASES}<torchrun job, {label}>": seconds
+                         for label, seconds in jobs.JOB_CPU.items()})
     if _CPU:
         total = sum(_CPU.values())
         per_file = Counter()
@@ -134,6 +143,8 @@ def pytest_terminal_summary(terminalreporter):
                 if key == "dist_seconds" and getattr(report, "when", "") == "call":
                     times.append((value, report.nodeid))
     if times:
-        terminalreporter.write_sep("=", "slowest multi-process cases (own time)")
+        terminalreporter.write_sep("=", f"slowest multi-process cases (own time; "
+                                        f"{len(times)} cases, {sum(t for t, _ in times):.0f} s "
+                                        f"in all)")
         for seconds, nodeid in sorted(times, reverse=True)[:25]:
             terminalreporter.write_line(f"{seconds:8.2f}s {nodeid}")

@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from tests.dist.registry import load_cases
@@ -57,21 +59,19 @@ def _run_job(world: int, names: list[str], out: Path, retry: bool = True) -> dic
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={world}", "-m", "tests.dist.runner", "--out", str(out), *names]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    _RUNNING.add(proc)
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.terminate()  # torchrun ends its workers on SIGTERM
+    with tempfile.TemporaryFile("w+") as stdout_f, tempfile.TemporaryFile("w+") as stderr_f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=stdout_f, stderr=stderr_f,
+                                text=True)
+        _RUNNING.add(proc)
         try:
-            stdout, stderr = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            stdout, stderr = proc.communicate()
+            timed_out = _reap(proc, TIMEOUT_S, f"world {world}: {names[0]} .. {names[-1]}")
+        finally:
+            _RUNNING.discard(proc)
+        stdout_f.seek(0)
+        stderr_f.seek(0)
+        stdout, stderr = stdout_f.read(), stderr_f.read()
+    if timed_out:
         stderr += f"\n[the job ran past {TIMEOUT_S} s and was killed]"
-    finally:
-        _RUNNING.discard(proc)
     if out.exists():
         return json.loads(out.read_text())
     partial = Path(str(out) + ".partial")
@@ -106,6 +106,46 @@ def _run_job(world: int, names: list[str], out: Path, retry: bool = True) -> dic
     if rest:
         done.update(_run_job(world, rest, out.with_name(out.stem + "_rest.json")))
     return done
+
+
+# {"world W: first case .. last case": CPU seconds} of each torchrun job reaped so far,
+# its workers' included (tests/conftest.py counts it apart from the tests that ran
+# meanwhile: a job's CPU joins this process's RUSAGE_CHILDREN when it is reaped)
+JOB_CPU: dict[str, float] = {}
+_JOB_CPU_LOCK = threading.Lock()
+
+
+def reaped_cpu() -> float:
+    """CPU seconds of the torchrun jobs reaped so far."""
+    with _JOB_CPU_LOCK:
+        return sum(JOB_CPU.values())
+
+
+def _reap(proc: subprocess.Popen, timeout: float, label: str) -> bool:
+    """Wait for `proc` (ending it after `timeout` s: SIGTERM, which torchrun passes to its
+    workers, then SIGKILL a minute later) and record its CPU time, its reaped workers'
+    included, under `label` in JOB_CPU. True when it had to be ended."""
+    deadline = time.monotonic() + timeout
+    timed_out, signalled = False, None
+    while True:
+        try:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        except ChildProcessError:  # reaped elsewhere (stop() at the session's end)
+            proc.wait()
+            return timed_out
+        if pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            with _JOB_CPU_LOCK:
+                JOB_CPU[label] = JOB_CPU.get(label, 0.0) + usage.ru_utime + usage.ru_stime
+            return timed_out
+        now = time.monotonic()
+        if now > deadline and signalled is None:
+            timed_out, signalled = True, now
+            os.kill(proc.pid, signal.SIGTERM)
+        elif signalled is not None and now > signalled + 60:
+            os.kill(proc.pid, signal.SIGKILL)
+            signalled = float("inf")
+        time.sleep(0.2)
 
 
 class _Background:
