@@ -63,12 +63,7 @@ def pytest_collection_modifyitems(items):
     the tests that start multi-process jobs of their own (marked `processes`: fault
     tests that kill a worker at a step, the CLI's train and bisect), on a machine
     the background jobs no longer share."""
-    def order(item) -> int:
-        if item.nodeid.startswith(_DIST_CASES):
-            return 1
-        return 2 if item.get_closest_marker("processes") else 0
-
-    items.sort(key=order)  # stable: the files' order within each part
+    items.sort(key=_part)  # stable: the files' order within each part
 
 
 def pytest_collection_finish(session):
@@ -96,12 +91,39 @@ def _cpu_seconds() -> float:
 _CPU: dict[str, float] = {}  # node id -> CPU seconds of its setup, call and teardown
 
 
+def _machine_busy_seconds() -> float:
+    """CPU seconds every process on the machine has used since boot (/proc/stat: all
+    but idle and iowait), 0 where there is no /proc."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return 0.0
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+# the session's parts (pytest_collection_modifyitems' order), each as (name, wall clock
+# and machine busy seconds at its start): where the 2 cores sit idle, and for how long
+_PART_NAMES = ("single-process tests", "multi-process cases (waiting for their jobs)",
+               "tests that start their own processes")
+_PARTS: list[tuple[str, float, float]] = []
+
+
+def _part(item) -> int:
+    if item.nodeid.startswith(_DIST_CASES):
+        return 1
+    return 2 if item.get_closest_marker("processes") else 0
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Count each test's CPU time, the processes it started and waited for included; the
     multi-process cases' torchrun jobs count apart, each under its own name. The suite's
     wall time is bound by CPU on this 2-core machine, so this, not --durations, says
     where its time goes."""
+    name = _PART_NAMES[_part(item)]
+    if not _PARTS or _PARTS[-1][0] != name:
+        _PARTS.append((name, time.monotonic(), _machine_busy_seconds()))
     start = _cpu_seconds()
     yield
     _CPU[item.nodeid] = _cpu_seconds() - start
@@ -119,6 +141,7 @@ def pytest_terminal_summary(terminalreporter):
     if "loop_s" in _HOST:
         terminalreporter.write_line(f"host speed: 5 million Python additions took "
                                     f"{_HOST['loop_s']:.2f} s at the session's start")
+    _write_timeline(terminalreporter)
     jobs = sys.modules.get("tests.dist.jobs")
     if jobs is not None:
         with jobs._JOB_CPU_LOCK:
@@ -148,3 +171,22 @@ def pytest_terminal_summary(terminalreporter):
                                         f"in all)")
         for seconds, nodeid in sorted(times, reverse=True)[:25]:
             terminalreporter.write_line(f"{seconds:8.2f}s {nodeid}")
+
+
+def _write_timeline(terminalreporter) -> None:
+    """Each part of the session and each torchrun job: when it ran (minutes from the
+    first test) and how many of the machine's cores were busy meanwhile."""
+    if not _PARTS:
+        return
+    ends = [*_PARTS[1:], ("end", time.monotonic(), _machine_busy_seconds())]
+    origin = _PARTS[0][1]
+    terminalreporter.write_sep("=", f"timeline (minutes from the first test; cores busy "
+                                    f"of {os.cpu_count()})")
+    for (name, t0, busy0), (_, t1, busy1) in zip(_PARTS, ends):
+        cores = (busy1 - busy0) / (t1 - t0) if t1 > t0 else 0.0
+        terminalreporter.write_line(f"{(t0 - origin) / 60:6.1f} - {(t1 - origin) / 60:5.1f}  "
+                                    f"{cores:4.2f} busy  {name}")
+    jobs = sys.modules.get("tests.dist.jobs")
+    for label, (t0, t1) in (jobs.JOB_SPANS.items() if jobs is not None else ()):
+        terminalreporter.write_line(f"{(t0 - origin) / 60:6.1f} - {(t1 - origin) / 60:5.1f}"
+                                    f"              torchrun job, {label}")

@@ -112,6 +112,7 @@ def _run_job(world: int, names: list[str], out: Path, retry: bool = True) -> dic
 # its workers' included (tests/conftest.py counts it apart from the tests that ran
 # meanwhile: a job's CPU joins this process's RUSAGE_CHILDREN when it is reaped)
 JOB_CPU: dict[str, float] = {}
+JOB_SPANS: dict[str, tuple[float, float]] = {}  # the same jobs' time.monotonic() spans
 _JOB_CPU_LOCK = threading.Lock()
 
 
@@ -125,7 +126,8 @@ def _reap(proc: subprocess.Popen, timeout: float, label: str) -> bool:
     """Wait for `proc` (ending it after `timeout` s: SIGTERM, which torchrun passes to its
     workers, then SIGKILL a minute later) and record its CPU time, its reaped workers'
     included, under `label` in JOB_CPU. True when it had to be ended."""
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
     timed_out, signalled = False, None
     while True:
         try:
@@ -137,6 +139,7 @@ def _reap(proc: subprocess.Popen, timeout: float, label: str) -> bool:
             proc.returncode = os.waitstatus_to_exitcode(status)
             with _JOB_CPU_LOCK:
                 JOB_CPU[label] = JOB_CPU.get(label, 0.0) + usage.ru_utime + usage.ru_stime
+                JOB_SPANS[label] = (JOB_SPANS.get(label, (started,))[0], time.monotonic())
             return timed_out
         now = time.monotonic()
         if now > deadline and signalled is None:
