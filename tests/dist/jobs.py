@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from tests.dist.registry import load_cases
+from tests.machine import busy_seconds
 
 ROOT = Path(__file__).resolve().parents[2]
 CASES = load_cases()
@@ -59,14 +60,18 @@ def _run_job(world: int, names: list[str], out: Path, retry: bool = True) -> dic
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={world}", "-m", "tests.dist.runner", "--out", str(out), *names]
+    label = f"world {world}: {names[0]} .. {names[-1]}"
+    EVENTS.append((f"torchrun job starts, {label}", time.monotonic(), busy_seconds()))
     with tempfile.TemporaryFile("w+") as stdout_f, tempfile.TemporaryFile("w+") as stderr_f:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=stdout_f, stderr=stderr_f,
                                 text=True)
         _RUNNING.add(proc)
         try:
-            timed_out = _reap(proc, TIMEOUT_S, f"world {world}: {names[0]} .. {names[-1]}")
+            timed_out = _reap(proc, TIMEOUT_S, label)
         finally:
             _RUNNING.discard(proc)
+            EVENTS.append((f"torchrun job ends, {label}", time.monotonic(),
+                           busy_seconds()))
         stdout_f.seek(0)
         stderr_f.seek(0)
         stdout, stderr = stdout_f.read(), stderr_f.read()
@@ -112,7 +117,9 @@ def _run_job(world: int, names: list[str], out: Path, retry: bool = True) -> dic
 # its workers' included (tests/conftest.py counts it apart from the tests that ran
 # meanwhile: a job's CPU joins this process's RUSAGE_CHILDREN when it is reaped)
 JOB_CPU: dict[str, float] = {}
-JOB_SPANS: dict[str, tuple[float, float]] = {}  # the same jobs' time.monotonic() spans
+# (each job's start and end, time.monotonic(), busy_seconds()): the suite's
+# timeline (tests/conftest.py)
+EVENTS: list[tuple[str, float, float]] = []
 _JOB_CPU_LOCK = threading.Lock()
 
 
@@ -126,8 +133,7 @@ def _reap(proc: subprocess.Popen, timeout: float, label: str) -> bool:
     """Wait for `proc` (ending it after `timeout` s: SIGTERM, which torchrun passes to its
     workers, then SIGKILL a minute later) and record its CPU time, its reaped workers'
     included, under `label` in JOB_CPU. True when it had to be ended."""
-    started = time.monotonic()
-    deadline = started + timeout
+    deadline = time.monotonic() + timeout
     timed_out, signalled = False, None
     while True:
         try:
@@ -139,7 +145,6 @@ def _reap(proc: subprocess.Popen, timeout: float, label: str) -> bool:
             proc.returncode = os.waitstatus_to_exitcode(status)
             with _JOB_CPU_LOCK:
                 JOB_CPU[label] = JOB_CPU.get(label, 0.0) + usage.ru_utime + usage.ru_stime
-                JOB_SPANS[label] = (JOB_SPANS.get(label, (started,))[0], time.monotonic())
             return timed_out
         now = time.monotonic()
         if now > deadline and signalled is None:
@@ -153,14 +158,17 @@ def _reap(proc: subprocess.Popen, timeout: float, label: str) -> bool:
 
 class _Background:
     """The selected cases' jobs, world after world in one thread (one job at a time: the
-    machine has two cores); `results` waits for a world's verdicts."""
+    machine has two cores); `results` waits for a world's verdicts. With `out`, each
+    world's verdicts are also written there as WORLD.json, and DONE once every world's
+    are: xdist's workers read them (read_results_from)."""
 
     def __init__(self) -> None:
         self.done: dict[int, threading.Event] = {}
+        self.all_done = threading.Event()
         self.results: dict[int, dict] = {}
         self.thread: threading.Thread | None = None
 
-    def start(self, names: list[str]) -> None:
+    def start(self, names: list[str], out: Path | None = None) -> None:
         if self.thread is not None or not names:
             return
         by_world: dict[int, list[str]] = {}
@@ -178,14 +186,30 @@ class _Background:
                     self.results[world] = {n: {"ok": False, "error": f"the jobs failed: {e!r}"}
                                            for n in chosen}
                 finally:
+                    if out is not None:
+                        _write(out / f"{world}.json", json.dumps(self.results.get(world, {})))
                     self.done[world].set()
+            if out is not None:
+                _write(out / "DONE", "")
+            self.all_done.set()
 
         self.thread = threading.Thread(target=run, name="autopar-dist-jobs", daemon=True)
         self.thread.start()
 
 
+def _write(path: Path, text: str) -> None:
+    """Write `text` to `path` whole: a reader polling for it never sees half of it."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(text)
+    part.rename(path)
+
+
 _BACKGROUND = _Background()
 _RUNNING: set[subprocess.Popen] = set()  # the torchrun jobs now running
+# where an xdist worker reads the verdicts its controller's jobs write (None: this
+# process runs the jobs itself, or none were started)
+_RESULTS_FROM: Path | None = None
+POLL_S = 1.0
 
 
 def stop() -> None:
@@ -195,15 +219,44 @@ def stop() -> None:
         proc.terminate()
 
 
-def start(names: list[str]) -> None:
-    """Start the jobs of the cases `names` in the background."""
-    _BACKGROUND.start(names)
+def start(names: list[str], out: Path | None = None) -> None:
+    """Start the jobs of the cases `names` in the background (writing their verdicts to
+    the folder `out` too, for xdist's workers)."""
+    _BACKGROUND.start(names, out)
+
+
+def started() -> bool:
+    return _BACKGROUND.thread is not None
+
+
+def read_results_from(folder: Path) -> None:
+    """On an xdist worker: the verdicts come from the controller's jobs, in `folder`."""
+    global _RESULTS_FROM  # NOTE: one per worker process, set once at its start
+    _RESULTS_FROM = folder
+
+
+def wait_all() -> None:
+    """Return once every background job has ended (at once where none were started)."""
+    if started():
+        _BACKGROUND.all_done.wait()
+    elif _RESULTS_FROM is not None and any(_RESULTS_FROM.glob("*.json")):
+        while not (_RESULTS_FROM / "DONE").exists():
+            time.sleep(POLL_S)
 
 
 def results(world: int, tmp_dir: Path) -> dict:
     """{case: verdict}: of the cases of `world` the background jobs run, once they are
-    done; where none were started, of every case of `world`, run now."""
+    done (on an xdist worker, once the controller's jobs have written them); where none
+    were started, of every case of `world`, run now."""
     if world in _BACKGROUND.done:
         _BACKGROUND.done[world].wait()
         return _BACKGROUND.results.get(world, {})
+    if _RESULTS_FROM is not None:
+        path = _RESULTS_FROM / f"{world}.json"
+        while not path.exists():
+            if (_RESULTS_FROM / "DONE").exists():
+                raise RuntimeError(f"the controller's jobs ended without verdicts for world "
+                                   f"{world} in {_RESULTS_FROM}")
+            time.sleep(POLL_S)
+        return json.loads(path.read_text())
     return _run_world(world, tmp_dir)
