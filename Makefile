@@ -7,7 +7,7 @@ demo: setup
 	OMP_NUM_THREADS=1 .venv/bin/autopar train gpt2-tiny --nproc 2 --dp 2 --steps 30 --lr 3e-3 --parity
 
 test: setup
-	.venv/bin/python -m pytest -q -ra --durations=40 -n 2 --dist loadgroup
+	.venv/bin/python -m pytest -q -ra --durations=40 -n 2 --dist load
 
 test-fast: setup
-	.venv/bin/python -m pytest -q -ra -m "not slow" -n 2 --dist loadgroup
+	.venv/bin/python -m pytest -q -ra -m "not slow" -n 2 --dist load

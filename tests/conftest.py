@@ -3,6 +3,7 @@ kernels in Triton's interpreter (there is no GPU here). The interpreter must be 
 before triton is first imported (collecting tests/dist imports autopar, which pulls it
 in), so it is set here, before any test module is collected."""
 
+import fcntl
 import os
 import resource
 import sys
@@ -104,13 +105,10 @@ def pytest_collection_modifyitems(items):
     """The single-process tests first, while the multi-process cases' torchrun jobs run in
     the background (tests/dist/jobs.py); then the cases, each waiting for its job; then
     the tests that start multi-process jobs of their own (marked `processes`: fault
-    tests that kill a worker at a step, the CLI's train and bisect), one after another
-    on one worker (their xdist group), on a machine the background jobs no longer share
-    (pytest_runtest_setup waits for the jobs)."""
+    tests that kill a worker at a step, the CLI's train and bisect), one at a time, on a
+    machine the background jobs no longer share (pytest_runtest_setup). xdist's
+    `--dist load` hands tests out in this order."""
     items.sort(key=_part)  # stable: the files' order within each part
-    for item in items:
-        if _part(item) == 2:
-            item.add_marker(pytest.mark.xdist_group("processes"))
 
 
 def _dist_names(nodeids) -> list[str]:
@@ -142,10 +140,28 @@ def pytest_xdist_node_collection_finished(node, ids):
         jobs.start(names, Path(node.config._autopar_results))
 
 
+_ALONE: list = []  # the lock file a worker holds while it runs a `processes` test
+
+
 def pytest_runtest_setup(item):
-    """A test that starts processes of its own runs once the background jobs are done."""
-    if _part(item) == 2 and "tests.dist.jobs" in sys.modules:
+    """A test that starts processes of its own runs once the background jobs are done,
+    and under xdist while no other worker runs one (an exclusive lock on a file in the
+    jobs' folder, which every worker shares): their fault tests time kills and restarts."""
+    if _part(item) != 2:
+        return
+    if "tests.dist.jobs" in sys.modules:
         sys.modules["tests.dist.jobs"].wait_all()
+    workerinput = getattr(item.config, "workerinput", {})
+    if _RESULTS_KEY in workerinput:
+        lock = open(Path(workerinput[_RESULTS_KEY]) / "processes.lock", "w")  # noqa: SIM115
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _ALONE.append(lock)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    while _ALONE:
+        _ALONE.pop().close()  # closing the file releases its lock
 
 
 def _cpu_seconds() -> float:
