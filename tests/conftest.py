@@ -180,10 +180,9 @@ _EVENTS: list[tuple[str, float, float]] = []
 _CPU_START: dict[str, float] = {}  # node id -> _cpu_seconds() when its setup began
 
 
-@pytest.hookimpl(hookwrapper=True)
+@pytest.hookimpl(tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
-    _CPU_START[item.nodeid] = _cpu_seconds()
-    yield
+    _CPU_START[item.nodeid] = _cpu_seconds()  # returns None: pytest's own protocol runs
 
 
 @pytest.hookimpl(hookwrapper=True)

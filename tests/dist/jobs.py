@@ -158,9 +158,9 @@ def _reap(proc: subprocess.Popen, timeout: float, label: str) -> bool:
 
 class _Background:
     """The selected cases' jobs, world after world in one thread (one job at a time: the
-    machine has two cores); `results` waits for a world's verdicts. With `out`, each
-    world's verdicts are also written there as WORLD.json, and DONE once every world's
-    are: xdist's workers read them (read_results_from)."""
+    machine has two cores); `results` waits for a world's verdicts. With `out`, STARTED
+    is written there at once, each world's verdicts as WORLD.json, and DONE once every
+    world's are: xdist's workers read them (read_results_from)."""
 
     def __init__(self) -> None:
         self.done: dict[int, threading.Event] = {}
@@ -176,6 +176,8 @@ class _Background:
             by_world.setdefault(CASES[name][0], []).append(name)
         self.done = {w: threading.Event() for w in by_world}
         tmp = Path(tempfile.mkdtemp(prefix="autopar-dist-"))
+        if out is not None:  # before any test is handed out: a worker's wait_all sees it
+            _write(out / "STARTED", "")
 
         def run() -> None:
             for world in sorted(by_world):
@@ -239,7 +241,7 @@ def wait_all() -> None:
     """Return once every background job has ended (at once where none were started)."""
     if started():
         _BACKGROUND.all_done.wait()
-    elif _RESULTS_FROM is not None and any(_RESULTS_FROM.glob("*.json")):
+    elif _RESULTS_FROM is not None and (_RESULTS_FROM / "STARTED").exists():
         while not (_RESULTS_FROM / "DONE").exists():
             time.sleep(POLL_S)
 
