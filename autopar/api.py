@@ -173,6 +173,7 @@ def build_step(model: torch.nn.Module, cluster: ClusterSpec | None, example_inpu
                                     objective=objective, period=layout.local_sgd,
                                     warmup=layout.local_sgd_warmup,
                                     adaptive=layout.local_sgd_adaptive,
+                                    overlap=layout.local_sgd_overlap,
                                     **_pipeline_levels(layout, cluster, options))
     elif is_pipelined(layout):
         step = PipelineStep(lower_pipeline(tg, layout), model, optimizer, objective=objective,
@@ -190,7 +191,8 @@ def build_step(model: torch.nn.Module, cluster: ClusterSpec | None, example_inpu
         step = LocalSGDStep(to_program(tg, layout), local, model, optimizer, objective=objective,
                             period=layout.local_sgd, warmup=layout.local_sgd_warmup,
                             adaptive=layout.local_sgd_adaptive,
-                            hierarchy_form=levels.get("hierarchy_form", "leaders"))
+                            hierarchy_form=levels.get("hierarchy_form", "leaders"),
+                            overlap=layout.local_sgd_overlap)
     else:
         step = DistributedStep(to_program(tg, layout), model, optimizer, objective=objective)
     _check_collectives_across_ranks(step.program)

@@ -96,7 +96,9 @@ class Layout:
     all-reduce per gradient). allreduce: "flat" sums gradients over the whole dp group at
     once; "hierarchical" inside each node first, then among the nodes, then back inside
     each node (docs/communication.md; needs the cluster's devices per node).
-    local_sgd*: Local SGD's averaging period, synchronous warm-up and adaptive period.
+    local_sgd*: Local SGD's averaging period, synchronous warm-up, adaptive period, and
+    the local steps each average runs under before it is applied (local_sgd_overlap, 0:
+    at once).
     dgc*: Deep Gradient Compression's final sparsity, dense steps before its ramp-up,
     ramp-up length, clipping norm and top-k selection (docs/communication.md).
     """
@@ -120,6 +122,7 @@ class Layout:
     local_sgd: int | None = None
     local_sgd_warmup: int = 0
     local_sgd_adaptive: bool = False
+    local_sgd_overlap: int = 0
     dgc: float | None = None
     dgc_warmup: int = 0
     dgc_rampup: int = 0
@@ -189,10 +192,16 @@ class Layout:
         if not isinstance(self.local_sgd_adaptive, bool):
             raise LayoutError(f"Layout.local_sgd_adaptive must be True or False, got "
                               f"{self.local_sgd_adaptive!r}")
+        overlap = self.local_sgd_overlap
+        if not isinstance(overlap, int) or isinstance(overlap, bool) or overlap < 0:
+            raise LayoutError(f"Layout.local_sgd_overlap (local steps an average runs under "
+                              f"before it is applied; 0: at once) must be an integer >= 0, "
+                              f"got {overlap!r}")
         if period is None:
-            if warmup or self.local_sgd_adaptive:
-                raise LayoutError("Layout.local_sgd_warmup and local_sgd_adaptive need "
-                                  "Layout.local_sgd (the averaging period), which is None")
+            if warmup or self.local_sgd_adaptive or self.local_sgd_overlap:
+                raise LayoutError("Layout.local_sgd_warmup, local_sgd_adaptive and "
+                                  "local_sgd_overlap need Layout.local_sgd (the averaging "
+                                  "period), which is None")
             return
         if not isinstance(period, int) or isinstance(period, bool) or period < 1:
             raise LayoutError(f"Layout.local_sgd (the averaging period H, in steps) must be an "
@@ -296,8 +305,8 @@ class Layout:
         """This layout with gradients summed over dp every step: without Local SGD or DGC
         (the program of their warm-up steps)."""
         return self.replace(local_sgd=None, local_sgd_warmup=0, local_sgd_adaptive=False,
-                            dgc=None, dgc_warmup=0, dgc_rampup=0, dgc_clip=None,
-                            dgc_topk="exact")
+                            local_sgd_overlap=0, dgc=None, dgc_warmup=0, dgc_rampup=0,
+                            dgc_clip=None, dgc_topk="exact")
 
     def non_default_fields(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)

@@ -370,8 +370,8 @@ def _train_layout(args: argparse.Namespace):
                   **_local_sgd_fields(args))
 
 
-_COMM_FIELDS = ("local_sgd", "local_sgd_warmup", "local_sgd_adaptive", "dgc", "dgc_warmup",
-                "dgc_rampup", "dgc_clip", "dgc_topk")
+_COMM_FIELDS = ("local_sgd", "local_sgd_warmup", "local_sgd_adaptive", "local_sgd_overlap",
+                "dgc", "dgc_warmup", "dgc_rampup", "dgc_clip", "dgc_topk")
 
 
 def _local_sgd_fields(args: argparse.Namespace) -> dict:
@@ -628,6 +628,9 @@ def _add_layout_args(parser: argparse.ArgumentParser) -> None:
                         help="with --local-sgd: W synchronous steps first (post-local SGD)")
     parser.add_argument("--local-sgd-adaptive", action="store_true",
                         help="with --local-sgd: adapt H to the loss and learning rate (AdaComm)")
+    parser.add_argument("--local-sgd-overlap", type=int, default=0, metavar="K",
+                        help="with --local-sgd: each average runs under the next K local "
+                             "steps and is applied after them (0: at once)")
     parser.add_argument("--dgc", type=float, default=None, metavar="S",
                         help="Deep Gradient Compression with final sparsity S, e.g. 0.999 "
                              "(SGD with momentum; docs/communication.md)")

@@ -20,6 +20,21 @@ of another schedule puts it where the step count says. The
 optimizer state a checkpoint keeps is one rank's (in Local SGD each rank's momentum is
 its own); after a load every rank starts from it.
 
+Overlapped averaging (`Layout.local_sgd_overlap` = k > 0): the average of step t's
+parameters x_t runs in a background thread while the next k local steps compute, and
+is applied after step t + k keeping this rank's own change since x_t: x = avg(x_t) +
+(x - x_t). Those k steps compute their gradients at the rank's own parameters, not at
+the average (k steps of staleness), in exchange for the average's transfer hidden under
+their compute (the idea of Wang et al.'s Overlap Local-SGD, ICASSP 2020, with a fixed
+delay so that every rank applies it at the same step, deterministically). An average
+due before step t + k (a period below k, or an adaptive one that fell) applies the one
+in flight first. The ranks differ by their own changes until the next average; they
+hold the same parameters only where nothing ran since the average started, so `save`
+right after an averaging step waits for it (the next step then computes at the
+average, as without overlap). The background collectives run on process groups of
+their own (Mesh.detached_dp_groups): a group runs collectives in the order they are
+issued, and the step's own (the loss scaler's, on the default group) go on meanwhile.
+
 Adaptive period (`Layout.local_sgd_adaptive`): AdaComm (Wang and Joshi, "Adaptive
 communication strategies to achieve the best error-runtime trade-off in local-update
 SGD", SysML 2019), tau = ceil(sqrt(lr0 * F / (lr * F0)) * tau0), clamped to [1,
@@ -34,6 +49,7 @@ as the learning rate decays.
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -83,13 +99,23 @@ class AveragingSchedule:
     def averaged(self, lr: float, loss: float) -> None:
         """An averaging happened with the ranks' mean loss `loss` at learning rate `lr`:
         the next one's local step."""
+        self.finished(lr, loss)
+        self.next_local += self.period
+
+    def started(self) -> None:
+        """An overlapped averaging started: the next one's local step, by the period set
+        so far (its loss, known when it is applied, sets the period after that)."""
+        self.next_local += self.period
+
+    def finished(self, lr: float, loss: float) -> None:
+        """An averaging was applied, with the ranks' mean loss `loss` at learning rate
+        `lr` when it started: an adaptive period follows them."""
         if self.adaptive:
             if self.lr0 is None:
                 self.lr0, self.loss0 = lr, loss
             else:
                 self.period = adaptive_period(self.period0, self.lr0, lr, self.loss0, loss)
         self.averagings += 1
-        self.next_local += self.period
 
     def state(self) -> dict:
         """What a checkpoint keeps of the schedule (JSON)."""
@@ -129,16 +155,25 @@ class _Averaging:
     schedule: AveragingSchedule
     synchronized: bool
 
-    def _init_averaging(self, period: int, warmup: int, adaptive: bool) -> None:
+    def _init_averaging(self, period: int, warmup: int, adaptive: bool,
+                        overlap: int = 0, node_split: int = 1) -> None:
         self.schedule = AveragingSchedule(period, warmup, adaptive)
         # every dp rank holds the same parameters: from the start (the weights are
         # broadcast), in the warm-up, after an averaging and after a load
         self.synchronized = True
+        self.overlap = overlap  # local steps an average runs under (0: applied at once)
+        self._pending: _InFlight | None = None
+        self._thread: ThreadPoolExecutor | None = None
+        # the overlapped average's own process groups (made here: new_group is collective)
+        self._average_groups = self.mesh.detached_dp_groups(node_split) if overlap else None
 
     def save(self, path, extra=None, *, background=False):
         """TrainingState.save, where every rank holds the same parameters (in the warm-up
-        or right after an averaging): between averagings a checkpoint would keep one
-        rank's own and drop the others'."""
+        or right after an averaging; an overlapped one is waited for here): between
+        averagings a checkpoint would keep one rank's own and drop the others'."""
+        if self._pending is not None and self._pending.step == self.steps - 1:
+            self._finish_average()
+            self.synchronized = True
         if not self.synchronized:
             raise RuntimeError(
                 f"Local SGD: after step {self.steps} the ranks' parameters differ (the next "
@@ -150,34 +185,109 @@ class _Averaging:
     def load(self, path) -> dict:
         """TrainingState.load, then the averaging schedule: as saved (an adaptive period
         included), or where the step count says for a checkpoint of another schedule."""
+        if self._pending is not None:  # its result is for the parameters being replaced
+            self._pending.future.result()
+            self._pending = None
         extra = super().load(path)
         self.schedule.restore(extra.pop(SCHEDULE_KEY, None), self.steps)
         self.synchronized = True
         return extra
 
     def _after_local_step(self, step: int, loss: torch.Tensor) -> None:
-        self.synchronized = self.schedule.due(step)
-        if self.synchronized:
+        due = self.schedule.due(step)
+        if self._pending is not None and (due or step - self._pending.step >= self.overlap):
+            self._finish_average()
+        if due and self.overlap:
+            self._start_average(step, loss)
+        elif due:
             self._average(loss)
+        self.synchronized = due and not self.overlap
+
+    def _packed(self) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
+        """The updated parameters packed by dtype: (tensors, a flat copy of them)."""
+        params = list(self.updated)
+        out = []
+        for dtype in dict.fromkeys(p.dtype for p in params):
+            mine = [p for p in params if p.dtype == dtype]
+            out.append((mine, torch.cat([p.detach().reshape(-1) for p in mine])))
+        return out
+
+    def _sum_flats(self, flats: list[torch.Tensor], loss: torch.Tensor | None,
+                   groups: dict | None = None) -> float:
+        """Each of `flats` summed over dp in place; the ranks' mean of `loss` (adaptive),
+        else nan."""
+        for flat in flats:
+            self._sum_over_dp(flat, groups)
+        if loss is None:
+            return float("nan")
+        total = loss.detach().double().reshape(1).clone()
+        dist.all_reduce(total, group=(groups or {}).get("dp", self.mesh.group("dp")))
+        return float(total) / self.dp_size
 
     def _average(self, loss: torch.Tensor) -> None:
         """Every parameter (and, adaptive, the loss) averaged over dp, in place."""
-        group, dp = self.mesh.group("dp"), self.dp_size
-        params = list(self.updated)
+        dp = self.dp_size
         with torch.no_grad():
-            for dtype in dict.fromkeys(p.dtype for p in params):
-                mine = [p for p in params if p.dtype == dtype]
-                flat = torch.cat([p.reshape(-1) for p in mine])
-                self._sum_over_dp(flat)
+            packed = self._packed()
+            mean_loss = self._sum_flats([flat for _, flat in packed],
+                                        loss if self.schedule.adaptive else None)
+            for mine, flat in packed:
                 flat /= dp
                 for p, part in zip(mine, flat.split([p.numel() for p in mine])):
                     p.copy_(part.view_as(p))
-            mean_loss = float("nan")
-            if self.schedule.adaptive:
-                total = loss.detach().double().reshape(1).clone()
-                dist.all_reduce(total, group=group)
-                mean_loss = float(total) / dp
         self.schedule.averaged(float(self.optimizer.param_groups[0]["lr"]), mean_loss)
+
+    def _start_average(self, step: int, loss: torch.Tensor) -> None:
+        """Begin the average of the parameters after step `step` in the background: their
+        snapshot, and a second copy the thread sums in place (the snapshot stays to take
+        this rank's next change from)."""
+        with torch.no_grad():
+            packed = self._packed()
+            sums = [flat.clone() for _, flat in packed]
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="autopar-local-sgd")
+        adaptive = loss.detach().clone() if self.schedule.adaptive else None
+        future = self._thread.submit(self._sum_flats, sums, adaptive, self._average_groups)
+        self._pending = _InFlight(step, packed, sums, future,
+                                  float(self.optimizer.param_groups[0]["lr"]))
+        self.schedule.started()
+
+    def _finish_average(self) -> None:
+        """Wait for the average in flight and apply it keeping this rank's change since
+        its snapshot: p = avg + (p - snapshot) (exactly the average where p did not
+        change)."""
+        pending, self._pending = self._pending, None
+        mean_loss = pending.future.result()
+        dp = self.dp_size
+        with torch.no_grad():
+            for (mine, snapshot), total in zip(pending.packed, pending.sums):
+                total /= dp
+                sizes = [p.numel() for p in mine]
+                for p, before, avg in zip(mine, snapshot.split(sizes), total.split(sizes)):
+                    p.sub_(before.view_as(p)).add_(avg.view_as(p))
+        self.schedule.finished(pending.lr, mean_loss)
+
+    def close_averaging(self) -> None:
+        """Wait for an average in flight and stop its thread (the parameters are left as
+        the last step made them; an average in flight is applied)."""
+        if self._pending is not None:
+            self._finish_average()
+        if self._thread is not None:
+            self._thread.shutdown()
+            self._thread = None
+
+
+@dataclass
+class _InFlight:
+    """An overlapped average: the step after which it started, the parameters packed by
+    dtype with their snapshot, the buffers the thread sums, its future, and the learning
+    rate at its start (the adaptive period's)."""
+
+    step: int
+    packed: list[tuple[list[torch.Tensor], torch.Tensor]]
+    sums: list[torch.Tensor]
+    future: Future
+    lr: float
 
 
 class LocalSGDStep(_Averaging, DistributedStep):
@@ -187,18 +297,19 @@ class LocalSGDStep(_Averaging, DistributedStep):
 
     def __init__(self, program: Program, local_program: Program, model: torch.nn.Module,
                  optimizer, *, objective=None, period: int, warmup: int = 0,
-                 adaptive: bool = False, hierarchy_form: str = "leaders"):
+                 adaptive: bool = False, hierarchy_form: str = "leaders",
+                 overlap: int = 0):
         super().__init__(program, model, optimizer, objective=objective)
         self.local_gm = bind_groups(local_program.gm, self.mesh.group_names) \
             if self.mesh.group_names else local_program.gm
         self.hierarchy_form = hierarchy_form  # of the average, as the gradients' sum has it
-        self._init_averaging(period, warmup, adaptive)
+        self._init_averaging(period, warmup, adaptive, overlap, program.node_split)
 
-    def _sum_over_dp(self, flat: torch.Tensor) -> None:
+    def _sum_over_dp(self, flat: torch.Tensor, groups: dict | None = None) -> None:
         """The average's sum: with Layout.allreduce="hierarchical" in the gradients' levels
         (Mesh.sum_over_dp), so that only one rank of each node (leaders) or each rank's
         shard (shards) crosses the network."""
-        self.mesh.sum_over_dp(flat, self.program.node_split, self.hierarchy_form)
+        self.mesh.sum_over_dp(flat, self.program.node_split, self.hierarchy_form, groups)
 
     @property
     def dp_size(self) -> int:
@@ -226,10 +337,10 @@ class LocalSGDPipelineStep(_Averaging, PipelineStep):
 
     def __init__(self, program, model: torch.nn.Module, optimizer, *, objective=None,
                  period: int, warmup: int = 0, adaptive: bool = False, node_split: int = 1,
-                 hierarchy_form: str = "leaders"):
+                 hierarchy_form: str = "leaders", overlap: int = 0):
         super().__init__(program, model, optimizer, objective=objective,
                          node_split=node_split, hierarchy_form=hierarchy_form)
-        self._init_averaging(period, warmup, adaptive)
+        self._init_averaging(period, warmup, adaptive, overlap, node_split)
 
     @property
     def dp_size(self) -> int:

@@ -81,17 +81,44 @@ class Mesh:
                         self._subgroups[name] = group
                         self.group_names[name] = group.group_name
 
+    def detached_dp_groups(self, local: int = 1) -> dict:
+        """A second set of this rank's dp groups ("dp", and with `local` > 1 "dp.local" and
+        "dp.node" as split_dp cuts them), for collectives issued from another thread than
+        the step's: a process group runs its collectives in the order they are issued, so
+        two threads sharing one (the loss scaler's default group can be the dp group)
+        could issue them in different orders on different ranks. Collective: every rank
+        calls it, in the same order."""
+        if self.device_mesh is None:
+            return {}
+        mesh = self.device_mesh.mesh
+        axis = list(self.device_mesh.mesh_dim_names).index("dp")
+        rows = mesh.movedim(axis, -1).reshape(-1, mesh.shape[axis])
+        me, out = dist.get_rank(), {}
+        for row in rows.tolist():
+            sets = [("dp", [row])]
+            if local > 1:
+                sets += [("dp.local", [row[k:k + local] for k in range(0, len(row), local)]),
+                         ("dp.node", [row[j::local] for j in range(local)])]
+            for name, groups in sets:
+                for ranks in groups:
+                    group = dist.new_group(ranks)
+                    if me in ranks:
+                        out[name] = group
+        return out
+
     def sum_over_dp(self, flat: torch.Tensor, node_split: int = 1,
-                    form: str = "leaders") -> None:
+                    form: str = "leaders", groups: dict | None = None) -> None:
         """`flat` summed over the dp group in place: one all-reduce, or with a node split
         (`split_dp`'s groups) in three levels, docs/communication.md: "leaders" reduces
         inside each node to its first rank, all-reduces among those and broadcasts back
         (gloo, where reduce_scatter is an all-reduce); "shards" reduce-scatters inside
-        the node, all-reduces each rank's shard among the nodes and all-gathers."""
+        the node, all-reduces each rank's shard among the nodes and all-gathers.
+        `groups`: detached_dp_groups' set to run them on, instead of the mesh's own."""
+        group = self.group if groups is None else groups.__getitem__
         if node_split <= 1:
-            dist.all_reduce(flat, group=self.group("dp"))
+            dist.all_reduce(flat, group=group("dp"))
             return
-        inner, outer = self.group("dp.local"), self.group("dp.node")
+        inner, outer = group("dp.local"), group("dp.node")
         if form == "leaders":
             here = self.rank_in("dp")
             leader = self.global_rank(dp=here - here % node_split)

@@ -396,10 +396,11 @@ class PipelineStep(TrainingState):
         return [self._reduce_scatter(g, u) if s else next(reduced)
                 for g, u, s in zip(grads, self.updated, scattered)]
 
-    def _sum_over_dp(self, flat: torch.Tensor) -> None:
+    def _sum_over_dp(self, flat: torch.Tensor, groups: dict | None = None) -> None:
         """`flat` summed over the dp group in place: one all-reduce, or with a node split
-        in three levels (inside the node, among the nodes, back; Mesh.sum_over_dp)."""
-        self.mesh.sum_over_dp(flat, self.node_split, self.hierarchy_form)
+        in three levels (inside the node, among the nodes, back; Mesh.sum_over_dp); on
+        `groups` (Mesh.detached_dp_groups) where given."""
+        self.mesh.sum_over_dp(flat, self.node_split, self.hierarchy_form, groups)
 
     def _on_wire(self, t: torch.Tensor) -> torch.Tensor:
         """Layout.grad_comm_dtype: gradients cross the network in half precision."""

@@ -201,3 +201,103 @@ def local_sgd_composes_with_tensor_parallelism():
     losses = [_mean(step(*b)) for b in batches]
     report = compare(losses, ref_losses, step.full_state_dict(), ref_state, init, adam=False)
     assert report.ok, str(report)
+
+
+def _simulated_local_sgd(example, objective, batches, warmup, period, delay):
+    """Local SGD on 2 replicas in one process, plain PyTorch: each steps SGD with momentum
+    on its half of the batch (the warm-up on the mean of both halves' gradients, the
+    global batch's); averaged after local step 0, period, 2 period, ...; with `delay`
+    k > 0, the average of the parameters after step t is applied after step t + k (or
+    first thing after the step the next one is due) keeping each replica's own change
+    since then (runtime/local_sgd.py). (losses per replica, states per replica)."""
+    replicas = [copy.deepcopy(example.model) for _ in range(2)]
+    params = [[p for p in m.parameters() if p.requires_grad] for m in replicas]
+    opts = [sgd(ps) for ps in params]
+    losses, pending = [[], []], None
+    for t, batch in enumerate(batches):
+        for r in range(2):
+            opts[r].zero_grad(set_to_none=True)
+            loss = objective.loss(replicas[r], [x.chunk(2)[r] for x in batch])
+            loss.backward()
+            losses[r].append(float(loss))
+        if t < warmup:
+            for pair in zip(*params):
+                mean = (pair[0].grad + pair[1].grad) / 2
+                for p in pair:
+                    p.grad = mean.clone()
+        for opt in opts:
+            opt.step()
+        if t < warmup:
+            continue
+        due = (t - warmup) % period == 0
+        with torch.no_grad():
+            if pending is not None and (due or t - pending[0] >= delay):
+                _, snaps, avg = pending
+                for r in range(2):
+                    for p, s, a in zip(params[r], snaps[r], avg):
+                        p.sub_(s).add_(a)
+                pending = None
+            if due:
+                snaps = [[p.detach().clone() for p in ps] for ps in params]
+                avg = [(a + b) / 2 for a, b in zip(*snaps)]
+                if delay:
+                    pending = (t, snaps, avg)
+                else:
+                    for ps in params:
+                        for p, a in zip(ps, avg):
+                            p.copy_(a)
+    return losses, [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in replicas]
+
+
+@case(world=2)
+def local_sgd_overlapped_average_matches_a_one_process_simulation():
+    """Layout.local_sgd_overlap = k: each average is applied k local steps late with
+    the rank's own change kept (or when the next is due, period 2 and k = 3 below).
+    Against a one-process simulation of exactly that (parity tolerance); the simulation
+    of the average applied at once is outside the tolerance (the test tells the two
+    apart). A save right after an averaging step waits for its average: the ranks then
+    hold the average, bitwise alike."""
+    example = gpt2()
+    objective, flat = Objective.from_example(example.batch, None, example.loss_fn)
+    init = {k: v.clone() for k, v in example.model.state_dict().items()}
+    rank, warmup = dist.get_rank(), 2
+    for period, delay, steps, averaged in ((2, 1, 7, 2), (3, 2, 9, 2), (2, 3, 8, 2)):
+        batches = make_batches(flat, steps)
+        step = _compile(example, autopar.Layout(dp=2, local_sgd=period, local_sgd_warmup=warmup,
+                                                local_sgd_overlap=delay))
+        losses = [float(step(*b)) for b in batches]
+        sim_losses, sim = _simulated_local_sgd(example, objective, batches, warmup, period,
+                                               delay)
+        report = compare(losses[warmup:], sim_losses[rank][warmup:], step.full_state_dict(),
+                         sim[rank], init, adam=False)
+        assert report.ok, (period, delay, str(report))
+        _, at_once = _simulated_local_sgd(example, objective, batches, warmup, period, 0)
+        apart = compare(losses[warmup:], sim_losses[rank][warmup:], at_once[rank], sim[rank],
+                        init, adam=False)
+        assert not apart.ok, f"period {period}, overlap {delay} ends as without: no test"
+        # the last average is still in flight
+        assert not step.synchronized and step.schedule.averagings == averaged, \
+            (period, delay, step.schedule)
+        if delay == 1:  # the last step started an average: a save waits for it
+            with tempfile.TemporaryDirectory() as tmp:
+                step.save(tmp)
+            assert step.synchronized and step.schedule.averagings == averaged + 1
+            mine = torch.cat([u.detach().reshape(-1) for u in step.updated])
+            everyone = [torch.empty_like(mine) for _ in range(2)]
+            dist.all_gather(everyone, mine)
+            assert torch.equal(everyone[0], everyone[1])
+        step.close_averaging()
+        assert step.schedule.averagings == math.ceil((steps - warmup) / period)
+    # on the pipeline runtime (accumulation of 2 micro-batches): the same rule. Its local
+    # step's loss is its share of the global batch's, so only the weights are compared:
+    # this rank's own (full_state_dict assembles one dp rank's, right where they agree)
+    batches = make_batches(flat, 7)
+    step = _compile(example, autopar.Layout(dp=2, microbatches=2, local_sgd=2,
+                                            local_sgd_warmup=warmup, local_sgd_overlap=1))
+    for b in batches:
+        step(*b)
+    sim_losses, sim = _simulated_local_sgd(example, objective, batches, warmup, 2, 1)
+    own = {k: v.detach().clone() for k, v in step._model.state_dict().items()}
+    report = compare(sim_losses[rank], sim_losses[rank], own, sim[rank], init, adam=False)
+    assert report.ok, ("pipeline runtime", str(report))
+    step.close_averaging()

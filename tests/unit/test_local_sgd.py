@@ -66,6 +66,9 @@ def test_an_adaptive_period_on_a_scripted_trace():
     ({"dp": 2, "local_sgd": 2, "zero": 1}, "use zero=0"),
     ({"dp": 2, "local_sgd_warmup": 3}, "need Layout.local_sgd"),
     ({"dp": 2, "local_sgd": 2, "local_sgd_warmup": -1}, "local_sgd_warmup .* must be an integer >= 0"),
+    ({"dp": 2, "local_sgd_overlap": 1}, "local_sgd_overlap need Layout.local_sgd"),
+    ({"dp": 2, "local_sgd": 2, "local_sgd_overlap": -1}, "local_sgd_overlap .* integer >= 0"),
+    ({"dp": 2, "local_sgd": 2, "local_sgd_overlap": True}, "local_sgd_overlap .* got True"),
 ])
 def test_bad_local_sgd_layouts_name_the_field(fields, words):
     with pytest.raises(LayoutError, match=words):
@@ -169,3 +172,58 @@ def test_a_hierarchical_average_is_priced_in_the_gradients_levels():
     levels = dp_sum_time(held, slow, layouts[1])
     assert levels < whole
     assert flat.step_time_s - hier.step_time_s == pytest.approx((whole - levels) / 4, rel=0.02)
+
+
+def test_an_overlapped_schedule_counts_an_average_when_it_is_applied():
+    """Started averages set the next one's step at once (the period known then); the
+    count, and an adaptive period, follow when each is applied."""
+    schedule = AveragingSchedule(2, 1, adaptive=True)
+    assert schedule.due(1)
+    schedule.started()
+    assert schedule.averagings == 0 and schedule.due(3) and not schedule.due(2)
+    schedule.finished(0.1, 4.0)  # the first sets loss0
+    schedule.started()
+    schedule.finished(0.1, 1.0)  # sqrt(1/4) * 2 = 1: from the average after the next
+    assert schedule.averagings == 2 and schedule.period == 1 and schedule.next_local == 4
+
+
+def test_an_overlapped_average_is_costed_less_what_runs_under_it():
+    """cost_model.overlapped_average: the whole average T less k local steps, never below
+    0, amortised over H; k beyond H counts as H (the next average applies it first)."""
+    from autopar.compiler.planner.cost_model import averaging_time, overlapped_average
+
+    lay = lambda k: autopar.Layout(dp=4, local_sgd=4, local_sgd_overlap=k)
+    assert overlapped_average(0.5, 0.3, lay(0)) == 0.5
+    assert overlapped_average(0.5, 0.3, lay(1)) == pytest.approx((2.0 - 0.3) / 4)
+    assert overlapped_average(0.5, 0.3, lay(3)) == pytest.approx((2.0 - 0.9) / 4)
+    assert overlapped_average(0.5, 0.3, lay(9)) == pytest.approx((2.0 - 1.2) / 4)
+    assert overlapped_average(0.5, 0.3, lay(9)) == overlapped_average(0.5, 0.3, lay(4))
+    assert overlapped_average(0.5, 0.6, lay(4)) == 0.0
+    ex = gpt2(layers=2, hidden=128, vocab=1024, batch=8, seq=64)
+    slow = _slow_cluster(12.5e6)  # 100 Mbit/s: the average is several local steps long
+    at_once, under = (autopar.estimate(ex.model, slow, lay(k), ex.batch, ex.loss_fn,
+                                       optimizer="sgd-momentum") for k in (0, 1))
+    from autopar.compiler.planner.estimate import Estimator
+    est = Estimator(ex.model, slow, ex.batch, ex.loss_fn, optimizer="sgd-momentum")
+    est.predict(lay(0))
+    average = averaging_time(est.rewritten_summary(lay(0)), slow, lay(0))
+    local = at_once.step_time_s - average  # the step without its average
+    assert average * 4 > local  # longer than the one step it runs under
+    assert under.step_time_s == pytest.approx(local + (average * 4 - local) / 4, rel=1e-6)
+
+
+def test_an_overlapped_average_on_the_pipeline_runtime_is_costed_per_rank():
+    """Accumulation (the pipeline runtime): the rank's step less its average, then the
+    average less the k local steps it runs under (pipeline_cost._exposed_average)."""
+    from autopar.costs import dp_sum_time
+
+    ex = gpt2(layers=2, hidden=128, vocab=1024, batch=8, seq=64)
+    slow = _slow_cluster(12.5e6)
+    lay = lambda k: autopar.Layout(dp=4, microbatches=2, local_sgd=4, local_sgd_overlap=k)
+    at_once, under = (autopar.estimate(ex.model, slow, lay(k), ex.batch, ex.loss_fn,
+                                       optimizer="sgd-momentum") for k in (0, 2))
+    held = sum(p.numel() * 4 for p in ex.model.parameters())
+    average = dp_sum_time(held, slow, lay(0)) / 4
+    local = at_once.step_time_s - average
+    assert 2 * local < average * 4  # not all of it hidden under 2 local steps
+    assert under.step_time_s == pytest.approx(local + (average * 4 - 2 * local) / 4, rel=1e-6)

@@ -140,14 +140,16 @@ def step_time(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
     and, under ZeRO-1/2, the gather of the updated blocks (zero_gather_time)."""
     compute, comm, end = simulate_streams(summary, cluster, layout, eff)
     updated = sum(held_parameter_bytes(summary, layout)[1])  # ZeRO: this rank's blocks
-    gather = zero_gather_time(summary, cluster, layout, eff) + averaging_time(
-        summary, cluster, layout, eff) + dgc_exchange_time(summary, cluster, layout, eff)
+    gather = zero_gather_time(summary, cluster, layout, eff) + dgc_exchange_time(
+        summary, cluster, layout, eff)
     if layout.dgc is not None:  # SGD steps the dense tensors; DGC updates the others
         update = optimizer_time(dgc_split(summary)[0], optimizer, cluster, eff) + sum(
             dgc_select_time(n, layout.dgc_topk, cluster, eff) * k
             for n, k in dgc_split(summary)[1])
     else:
         update = optimizer_time(updated, optimizer, cluster, eff)
+    gather += overlapped_average(averaging_time(summary, cluster, layout, eff),
+                                 end + gather + update, layout)
     return StepTime(compute_s=compute, comm_s=comm + gather, exposed_comm_s=end - compute + gather,
                     optimizer_s=update)
 
@@ -229,7 +231,8 @@ def averaging_time(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
                    eff: Efficiency = DEFAULT_EFFICIENCY) -> float:
     """Local SGD (Layout.local_sgd = H): the all-reduce of a rank's parameters over dp
     that follows every H-th step (runtime/local_sgd.py), amortised over the H steps and
-    exposed (nothing runs beside it); with Layout.allreduce="hierarchical" in the
+    exposed (nothing runs beside it; overlapped_average: what an overlapped one
+    exposes); with Layout.allreduce="hierarchical" in the
     gradients' three levels (costs.dp_sum_time). The steady state's: the warm-up's
     synchronous steps, and an adaptive period's changes, are not in it. 0 without Local
     SGD."""
@@ -237,6 +240,20 @@ def averaging_time(summary: GraphSummary, cluster: ClusterSpec, layout: Layout,
         return 0.0
     held = held_parameter_bytes(summary, layout)[0]
     return dp_sum_time(held, cluster, layout, eff) / layout.local_sgd
+
+
+def overlapped_average(average_s: float, local_step_s: float, layout: Layout) -> float:
+    """What of Local SGD's average (`average_s`: averaging_time's, amortised over the
+    period H) a step exposes when it runs under the next k = Layout.local_sgd_overlap
+    local steps of `local_step_s` each (runtime/local_sgd.py): max(0, T - k' s) / H for
+    the whole average T = H * average_s, where k' = min(k, H) (an average due sooner
+    applies the one in flight first). Nonnegative, and the step plus it never falls as
+    the local step grows (k' <= H), so a floor of the local step gives a floor of both."""
+    if layout.local_sgd is None or not layout.local_sgd_overlap:
+        return average_s
+    period = layout.local_sgd
+    hidden = min(layout.local_sgd_overlap, period) * local_step_s
+    return max(0.0, average_s * period - hidden) / period
 
 
 def layer_costs(tg, cluster: ClusterSpec, eff: Efficiency = DEFAULT_EFFICIENCY

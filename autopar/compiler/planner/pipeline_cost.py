@@ -44,7 +44,12 @@ from autopar.compiler.ir.schedule import (
     rank_floors,
     simulate,
 )
-from autopar.compiler.planner.cost_model import AVERAGE_KEY, DGC_KEY, simulate_streams
+from autopar.compiler.planner.cost_model import (
+    AVERAGE_KEY,
+    DGC_KEY,
+    overlapped_average,
+    simulate_streams,
+)
 from autopar.compiler.planner.stages import StageSummary
 from autopar.costs import (
     DEFAULT_EFFICIENCY,
@@ -369,6 +374,8 @@ def after_schedule_floor(params: Sequence[tuple[tuple[int, ...], int]], cluster:
         sync = min(sync, dp_sum_time(wire, cluster, layout, eff))
     if layout.dgc is not None:  # its exchange can be far below the all-reduce: nothing
         sync = 0.0
+    elif layout.local_sgd is not None and layout.local_sgd_overlap:
+        sync = 0.0  # it may run wholly under the local steps (overlapped_average)
     elif layout.local_sgd is not None:  # as grad_sync_time: an average every H steps
         sync = dp_sum_time(held, cluster, layout, eff) / layout.local_sgd
     if layout.zero >= 2:
@@ -460,7 +467,19 @@ def schedule_floor(summary: GraphSummary, stages: StageSummary, cluster: Cluster
                          layout.virtual_stages, known.cost)
     sync, gather, optim = after_schedule(summary, stages, cluster, layout, optimizer, eff,
                                          known.by_rank)
+    sync = _exposed_average(sync, floors, gather, optim, layout)
     return max(floors[r] + sync[r] + optim[r] + gather[r] for r in range(layout.pp))
+
+
+def _exposed_average(sync: list[float], ends: list[float], gather: list[float],
+                     optim: list[float], layout: Layout) -> list[float]:
+    """Per rank, what of Local SGD's amortised average (`sync`, grad_sync_time's) an
+    overlapped one exposes under the rank's local step (its schedule's end, gather and
+    optimizer: cost_model.overlapped_average); `sync` itself otherwise."""
+    if layout.local_sgd is None or not layout.local_sgd_overlap:
+        return sync
+    return [overlapped_average(s, e + g + o, layout)
+            for s, e, g, o in zip(sync, ends, gather, optim)]
 
 
 def pipeline_time(summary: GraphSummary, stages: StageSummary, cluster: ClusterSpec,
@@ -473,6 +492,7 @@ def pipeline_time(summary: GraphSummary, stages: StageSummary, cluster: ClusterS
     phases, receives, timeline, ends = run.phases, run.receives, run.timeline, run.ends
     sync, gather, optim = after_schedule(summary, stages, cluster, layout, optimizer, eff,
                                          run.by_rank)
+    sync = _exposed_average(sync, ends, gather, optim, layout)
     rank = max(range(layout.pp), key=lambda r: ends[r] + sync[r] + optim[r] + gather[r])
     # the critical rank's compute actions, each its phase's time (simulate's span)
     done = Counter((a.stage, a.kind) for a in run.schedule.ranks[rank] if a.kind in COMPUTE)

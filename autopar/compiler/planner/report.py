@@ -79,14 +79,24 @@ def headline(plan: Plan) -> list[str]:
     if plan.layout.local_sgd is not None:
         lines.append(f"Local SGD: each rank steps on its own gradients and the parameters are "
                      f"averaged every {plan.layout.local_sgd} steps; the predicted step "
-                     f"amortises that average. What it does to the loss curve is not "
-                     f"modelled: compare the loss against a synchronous run.")
+                     f"amortises that average{_overlap_clause(plan.layout)}. What it does to "
+                     f"the loss curve is not modelled: compare the loss against a "
+                     f"synchronous run.")
     if plan.layout.dgc is not None:
         lines.append(_dgc_line(plan))
     if plan.alternatives:
         lay, _, why = plan.alternatives[0]
         lines.append(f"Runner-up: {lay}: {why}.")
     return lines
+
+
+def _overlap_clause(layout) -> str:
+    """How an overlapped average is costed, for the Local SGD line."""
+    k = layout.local_sgd_overlap
+    if not k:
+        return ""
+    return (f", less what runs under the {k} local step{'s' * (k > 1)} it overlaps (each "
+            f"average is applied {k} step{'s' * (k > 1)} late)")
 
 
 def _dgc_line(plan: Plan) -> str:
