@@ -10,7 +10,8 @@ steps in turn (step k of every side, then step k+1), so machine noise hits all a
 - DDP with PostLocalSGDOptimizer (torch's Local SGD: PeriodicModelAverager, no gradient
   sum after the warm-up);
 - autopar dp=4 (flat), autopar hierarchical, autopar Local SGD (the same H and warm-up),
-  flat and hierarchical (its warm-up's gradients and its averages in two levels);
+  flat and hierarchical (its warm-up's gradients and its averages in two levels), and
+  both with each average overlapped with the next k local steps (`--overlap`);
 - autopar DGC at sparsity 0.999 after the same warm-up (dense) and a ramp-up of as many
   steps, with exact and with sampled top-k.
 
@@ -19,6 +20,13 @@ the link per step after the warm-up (its veth's counter) and over the last quart
 the steps (DGC's steady state, past its ramp-up), the mean loss over the ranks at
 the last step, and the time to target: the wall clock (sum of step times) until the
 mean loss first falls below DDP's loss at step --target-step.
+
+`--block N`: each side takes the warm-up, then blocks of N steps, back to back (no
+barrier between them; the wait at the barrier after a block counts to its last step, so
+a block's time is its slowest rank's), before the next side's turn. Local SGD's ranks
+meet only at an average, as in training; a barrier around every step (N = 1) charges
+every local step its slowest rank. N a multiple of the period keeps an overlapped
+average inside its own side's turn.
 
     python benchmarks/slow_link.py --rate 1gbit -- benchmarks/comm_efficient.py --steps 40
 """
@@ -101,6 +109,17 @@ def main() -> None:
     parser.add_argument("--smooth", type=int, default=1,
                         help="the time to target reads the mean loss of the last k steps "
                              "(DDP's target too): a per-step loss on fresh batches is noisy")
+    parser.add_argument("--overlap", type=int, nargs="*", default=[1],
+                        help="Local SGD sides overlapped with each of these k "
+                             "(Layout.local_sgd_overlap): 'autopar Local SGD [hierarchical] "
+                             "overlapped k=K'")
+    parser.add_argument("--block", type=int, default=1,
+                        help="steps a side takes back to back before the next side's turn: "
+                             "the warm-up, then blocks of this many (a multiple of --period "
+                             "keeps an overlapped average inside its own side's turn); "
+                             "no barrier between the steps of a block, and the wait at the "
+                             "barrier after it counts to its last step (1: every step "
+                             "alternates, with a barrier before and after it)")
     parser.add_argument("--sides", nargs="+", default=None,
                         help="run only these sides (names as printed; DDP always runs)")
     args = parser.parse_args()
@@ -134,6 +153,12 @@ def main() -> None:
         "autopar DGC sampled": lambda: ours(dgc=args.dgc_sparsity, dgc_warmup=args.warmup,
                                             dgc_rampup=rampup, dgc_topk="sampled"),
     }
+    for k in args.overlap:  # the average overlapped with the next k local steps
+        builders[f"autopar Local SGD overlapped k={k}"] = functools.partial(
+            ours, local_sgd=args.period, local_sgd_warmup=args.warmup, local_sgd_overlap=k)
+        builders[f"autopar Local SGD hierarchical overlapped k={k}"] = functools.partial(
+            ours, local_sgd=args.period, local_sgd_warmup=args.warmup, local_sgd_overlap=k,
+            allreduce="hierarchical")
     unknown = sorted(set(args.sides or ()) - set(builders))
     if unknown:
         raise SystemExit(f"--sides: unknown {unknown}; the sides are {sorted(builders)}")
@@ -143,7 +168,27 @@ def main() -> None:
     times = {n: [] for n in sides}
     sent = {n: [] for n in sides}
     losses = {n: [] for n in sides}
-    for batch in batches:
+    blocks = [range(0, min(args.warmup, args.steps))] + [
+        range(k, min(k + args.block, args.steps))
+        for k in range(args.warmup, args.steps, args.block)]
+    for block in blocks if args.block > 1 else []:
+        for name, step in sides.items():
+            dist.barrier()
+            before = tx_bytes()
+            mine = []
+            for k in block:
+                start = time.perf_counter()
+                mine.append(step(batches[k]).detach().float().reshape(1))
+                times[name].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            dist.barrier()  # the slowest rank's block: its wait counts to the last step
+            times[name][-1] += time.perf_counter() - start
+            time.sleep(0.05)  # the counter settles
+            sent[name] += [(tx_bytes() - before) / len(block)] * len(block)
+            mean = torch.cat(mine)
+            dist.all_reduce(mean)  # untimed: the loss the ranks' models reach together
+            losses[name] += (mean / world).tolist()
+    for batch in batches if args.block == 1 else []:
         for name, step in sides.items():
             dist.barrier()
             before = tx_bytes()
@@ -175,6 +220,7 @@ def main() -> None:
                   "layers": args.layers, "hidden": args.hidden,
                   "period": args.period, "warmup": args.warmup, "lr": args.lr,
                   "dgc_sparsity": args.dgc_sparsity, "dgc_rampup": rampup, "smooth": args.smooth,
+                  "block": args.block, "overlap": args.overlap,
                   "link": os.environ.get("AUTOPAR_BENCH_RATE", "unshaped"),
                   "target_loss": target, "target_step": target_step + 1,
                   "sides": {n: {"median_step_s": statistics.median(times[n][after]),
