@@ -221,7 +221,7 @@ class _Averaging:
         if loss is None:
             return float("nan")
         total = loss.detach().double().reshape(1).clone()
-        dist.all_reduce(total, group=(groups or {}).get("dp", self.mesh.group("dp")))
+        dist.all_reduce(total, group=groups["dp"] if groups else self.mesh.group("dp"))
         return float(total) / self.dp_size
 
     def _average(self, loss: torch.Tensor) -> None:

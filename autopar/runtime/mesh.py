@@ -64,38 +64,33 @@ class Mesh:
     def split_dp(self, local: int) -> None:
         """The two levels of a hierarchical all-reduce (Program.node_split): each dp group
         cut into runs of `local` consecutive ranks, one node's ("dp.local"), and the ranks
-        at the same place in every node ("dp.node"). Every rank makes every group, in the
-        same order (new_group is collective); a rank keeps its own. Idempotent."""
+        at the same place in every node ("dp.node"). Idempotent."""
         if local <= 1 or "dp.local" in self._subgroups or self.device_mesh is None:
             return
-        names = list(self.device_mesh.mesh_dim_names)
-        axis = names.index("dp")
-        rows = self.device_mesh.mesh.movedim(axis, -1).reshape(-1, self.device_mesh.mesh.shape[axis])
-        me = dist.get_rank()
-        for row in rows.tolist():
-            runs = [row[k:k + local] for k in range(0, len(row), local)]
-            for name, groups in (("dp.local", runs), ("dp.node", [row[j::local] for j in range(local)])):
-                for ranks in groups:
-                    group = dist.new_group(ranks)
-                    if me in ranks:
-                        self._subgroups[name] = group
-                        self.group_names[name] = group.group_name
+        for name, group in self._new_dp_groups(local, whole=False).items():
+            self._subgroups[name] = group
+            self.group_names[name] = group.group_name
 
     def detached_dp_groups(self, local: int = 1) -> dict:
         """A second set of this rank's dp groups ("dp", and with `local` > 1 "dp.local" and
         "dp.node" as split_dp cuts them), for collectives issued from another thread than
         the step's: a process group runs its collectives in the order they are issued, so
         two threads sharing one (the loss scaler's default group can be the dp group)
-        could issue them in different orders on different ranks. Collective: every rank
-        calls it, in the same order."""
+        could issue them in different orders on different ranks."""
         if self.device_mesh is None:
             return {}
+        return self._new_dp_groups(local, whole=True)
+
+    def _new_dp_groups(self, local: int, whole: bool) -> dict:
+        """New process groups over every dp row of the mesh, by name: the whole row ("dp",
+        with `whole`) and, with `local` > 1, its runs of `local` ranks ("dp.local") and
+        its ranks at the same place in every run ("dp.node"). Every rank makes every
+        group, in the same order (new_group is collective); it keeps its own."""
         mesh = self.device_mesh.mesh
         axis = list(self.device_mesh.mesh_dim_names).index("dp")
-        rows = mesh.movedim(axis, -1).reshape(-1, mesh.shape[axis])
         me, out = dist.get_rank(), {}
-        for row in rows.tolist():
-            sets = [("dp", [row])]
+        for row in mesh.movedim(axis, -1).reshape(-1, mesh.shape[axis]).tolist():
+            sets = [("dp", [row])] if whole else []
             if local > 1:
                 sets += [("dp.local", [row[k:k + local] for k in range(0, len(row), local)]),
                          ("dp.node", [row[j::local] for j in range(local)])]

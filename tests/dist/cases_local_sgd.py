@@ -17,7 +17,7 @@ from autopar.compiler.ir.batch import Objective
 from autopar.examples import gpt2
 from autopar.runtime import local_sgd
 from autopar.testing import compare, make_batches, reference_train
-from tests.dist.cases_dp import sgd
+from tests.dist.cases_dp import adamw, sgd
 from tests.dist.registry import case
 
 
@@ -203,7 +203,7 @@ def local_sgd_composes_with_tensor_parallelism():
     assert report.ok, str(report)
 
 
-def _simulated_local_sgd(example, objective, batches, warmup, period, delay):
+def _simulated_local_sgd(example, objective, batches, warmup, period, delay, optimizer=sgd):
     """Local SGD on 2 replicas in one process, plain PyTorch: each steps SGD with momentum
     on its half of the batch (the warm-up on the mean of both halves' gradients, the
     global batch's); averaged after local step 0, period, 2 period, ...; with `delay`
@@ -212,7 +212,7 @@ def _simulated_local_sgd(example, objective, batches, warmup, period, delay):
     since then (runtime/local_sgd.py). (losses per replica, states per replica)."""
     replicas = [copy.deepcopy(example.model) for _ in range(2)]
     params = [[p for p in m.parameters() if p.requires_grad] for m in replicas]
-    opts = [sgd(ps) for ps in params]
+    opts = [optimizer(ps) for ps in params]
     losses, pending = [[], []], None
     for t, batch in enumerate(batches):
         for r in range(2):
@@ -252,7 +252,8 @@ def _simulated_local_sgd(example, objective, batches, warmup, period, delay):
 @case(world=2)
 def local_sgd_overlapped_average_matches_a_one_process_simulation():
     """Layout.local_sgd_overlap = k: each average is applied k local steps late with
-    the rank's own change kept (or when the next is due, period 2 and k = 3 below).
+    the rank's own change kept (or when the next is due, period 2 and k = 3 below), with
+    SGD and momentum and with AdamW.
     Against a one-process simulation of exactly that (parity tolerance); the simulation
     of the average applied at once is outside the tolerance (the test tells the two
     apart). A save right after an averaging step waits for its average: the ranks then
@@ -261,19 +262,21 @@ def local_sgd_overlapped_average_matches_a_one_process_simulation():
     objective, flat = Objective.from_example(example.batch, None, example.loss_fn)
     init = {k: v.clone() for k, v in example.model.state_dict().items()}
     rank, warmup = dist.get_rank(), 2
-    for period, delay, steps, averaged in ((2, 1, 7, 2), (3, 2, 9, 2), (2, 3, 8, 2)):
+    for period, delay, steps, averaged, opt in ((2, 1, 7, 2, sgd), (3, 2, 9, 2, sgd),
+                                                (2, 3, 8, 2, sgd), (2, 1, 7, 2, adamw)):
         batches = make_batches(flat, steps)
         step = _compile(example, autopar.Layout(dp=2, local_sgd=period, local_sgd_warmup=warmup,
-                                                local_sgd_overlap=delay))
+                                                local_sgd_overlap=delay), opt)
         losses = [float(step(*b)) for b in batches]
         sim_losses, sim = _simulated_local_sgd(example, objective, batches, warmup, period,
-                                               delay)
+                                               delay, opt)
+        adam = opt is adamw
         report = compare(losses[warmup:], sim_losses[rank][warmup:], step.full_state_dict(),
-                         sim[rank], init, adam=False)
-        assert report.ok, (period, delay, str(report))
-        _, at_once = _simulated_local_sgd(example, objective, batches, warmup, period, 0)
+                         sim[rank], init, adam=adam)
+        assert report.ok, (period, delay, opt.__name__, str(report))
+        _, at_once = _simulated_local_sgd(example, objective, batches, warmup, period, 0, opt)
         apart = compare(losses[warmup:], sim_losses[rank][warmup:], at_once[rank], sim[rank],
-                        init, adam=False)
+                        init, adam=adam)
         assert not apart.ok, f"period {period}, overlap {delay} ends as without: no test"
         # the last average is still in flight
         assert not step.synchronized and step.schedule.averagings == averaged, \

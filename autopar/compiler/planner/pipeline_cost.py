@@ -476,8 +476,6 @@ def _exposed_average(sync: list[float], ends: list[float], gather: list[float],
     """Per rank, what of Local SGD's amortised average (`sync`, grad_sync_time's) an
     overlapped one exposes under the rank's local step (its schedule's end, gather and
     optimizer: cost_model.overlapped_average); `sync` itself otherwise."""
-    if layout.local_sgd is None or not layout.local_sgd_overlap:
-        return sync
     return [overlapped_average(s, e + g + o, layout)
             for s, e, g, o in zip(sync, ends, gather, optim)]
 
