@@ -198,10 +198,11 @@ class Layout:
                               f"before it is applied; 0: at once) must be an integer >= 0, "
                               f"got {overlap!r}")
         if period is None:
-            if warmup or self.local_sgd_adaptive or self.local_sgd_overlap:
-                raise LayoutError("Layout.local_sgd_warmup, local_sgd_adaptive and "
-                                  "local_sgd_overlap need Layout.local_sgd (the averaging "
-                                  "period), which is None")
+            given = [n for n in ("local_sgd_warmup", "local_sgd_adaptive", "local_sgd_overlap")
+                     if getattr(self, n)]
+            if given:
+                raise LayoutError(f"{_fields_named(given)} only with Layout.local_sgd (the "
+                                  f"averaging period), which is not set")
             return
         if not isinstance(period, int) or isinstance(period, bool) or period < 1:
             raise LayoutError(f"Layout.local_sgd (the averaging period H, in steps) must be an "
@@ -228,9 +229,13 @@ class Layout:
                               f"number > 0 or None, got {clip!r}")
         sparsity = self.dgc
         if sparsity is None:
-            if self.dgc_warmup or self.dgc_rampup or clip is not None or self.dgc_topk != "exact":
-                raise LayoutError("Layout.dgc_warmup, dgc_rampup, dgc_clip and dgc_topk need "
-                                  "Layout.dgc (the final sparsity, e.g. 0.999), which is None")
+            given = [n for n, set_ in (("dgc_warmup", self.dgc_warmup),
+                                       ("dgc_rampup", self.dgc_rampup),
+                                       ("dgc_clip", clip is not None),
+                                       ("dgc_topk", self.dgc_topk != "exact")) if set_]
+            if given:
+                raise LayoutError(f"{_fields_named(given)} only with Layout.dgc (the final "
+                                  f"sparsity, e.g. 0.999), which is not set")
             return
         if not (isinstance(sparsity, (int, float)) and not isinstance(sparsity, bool)
                 and 0 < sparsity < 1):
@@ -326,6 +331,13 @@ class Layout:
         if unknown:
             raise LayoutError(f"unknown Layout field(s) {unknown}; known fields: {sorted(known)}")
         return cls(**data)
+
+
+def _fields_named(names: list[str]) -> str:
+    """'Layout.a', 'Layout.a and Layout.b', 'Layout.a, Layout.b and Layout.c': every field
+    named with its class, so that the CLI can name each by its flag instead."""
+    named = [f"Layout.{n}" for n in names]
+    return named[0] if len(named) == 1 else f"{', '.join(named[:-1])} and {named[-1]}"
 
 
 def _check_choice(name: str, value: Any, choices: tuple) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -363,11 +364,14 @@ def _train_layout(args: argparse.Namespace):
         return Layout()
 
     dp = args.dp if args.dp is not None else (2 if args.tp == args.pp == 1 else 1)
-    return Layout(dp=dp, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
-                  schedule=args.schedule, virtual_stages=args.virtual_stages,
-                  sequence_parallel=args.sequence_parallel, amp=args.amp,
-                  zero=args.zero, recompute=args.recompute, bucket_mb=args.bucket_mb,
-                  **_local_sgd_fields(args))
+    try:
+        return Layout(dp=dp, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
+                      schedule=args.schedule, virtual_stages=args.virtual_stages,
+                      sequence_parallel=args.sequence_parallel, amp=args.amp,
+                      zero=args.zero, recompute=args.recompute, bucket_mb=args.bucket_mb,
+                      **_local_sgd_fields(args))
+    except LayoutError as exc:
+        raise _named_by_flags(exc) from exc
 
 
 _COMM_FIELDS = ("local_sgd", "local_sgd_warmup", "local_sgd_adaptive", "local_sgd_overlap",
@@ -381,6 +385,18 @@ def _local_sgd_fields(args: argparse.Namespace) -> dict:
 
 _LAYOUT_FLAGS = ("dp", "tp", "pp", "microbatches", "schedule", "virtual_stages",
                  "sequence_parallel", "amp", "zero", "recompute", "bucket_mb", *_COMM_FIELDS)
+
+
+def _named_by_flags(exc: Exception) -> Exception:
+    """The LayoutError of a layout built from flags, each `Layout.<field>` it names that a
+    flag sets named by that flag (`Layout.local_sgd` -> `--local-sgd`): what the user typed."""
+    from autopar.layout import LayoutError
+
+    def flag(match: re.Match) -> str:
+        name = match[1]
+        return f"--{name.replace('_', '-')}" if name in _LAYOUT_FLAGS else match[0]
+
+    return LayoutError(re.sub(r"\bLayout\.([a-z_]+)\b", flag, str(exc)))
 
 
 class _Progress:
@@ -599,11 +615,15 @@ def cmd_kernels(args: argparse.Namespace) -> int:
 
 def _layout_from_args(args: argparse.Namespace, **more):
     """The Layout of `_add_layout_args`' flags and --dp, with `more` fields."""
-    from autopar.layout import Layout
+    from autopar.layout import Layout, LayoutError
 
-    return Layout(dp=args.dp, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
-                  schedule=args.schedule, virtual_stages=args.virtual_stages, amp=args.amp,
-                  zero=args.zero, recompute=args.recompute, **_local_sgd_fields(args), **more)
+    try:
+        return Layout(dp=args.dp, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
+                      schedule=args.schedule, virtual_stages=args.virtual_stages, amp=args.amp,
+                      zero=args.zero, recompute=args.recompute, **_local_sgd_fields(args),
+                      **more)
+    except LayoutError as exc:
+        raise _named_by_flags(exc) from exc
 
 
 def _add_layout_args(parser: argparse.ArgumentParser) -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
+import re
 import subprocess
 import sys
 
@@ -102,6 +104,34 @@ def test_train_layout_flags():
     assert _train_layout(parse(["train", "mlp", "--plan"])) == autopar.Layout()
     with pytest.raises(autopar.LayoutError, match="--plan chooses the layout; drop --tp, --zero"):
         _train_layout(parse(["train", "mlp", "--plan", "--tp", "2", "--zero", "1"]))
+
+
+@pytest.mark.parametrize("command", ["train", "estimate", "check", "bisect"])
+@pytest.mark.parametrize("flags, words", [
+    (["--local-sgd-overlap", "2", "--local-sgd-adaptive"],
+     r"--local-sgd-adaptive and --local-sgd-overlap only with --local-sgd \(the averaging"),
+    (["--dp", "2", "--local-sgd", "0"], r"--local-sgd \(the averaging period H, in steps\) must"),
+    (["--dgc-topk", "sampled"], r"--dgc-topk only with --dgc \(the final sparsity"),
+    (["--dp", "2", "--tp", "0"], "--tp must be a positive integer, got 0"),
+])
+def test_a_bad_layout_flag_is_named_by_its_flag(command, flags, words, capsys):
+    """A layout built from flags names the flags the user typed, not the Layout fields they
+    set (the message is the Layout's own otherwise); every layout flag is the field's name
+    with dashes, which the rewrite relies on."""
+    for action in actions_of(command):
+        if action.dest in cli._LAYOUT_FLAGS:
+            assert f"--{action.dest.replace('_', '-')}" in action.option_strings, action
+    with pytest.raises(SystemExit) as exc:
+        cli.main([command, "gpt2-tiny", *flags])
+    assert str(exc.value).startswith(f"autopar {command}: ")
+    assert re.search(words, str(exc.value)), str(exc.value)
+    assert "Layout." not in str(exc.value)
+
+
+def actions_of(command: str) -> list[argparse.Action]:
+    """The arguments of the CLI's `command`."""
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command]._actions
 
 
 def test_a_tiny_models_config_override_names_an_unknown_field():

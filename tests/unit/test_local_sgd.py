@@ -64,9 +64,10 @@ def test_an_adaptive_period_on_a_scripted_trace():
     ({"dp": 2, "local_sgd": 2.5}, "must be an integer >= 1"),
     ({"local_sgd": 2}, "needs dp > 1"),
     ({"dp": 2, "local_sgd": 2, "zero": 1}, "use zero=0"),
-    ({"dp": 2, "local_sgd_warmup": 3}, "need Layout.local_sgd"),
+    ({"dp": 2, "local_sgd_warmup": 3}, r"^Layout.local_sgd_warmup only with Layout.local_sgd "),
     ({"dp": 2, "local_sgd": 2, "local_sgd_warmup": -1}, "local_sgd_warmup .* must be an integer >= 0"),
-    ({"dp": 2, "local_sgd_overlap": 1}, "local_sgd_overlap need Layout.local_sgd"),
+    ({"dp": 2, "local_sgd_overlap": 1, "local_sgd_adaptive": True},
+     r"^Layout.local_sgd_adaptive and Layout.local_sgd_overlap only with Layout.local_sgd "),
     ({"dp": 2, "local_sgd": 2, "local_sgd_overlap": -1}, "local_sgd_overlap .* integer >= 0"),
     ({"dp": 2, "local_sgd": 2, "local_sgd_overlap": True}, "local_sgd_overlap .* got True"),
 ])
