@@ -29,6 +29,9 @@ every local step its slowest rank. N a multiple of the period keeps an overlappe
 average inside its own side's turn.
 
     python benchmarks/slow_link.py --rate 1gbit -- benchmarks/comm_efficient.py --steps 40
+
+`--table FILE --targets 40 80 120` prints the Markdown table of a saved run (the JSON it
+printed), the time to target read at DDP's loss at each of those steps.
 """
 
 from __future__ import annotations
@@ -92,8 +95,47 @@ def ddp_side(model, loss_fn, rank, world, hook=None, local=None, lr=0.05):
     return common.eager_step(ddp, loss_fn, opt, lambda ids: ids.chunk(world)[rank])
 
 
+def smoothed(values: list[float], k: int) -> list[float]:
+    """Each step's mean loss over its last k steps (fewer at the start)."""
+    return [statistics.mean(values[max(0, i + 1 - k):i + 1]) for i in range(len(values))]
+
+
+def reached(side: dict, target: float, k: int) -> int | None:
+    """The first step (1-based) at which `side`'s loss, smoothed over k steps, is at or
+    below `target`; None if it never is."""
+    return next((i + 1 for i, v in enumerate(smoothed(side["losses"], k)) if v <= target), None)
+
+
+def table(result: dict, targets: list[int]) -> str:
+    """A saved run's Markdown table: per side its link bytes per step and median step
+    time after the warm-up, its mean step time over the whole run, and for DDP's
+    smoothed loss at each of `targets` the step a side first reaches it and its time to
+    there over DDP's (the sum of its step times)."""
+    sides, k = result["sides"], result["smooth"]
+    ddp = sides["DDP"]
+    goals = [smoothed(ddp["losses"], k)[n - 1] for n in targets]
+    ddp_s = [sum(ddp["step_s"][:reached(ddp, g, k)]) for g in goals]
+    named = " / ".join(map(str, targets))
+    rows = [f"| side | MB per step | median / mean step s | reaches DDP's loss at step {named} "
+            f"| time to target / DDP (N = {named}) |", "|---|---|---|---|---|"]
+    for name, side in sides.items():
+        steps = [reached(side, g, k) for g in goals]
+        ratios = ["-" if n is None else f"{sum(side['step_s'][:n]) / t:.3f}"
+                  for n, t in zip(steps, ddp_s)]
+        rows.append(f"| {name} | {side['link_bytes_per_step'] / 1e6:.2f} | "
+                    f"{side['median_step_s']:.3f} / {statistics.mean(side['step_s']):.3f} | "
+                    f"{' / '.join('-' if n is None else str(n) for n in steps)} | "
+                    f"{' / '.join(ratios)} |")
+    return "\n".join(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--table", metavar="FILE", default=None,
+                        help="print the Markdown table of a saved run (its JSON, as printed) "
+                             "for the --targets, and exit; nothing runs")
+    parser.add_argument("--targets", type=int, nargs="+", default=[40, 80, 120],
+                        help="with --table: the steps of DDP's loss to read the time to")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--target-step", type=int, default=None,
                         help="DDP's loss at this step is the target (default: the last)")
@@ -123,6 +165,10 @@ def main() -> None:
     parser.add_argument("--sides", nargs="+", default=None,
                         help="run only these sides (names as printed; DDP always runs)")
     args = parser.parse_args()
+    if args.table is not None:
+        text = open(args.table).read()
+        print(table(json.loads(text[text.index("{"):]), args.targets))
+        return
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -201,18 +247,12 @@ def main() -> None:
             mean = loss.detach().clone().float()
             dist.all_reduce(mean)  # untimed: the loss the ranks' models reach together
             losses[name].append(float(mean) / world)
-    def smoothed(values):
-        return [statistics.mean(values[max(0, k + 1 - args.smooth):k + 1])
-                for k in range(len(values))]
-
     target_step = (args.target_step or args.steps) - 1
-    target = smoothed(losses["DDP"])[target_step]
+    target = smoothed(losses["DDP"], args.smooth)[target_step]
 
     def to_target(name):
-        for k, value in enumerate(smoothed(losses[name])):
-            if value <= target:
-                return sum(times[name][:k + 1])
-        return None
+        step = reached({"losses": losses[name]}, target, args.smooth)
+        return None if step is None else sum(times[name][:step])
 
     if rank == 0:
         after = slice(args.warmup, None)
@@ -229,7 +269,7 @@ def main() -> None:
                                 "link_bytes_last_quarter": statistics.mean(
                                     sent[n][-max(1, args.steps // 4):]),
                                 "final_loss": losses[n][-1],
-                                "final_loss_smoothed": smoothed(losses[n])[-1],
+                                "final_loss_smoothed": smoothed(losses[n], args.smooth)[-1],
                                 "time_to_target_s": to_target(n),
                                 "total_s": sum(times[n]),
                                 # per step, to read a time to target off any other step
