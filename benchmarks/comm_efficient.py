@@ -100,10 +100,10 @@ def smoothed(values: list[float], k: int) -> list[float]:
     return [statistics.mean(values[max(0, i + 1 - k):i + 1]) for i in range(len(values))]
 
 
-def reached(side: dict, target: float, k: int) -> int | None:
-    """The first step (1-based) at which `side`'s loss, smoothed over k steps, is at or
-    below `target`; None if it never is."""
-    return next((i + 1 for i, v in enumerate(smoothed(side["losses"], k)) if v <= target), None)
+def reached(losses: list[float], target: float, k: int) -> int | None:
+    """The first step (1-based) at which `losses`, smoothed over k steps, is at or below
+    `target`; None if it never is."""
+    return next((i + 1 for i, v in enumerate(smoothed(losses, k)) if v <= target), None)
 
 
 def table(result: dict, targets: list[int]) -> str:
@@ -114,12 +114,12 @@ def table(result: dict, targets: list[int]) -> str:
     sides, k = result["sides"], result["smooth"]
     ddp = sides["DDP"]
     goals = [smoothed(ddp["losses"], k)[n - 1] for n in targets]
-    ddp_s = [sum(ddp["step_s"][:reached(ddp, g, k)]) for g in goals]
+    ddp_s = [sum(ddp["step_s"][:reached(ddp["losses"], g, k)]) for g in goals]
     named = " / ".join(map(str, targets))
     rows = [f"| side | MB per step | median / mean step s | reaches DDP's loss at step {named} "
             f"| time to target / DDP (N = {named}) |", "|---|---|---|---|---|"]
     for name, side in sides.items():
-        steps = [reached(side, g, k) for g in goals]
+        steps = [reached(side["losses"], g, k) for g in goals]
         ratios = ["-" if n is None else f"{sum(side['step_s'][:n]) / t:.3f}"
                   for n, t in zip(steps, ddp_s)]
         rows.append(f"| {name} | {side['link_bytes_per_step'] / 1e6:.2f} | "
@@ -251,7 +251,7 @@ def main() -> None:
     target = smoothed(losses["DDP"], args.smooth)[target_step]
 
     def to_target(name):
-        step = reached({"losses": losses[name]}, target, args.smooth)
+        step = reached(losses[name], target, args.smooth)
         return None if step is None else sum(times[name][:step])
 
     if rank == 0:

@@ -364,14 +364,8 @@ def _train_layout(args: argparse.Namespace):
         return Layout()
 
     dp = args.dp if args.dp is not None else (2 if args.tp == args.pp == 1 else 1)
-    try:
-        return Layout(dp=dp, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
-                      schedule=args.schedule, virtual_stages=args.virtual_stages,
-                      sequence_parallel=args.sequence_parallel, amp=args.amp,
-                      zero=args.zero, recompute=args.recompute, bucket_mb=args.bucket_mb,
-                      **_local_sgd_fields(args))
-    except LayoutError as exc:
-        raise _named_by_flags(exc) from exc
+    return _layout_from_args(args, dp=dp, sequence_parallel=args.sequence_parallel,
+                             bucket_mb=args.bucket_mb)
 
 
 _COMM_FIELDS = ("local_sgd", "local_sgd_warmup", "local_sgd_adaptive", "local_sgd_overlap",
@@ -614,14 +608,15 @@ def cmd_kernels(args: argparse.Namespace) -> int:
 # -- entry point --------------------------------------------------------------------------
 
 def _layout_from_args(args: argparse.Namespace, **more):
-    """The Layout of `_add_layout_args`' flags and --dp, with `more` fields."""
+    """The Layout of `_add_layout_args`' flags and --dp, with `more` fields (over them); a
+    bad value's LayoutError names the flags (_named_by_flags)."""
     from autopar.layout import Layout, LayoutError
 
+    fields = dict(dp=args.dp, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
+                  schedule=args.schedule, virtual_stages=args.virtual_stages, amp=args.amp,
+                  zero=args.zero, recompute=args.recompute, **_local_sgd_fields(args))
     try:
-        return Layout(dp=args.dp, tp=args.tp, pp=args.pp, microbatches=args.microbatches,
-                      schedule=args.schedule, virtual_stages=args.virtual_stages, amp=args.amp,
-                      zero=args.zero, recompute=args.recompute, **_local_sgd_fields(args),
-                      **more)
+        return Layout(**{**fields, **more})
     except LayoutError as exc:
         raise _named_by_flags(exc) from exc
 
