@@ -94,7 +94,8 @@ def compile(model: torch.nn.Module,
     moves aten ops ("mm" or "aten.mm") between AMP's lists (with Layout.amp on).
     `pass_options` sets fields of the passes' options (`autopar.PassOptions`) for a
     given layout, e.g. {"pipeline_cuts": ["transformer.h.2.mlp"]}: where pipeline
-    stages start, at a block or a module inside one.
+    stages start, at a block or a module inside one. A Plan's own `pass_options` (what
+    it costed the layout with) apply under them.
     """
     if pass_options and layout is None:
         raise ValueError("pass_options set how the passes rewrite a given layout; pass "
@@ -114,6 +115,8 @@ def compile(model: torch.nn.Module,
     if layout is None:
         plan = _plan_for_job(model, cluster, example_inputs, objective, optimizer, world)
     layout = plan.layout if plan is not None else layout
+    if plan is not None and plan.pass_options:  # what the plan costed; the caller's win
+        pass_options = {**plan.pass_options, **(pass_options or {})}
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be an autopar.Layout or Plan, got {type(layout).__name__}")
     layout.check_world_size(world)

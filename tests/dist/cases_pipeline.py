@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.examples import gpt2, llama
+from autopar.examples import gpt2, hf_tiny, llama
 from tests.dist.cases_dp import adamw, check_parity, sgd
 from tests.dist.registry import case
 
@@ -61,6 +61,43 @@ pp_case("pp2_interleaved_cuts_inside_blocks_gpt2_sgd", lambda: gpt2(layers=4), s
         cuts=["transformer.h.1.mlp", "transformer.h.2", "transformer.h.3.attn"])
 pp_case("tp2_pp2_cut_inside_a_block_llama_sgd", lambda: llama(layers=4), sgd, world=4, tp=2,
         pp=2, microbatches=2, cuts=["model.layers.2.mlp"])
+
+
+@case(world=2)
+def pp2_1f1b_default_cut_inside_a_block_bert_sgd():
+    """No cut pinned: the balanced cut moves inside a block by itself (BERT's stages are
+    more even cut at a module of a block), and the step keeps parity. (SGD: BERT's key
+    biases get a gradient of rounding noise, which AdamW scales to a full step.)"""
+    step = check_parity(hf_tiny("bert"), sgd, autopar.Layout(pp=2, microbatches=2))
+    stats = {r.name: r for r in step.pass_results}["assign_stages"].stats
+    assert isinstance(stats["first_block_of_stage"][0], str), stats
+
+
+@case(world=2)
+def pp2_planned_from_a_template_compiles_its_cut_between_blocks_gpt2_sgd():
+    """A Plan whose pipeline was costed from a two-block template carries
+    cut_inside_blocks=False, and compile(layout=plan) applies it: the stages start at
+    the block the template's cut stands for, where the same layout compiled alone (this
+    model on this cluster) starts its second stage inside block 2."""
+    from autopar.compiler.passes.assign_stages import AssignStages
+    from autopar.compiler.passes.base import PassContext
+    from autopar.examples import load_example
+
+    example = load_example("gpt2-small4", vocab=4096, hidden=256, layers=4)
+    local = autopar.ClusterSpec.local(2)
+    plan = autopar.plan(example.model, local, example.batch, example.loss_fn, pp=2,
+                        microbatches=4, schedule="1f1b", workers=0)
+    assert plan.pass_options == {"cut_inside_blocks": False}, plan.pass_options
+    assert autopar.Plan.from_dict(plan.to_dict()).pass_options == plan.pass_options
+    micro = tuple(t[:len(t) // 4] for t in example.batch)
+    alone = AssignStages().run(autopar.trace(example.model, micro, example.loss_fn),
+                               PassContext(plan.layout, local))[1].stats
+    assert alone["first_block_of_stage"] == ["transformer.h.2.ln_2"], alone
+    step = check_parity(example, sgd, plan, steps=2)
+    stats = {r.name: r for r in step.pass_results}["assign_stages"].stats
+    assert stats["first_block_of_stage"] == [3], stats
+
+
 pp_case("tp2_microbatches4_gradient_accumulation_gpt2_adamw", lambda: gpt2(layers=2), adamw,
         tp=2, microbatches=4)
 pp_case("tp2_microbatches4_gradient_accumulation_llama_sgd", lambda: llama(layers=2), sgd,

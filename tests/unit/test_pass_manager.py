@@ -171,7 +171,8 @@ def test_context_and_options_are_frozen_and_typed(tiny_graph):
     with pytest.raises(TypeError):
         ctx.options.amp_lists["black"] = ["mm"]
     assert PassContext().options == PassOptions()
-    known = r"\['tp_rank', 'dp_rank', 'optimizer_memory', 'memory_budget', 'pipeline_cuts', 'amp_lists', 'hierarchy_form'\]"
+    known = (r"\['tp_rank', 'dp_rank', 'optimizer_memory', 'memory_budget', 'pipeline_cuts', "
+             r"'cut_inside_blocks', 'amp_lists', 'hierarchy_form'\]")
     with pytest.raises(TypeError, match=r"unknown pass option\(s\) \['loss_scale'\]; the options are "
                        + known):
         PassContext(options={"loss_scale": 2.0})

@@ -16,7 +16,7 @@ from autopar.compiler.lowering.lower_pipeline import lower_pipeline
 from autopar.compiler.ir.meta import STAGE
 from autopar.compiler.passes.assign_stages import AssignStages, StageError, balanced_cuts
 from autopar.compiler.passes.base import PassContext
-from autopar.examples import gpt2, hf_tiny, llama
+from autopar.examples import gpt2, hf_tiny, llama, load_example
 
 
 def brute_force(costs, parts, head, tail):
@@ -87,16 +87,16 @@ def test_a_large_output_head_gets_a_stage_of_its_own():
     assert head and all(n.meta[STAGE] == 1 for n in head)
 
 
-def assigned(example, **layout):
+def assigned(example, options=None, **layout):
     tg = autopar.trace(example.model, example.batch, example.loss_fn)
-    return AssignStages().run(tg, PassContext(autopar.Layout(**layout)))
+    return AssignStages().run(tg, PassContext(autopar.Layout(**layout), options=options))
 
 
 @pytest.mark.parametrize("factory", [lambda: gpt2(layers=4), lambda: llama(layers=4),
                                      lambda: hf_tiny("bert"), lambda: hf_tiny("mixtral")],
                          ids=["gpt2", "llama", "bert", "mixtral"])
 def test_every_node_in_one_stage_and_data_flows_forward_then_back(factory):
-    tg, result = assigned(factory(), pp=2, microbatches=2)
+    tg, result = assigned(factory(), {"cut_inside_blocks": False}, pp=2, microbatches=2)
     assert result.stats["stages"] == 2
     assert {node.meta[STAGE] for node in tg.call_nodes()} == {0, 1}
     _data_flows_forward_then_back(tg)
@@ -241,6 +241,70 @@ def test_stage_programs_cut_inside_a_block_back_to_back_equal_the_joint_graph(fa
     tg, _ = _cut_at(ex, path, microbatches=1)
     program = _back_to_back_equals_the_joint_graph(ex, tg)
     assert program.stages[0].send_forward[1] and program.stages[1].send_backward[0]
+
+
+def _slowest(tg, options=None, stats=None) -> float:
+    """The slowest stage's estimated seconds, its sends and receives counted."""
+    if stats is None:
+        layout = autopar.Layout(pp=2, microbatches=2)
+        stats = AssignStages().run(tg, PassContext(layout, options=options))[1].stats
+    return max(a + b for a, b in zip(stats["estimated_stage_seconds"],
+                                     stats["estimated_send_seconds"]))
+
+
+@pytest.mark.parametrize("factory", [lambda: gpt2(layers=4), lambda: llama(layers=4),
+                                     lambda: hf_tiny("bert"), lambda: hf_tiny("mixtral")],
+                         ids=["gpt2", "llama", "bert", "mixtral"])
+def test_the_default_cut_moves_inside_a_block_only_where_its_slowest_stage_is_faster(factory):
+    """By default a cut between blocks moves to the start of a direct child of a block
+    beside it when that makes the slowest stage faster, its sends and receives counted:
+    it is then no slower than the cut between blocks nor than a cut at any child of the
+    block it chose (every one tried here as a pinned cut), gives the stages of that cut
+    pinned, and the stages lower to the joint graph."""
+    ex = factory()
+    tg = autopar.trace(ex.model, ex.batch, ex.loss_fn)
+    layout = autopar.Layout(pp=2, microbatches=1)
+    cut, result = AssignStages().run(tg, PassContext(layout))
+    chosen = result.stats["first_block_of_stage"][0]
+    between = _slowest(tg, {"cut_inside_blocks": False})
+    if isinstance(chosen, int) or chosen is None:
+        assert _slowest(tg, stats=result.stats) == pytest.approx(between)
+        return
+    container, _ = tg.source.blocks
+    block = int(chosen[len(container) + 1:].split(".")[0])
+    children = {(n.meta[M.MODULE_PATH] or "")[len(f"{container}.{block}") + 1:].split(".")[0]
+                for n in tg.call_nodes() if n.meta.get(M.LAYER) == block
+                and n.meta[M.ROLE] != M.Role.BACKWARD}
+    slowest = _slowest(tg, stats=result.stats)
+    assert slowest <= between + 2e-6  # the stats' seconds are rounded to 1e-6
+    for child in children - {""}:
+        try:
+            other = _slowest(tg, {"pipeline_cuts": [f"{container}.{block}.{child}"]})
+        except StageError:  # the block's first module: its own cut
+            continue
+        assert slowest <= other + 2e-6, (chosen, child)
+    pinned, _ = AssignStages().run(tg, PassContext(layout, options={"pipeline_cuts": [chosen]}))
+    assert [n.meta[STAGE] for n in pinned.call_nodes()] == [n.meta[STAGE] for n in cut.call_nodes()]
+    _data_flows_forward_then_back(cut)
+    _back_to_back_equals_the_joint_graph(ex, cut)
+
+
+def test_no_default_cut_inside_a_recomputed_block_or_with_virtual_stages():
+    """A block recomputed in its backward would run its recomputation on both stages, and
+    a rank of an interleaved pipeline holds several stages: the cuts stay between blocks."""
+    ex = load_example("gpt2-small4", vocab=4096, hidden=256, layers=4)
+    micro = tuple(t[:len(t) // 4] for t in ex.batch)
+    tg = autopar.trace(ex.model, micro, ex.loss_fn)
+    local = autopar.ClusterSpec.local(2)
+    moved = AssignStages().run(tg, PassContext(autopar.Layout(pp=2, microbatches=4), local))
+    assert moved[1].stats["first_block_of_stage"] == ["transformer.h.2.ln_2"]  # else: moot
+    interleaved = autopar.Layout(pp=2, microbatches=4, virtual_stages=2, schedule="interleaved")
+    stats = AssignStages().run(tg, PassContext(interleaved, local))[1].stats
+    assert not any(isinstance(b, str) for b in stats["first_block_of_stage"]), stats
+    recomputed = autopar.run_passes(tg, autopar.Layout(pp=2, microbatches=4, recompute="full"),
+                                    local, passes=["recompute", "assign_stages"])[1]
+    stats = {r.name: r for r in recomputed}["assign_stages"].stats
+    assert not isinstance(stats["first_block_of_stage"][0], str), stats
 
 
 @pytest.mark.parametrize("arch", ["bert", "mixtral", "falcon", "gpt_neox", "phi3"])

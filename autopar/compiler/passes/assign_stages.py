@@ -11,6 +11,13 @@ holds least (`CutMemory`: a stage's parameters with their gradients and optimize
 state, and the activations its forward keeps per micro-batch times the micro-batches
 the schedule keeps in flight on it: under 1F1B pp on the first stage, one on the
 last); not with virtual stages (a rank holds several stages).
+Then each cut may move inside a block (`PassOptions.cut_inside_blocks`, on by default;
+not with virtual stages): to where a direct child module of the block beside it starts
+(the block before the cut when the stage before is the slower, else the block after),
+where that makes the slowest stage faster, each stage's sends and receives of values
+between stages counted; within the memory budget, the bytes of a
+stage that starts or ends inside a block counted with the whole block. A block
+recomputed in its backward is not cut.
 `PassOptions.pipeline_cuts` pins the cuts by module
 path: a named block starts a new stage, and so does a module inside a block
 ("transformer.h.2.mlp": the block's forward ops from the first one that runs in that
@@ -35,14 +42,16 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from autopar.cluster import ClusterSpec
+from autopar.cluster import ClusterSpec, LinkSpec
 from autopar.compiler.analysis.memory import OptimizerMemory, held_per_byte
 from autopar.compiler.analysis.summary import node_time, summarize
 from autopar.compiler.ir import meta as M
+from autopar.compiler.ir.annotate import tensor_bytes
 from autopar.compiler.ir.graph import TrainGraph, param_layers
 from autopar.compiler.ir.schedule import in_flight
 from autopar.compiler.passes.base import GraphPass, PassContext, PassOptions, PassResult
 from autopar.compiler.passes.manager import register_pass
+from autopar.costs import DEFAULT_EFFICIENCY, group_spans_nodes
 from autopar.layout import Layout
 
 
@@ -417,6 +426,22 @@ def cut_weights(tg: TrainGraph, cluster: ClusterSpec) -> CutWeights:
         saved.get("head", 0), saved.get("tail", 0))
 
 
+def _link(layout: Layout, cluster: ClusterSpec) -> LinkSpec:
+    """The link between neighbouring pipeline stages: the network once a pipeline group
+    leaves the node."""
+    spans = group_spans_nodes(layout.pp, layout.tp * layout.dp, cluster)
+    return cluster.inter_node if spans else cluster.intra_node
+
+
+def _bytes_bound(memory: CutMemory, at: list[tuple[int, int]]) -> list[float]:
+    """Each stage's bytes for the cuts `at` ((block index, position in it)), as the cut
+    weighs them: a stage that starts or ends inside a block counted with all of it (its
+    bytes lie between those of the two block cuts around)."""
+    floors = [c for c, _ in at]
+    ceils = [c + (p > 0) for c, p in at]
+    return [memory.stage_bytes(floors[:s] + ceils[s:])[s] for s in range(len(at) + 1)]
+
+
 def _positions(tg: TrainGraph) -> dict:
     """Each forward op of a block -> its position among that block's forward ops, in the
     order they run."""
@@ -481,23 +506,25 @@ class AssignStages(GraphPass):
         layers = sorted({n.meta[M.LAYER] for n in tg.call_nodes() if n.meta.get(M.LAYER) is not None})
         check_stage_count(ctx.layout, len(layers))
         cluster = ctx.cluster or ClusterSpec.local(1)  # without one: this machine's device
-        base, cuts, memory, weights = self._cut(tg, layers, stages, cluster, ctx)
+        at, first, memory, weights = self._cut(tg, layers, stages, cluster, ctx)
         tg.attrs[CUT_WEIGHTS] = weights
-        self._assign_forward(tg, base, stages - 1)
-        self._assign_backward(tg, stages)
-        per_stage = [0.0] * stages
-        for n in tg.call_nodes():
-            per_stage[n.meta[M.STAGE]] += node_time(n, cluster)
+        per_stage = self._assign(tg, at, layers, stages, cluster)
+        sends = self._with_sends(tg, [0.0] * stages, _link(ctx.layout, cluster))
         # first_block_of_stage: the block a stage starts with; None for a stage of only
-        # final norm, head and loss; a module path where it starts inside a block
-        stats = {"stages": stages, "first_block_of_stage": cuts,
-                 "estimated_stage_seconds": [round(t, 6) for t in per_stage]}
+        # final norm, head and loss; a module path where it starts inside a block.
+        # estimated_send_seconds: each stage's sends and receives of one micro-batch
+        stats = {"stages": stages, "first_block_of_stage": first,
+                 "estimated_stage_seconds": [round(t, 6) for t in per_stage],
+                 "estimated_send_seconds": [round(t, 6) for t in sends]}
         if memory is not None:  # the stages' bytes as the cut weighed them, and the budget
             stats["weighed_stage_bytes"] = [round(b) for b in memory]
             stats["stage_budget_bytes"] = round(stage_budget(cluster, ctx.options))
         return tg, PassResult(self.name, changed=True, stats=stats)
 
     def _cut(self, tg, layers, stages, cluster, ctx):
+        """(each cut as (block index, forward-op position in the block: 0 at its start),
+        the first block of each stage after the first (a module path where it starts
+        inside a block), the stages' bytes as weighed or None, the CutWeights)."""
         weights = cut_weights(tg, cluster)
         costs = [weights.seconds.get(layer, 0.0) for layer in layers]
         pinned = ctx.options.pipeline_cuts
@@ -513,18 +540,106 @@ class AssignStages(GraphPass):
                                  stage_budget(cluster, ctx.options))
         else:
             cuts = []
-        # each cut as (block index, forward-op position in the block): 0 at its start
         at = [(c, inside[k][0] if k in inside else 0) for k, c in enumerate(cuts)]
+        if not pinned and cuts and ctx.options.cut_inside_blocks \
+                and ctx.layout.virtual_stages == 1:
+            at, paths = self._inside_blocks(tg, layers, at, stages, cluster, memory,
+                                            stage_budget(cluster, ctx.options),
+                                            _link(ctx.layout, cluster))
+            inside = {k: (at[k][1], path) for k, path in paths.items()}
+        # a cut after the last block: that stage holds only what follows the stack
+        first = [inside[k][1] if k in inside else layers[c] if c < len(layers) else None
+                 for k, (c, _) in enumerate(at)]
+        return at, first, _bytes_bound(memory, at) if memory is not None else None, weights
+
+    def _assign(self, tg: TrainGraph, at: list[tuple[int, int]], layers: list[int],
+                stages: int, cluster: ClusterSpec,
+                seconds: dict | None = None) -> list[float]:
+        """Give every node of `tg` its stage for the cuts `at` (any stage given before is
+        dropped); each stage's estimated seconds (`seconds`: each node's, else node_time)."""
         index = {layer: i for i, layer in enumerate(layers)}
+        position = _positions(tg)
 
         def base(node) -> int:
             """The stage a forward op of a block runs on at least: the cuts at or before it."""
             here = (index[node.meta[M.LAYER]], position[node])
             return sum(1 for cut in at if cut <= here)
-        # a cut after the last block: that stage holds only what follows the stack
-        first = [inside[k][1] if k in inside else layers[c] if c < len(layers) else None
-                 for k, c in enumerate(cuts)]
-        return base, first, memory.stage_bytes(cuts) if memory is not None else None, weights
+        for n in tg.call_nodes():
+            n.meta.pop(M.STAGE, None)
+        self._assign_forward(tg, base, stages - 1)
+        self._assign_backward(tg, stages)
+        per_stage = [0.0] * stages
+        for n in tg.call_nodes():
+            per_stage[n.meta[M.STAGE]] += \
+                seconds[n] if seconds is not None else node_time(n, cluster)
+        return per_stage
+
+    def _inside_blocks(self, tg, layers, at, stages, cluster, memory, budget, link
+                       ) -> tuple[list[tuple[int, int]], dict[int, str]]:
+        """The block cuts `at` with each moved, where that makes the slowest stage faster,
+        to the start of a module inside one of the two blocks beside it (the block before
+        when the stage before the cut is the slower, else the block after), cuts taken in
+        order: (the cuts, {cut: the module's path} for each moved). A module is a direct
+        child of its block, where the block's first forward op run in it starts; a block
+        recomputed in its backward is not cut (its recomputation would run on both
+        stages). With `memory` (the cut weighs bytes), a move is taken only if every
+        stage's bytes, bounded by the two block cuts around the new one, stay within
+        `budget` (or within the block cut's fullest stage, where that exceeds it)."""
+        blocks = tg.source.blocks if tg.source is not None else None
+        if blocks is None:
+            return at, {}
+        recomputed = {n.meta.get(M.LAYER) for n in tg.call_nodes() if n.meta.get(M.RECOMPUTED)}
+        position = _positions(tg)
+        starts: dict[int, dict[str, int]] = {}  # block index -> {child path: first position}
+        index = {layer: i for i, layer in enumerate(layers)}
+        for n, p in position.items():
+            layer = n.meta[M.LAYER]
+            child = _modules(n, f"{blocks[0]}.{layer}")[:1]
+            if child and layer not in recomputed:
+                starts.setdefault(index[layer], {}).setdefault(child[0], p)
+        # a module where the block's first op runs starts the block: the block's own cut
+        starts = {b: {path: p for path, p in firsts.items() if p > 0}
+                  for b, firsts in starts.items()}
+        if not any(starts.values()):
+            return at, {}
+        seconds = {n: node_time(n, cluster) for n in tg.call_nodes()}
+        limit = None if memory is None else \
+            max(budget, max(memory.stage_bytes([c for c, _ in at])))
+        chosen, paths = list(at), {}
+        per_stage = self._with_sends(tg, self._assign(tg, chosen, layers, stages, cluster,
+                                                      seconds), link)
+        for k in range(len(chosen)):
+            c = chosen[k][0]
+            block = c - 1 if per_stage[k] > per_stage[k + 1] else c
+            below = chosen[k - 1] if k else (-1, 0)
+            above = chosen[k + 1] if k + 1 < len(chosen) else (len(layers) + 1, 0)
+            for path, p in starts.get(block, {}).items():
+                trial = [*chosen[:k], (block, p), *chosen[k + 1:]]
+                if not below < trial[k] < above:
+                    continue
+                if limit is not None and max(_bytes_bound(memory, trial)) > limit:
+                    continue
+                times = self._with_sends(tg, self._assign(tg, trial, layers, stages, cluster,
+                                                          seconds), link)
+                if max(times) < max(per_stage) * (1 - 1e-9):
+                    chosen, per_stage, paths[k] = trial, times, path
+        return chosen, paths
+
+    @staticmethod
+    def _with_sends(tg: TrainGraph, per_stage: list[float], link: LinkSpec) -> list[float]:
+        """`per_stage` (seconds of each stage's ops) plus, on both stages of each value one
+        stage sends another (an activation forward, its gradient back), its transfer over
+        `link`: a cut inside a block sends more than the block's output (the residual
+        and the module's input), which its more even stages must pay for."""
+        out = list(per_stage)
+        for n in tg.call_nodes():
+            here = n.meta[M.STAGE]
+            for there in {u.meta[M.STAGE] for u in n.users if M.STAGE in u.meta} - {here}:
+                seconds = link.latency_s + tensor_bytes(n.meta.get(M.VAL)) \
+                    / (link.bandwidth * DEFAULT_EFFICIENCY.link)
+                out[here] += seconds
+                out[there] += seconds
+        return out
 
     @staticmethod
     def _pinned(tg, layers, pinned, stages, position: dict

@@ -18,9 +18,9 @@ Writing one (see docs/passes.md):
 
 What a pass reads is all in its PassContext: the Layout, the ClusterSpec (or None)
 and PassOptions, the typed per-process settings the Layout does not hold (tp_rank,
-dp_rank, optimizer_memory, memory_budget, pipeline_cuts, amp_lists; each field says
-which pass reads it and who sets it). A pass of your own takes its settings in its
-constructor.
+dp_rank, optimizer_memory, memory_budget, pipeline_cuts, cut_inside_blocks, amp_lists,
+hierarchy_form; each field says which pass reads it and who sets it). A pass of your
+own takes its settings in its constructor.
 
 The deferred re-trace, a hand-off between forward-level passes. Such a pass (tensor
 parallelism, AMP) changes the forward by adding a hook to `tg.source` and tracing the
@@ -91,6 +91,12 @@ class PassOptions:
     # balanced cuts: a repeated block, or a module inside one. Set by the planner (its
     # pipeline templates) and by autopar.compile(pass_options=)
     pipeline_cuts: tuple[str, ...] | None = None
+    # assign_stages without pipeline_cuts: True lets a balanced cut between blocks move
+    # to a module inside a neighbouring block where the stages' estimated times are then
+    # more even; False keeps every cut between blocks. The planner's pipeline templates
+    # (two blocks, cut between them) cost cuts between blocks, and a Plan chosen from
+    # one compiles with False (Plan.pass_options)
+    cut_inside_blocks: bool = True
     # amp: aten ops moved between AMP's lists, {"white": [...], "black": [...], "gray":
     # [...]} (an AutoMixedPrecision(amp_lists=...) of its own wins). Set by
     # autopar.compile(amp_lists=...)
@@ -115,6 +121,9 @@ class PassOptions:
         if self.hierarchy_form not in ("auto", "leaders", "shards"):
             raise ValueError(f"pass option hierarchy_form must be 'auto', 'leaders' or "
                              f"'shards', got {self.hierarchy_form!r}")
+        if not isinstance(self.cut_inside_blocks, bool):
+            raise ValueError(f"pass option cut_inside_blocks must be True or False, got "
+                             f"{self.cut_inside_blocks!r}")
         if self.pipeline_cuts is not None:
             if isinstance(self.pipeline_cuts, str):
                 raise ValueError(f"pass option pipeline_cuts must be a list of module paths, "

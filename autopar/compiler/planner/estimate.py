@@ -81,7 +81,8 @@ class Estimator:
                  example_inputs: Sequence[torch.Tensor], loss_fn: LossFn | None = None,
                  optimizer: str = "adamw", efficiency: Efficiency = DEFAULT_EFFICIENCY,
                  passes: Sequence[GraphPass | str] | None = None,
-                 trace_blocks: int | str | None = "auto") -> None:
+                 trace_blocks: int | str | None = "auto",
+                 pass_options: dict[str, Any] | None = None) -> None:
         if optimizer not in OPTIMIZER_STATES:
             raise PlanArgumentError(f"optimizer must be one of {', '.join(OPTIMIZER_STATES)}, "
                              f"got {optimizer!r}")
@@ -98,13 +99,15 @@ class Estimator:
                              kernels=cluster.device.kind,
                              attention=cluster.device.attention,
                              cluster=cluster if passes is None else None)
-        self.rewrites = Rewrites(self.traces, cluster, passes)
+        # pass_options: PassOptions fields every layout is rewritten with, as
+        # compile(pass_options=) would
+        self.rewrites = Rewrites(self.traces, cluster, passes, pass_options)
         self.replicas = Replicas()
         self.schedules = ScheduleTimes(cluster, optimizer, efficiency)
         self.floors = TemplateFloors(cluster, efficiency)
         # the bytes a pipeline stage's cut fits in, as AssignStages takes it under the
-        # default passes (the cluster's device memory)
-        self.stage_budget = stage_budget(cluster, PassOptions())
+        # default passes (PassOptions.memory_budget, else the cluster's device memory)
+        self.stage_budget = stage_budget(cluster, PassOptions.of(pass_options))
         self.workers = WorkerPool()
         self._predictions: dict[Layout, Prediction] = {}
 

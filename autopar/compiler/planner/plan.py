@@ -159,6 +159,8 @@ def _search(model, cluster, example_inputs, loss_fn, optimizer, efficiency, prog
             raise PlanError(f"{exc}{hint}") from None
         result.details = details(estimator, result.layout, cluster, efficiency, optimizer)
         result.details["tracing"] = estimator.traces.describe(result.layout)
+        if estimator.traces.templated(result.layout):  # costed with its cuts between blocks
+            result.pass_options = {"cut_inside_blocks": False}
     finally:
         estimator.close_workers()
     result.details["search"] = {"candidates": len(candidates), "pruned": len(pruned),

@@ -59,7 +59,10 @@ class Plan:
     alternatives: every other costed layout, fitting ones fastest first, then the ones
     over memory, each with why it lost; skipped: layouts compile or the cost model
     refuse, with the reason; details: JSON-able facts for the report (the chosen
-    layout's simulated schedule, tensor-parallel placements, per-layer costs)."""
+    layout's simulated schedule, tensor-parallel placements, per-layer costs);
+    pass_options: the PassOptions fields `compile` rewrites the layout with, so that it
+    compiles the program the plan costed (a pipeline costed from a template of two
+    blocks, cut between them: {"cut_inside_blocks": False})."""
 
     layout: Layout
     predicted: Prediction
@@ -68,6 +71,7 @@ class Plan:
     cluster: dict[str, Any] = field(default_factory=dict)
     max_memory_fraction: float = 0.9
     details: dict[str, Any] = field(default_factory=dict)
+    pass_options: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"layout": self.layout.to_dict(), "predicted": self.predicted.to_dict(),
@@ -75,7 +79,7 @@ class Plan:
                                   "why_not": why} for lay, pred, why in self.alternatives],
                 "skipped": [{"layout": lay.to_dict(), "reason": why} for lay, why in self.skipped],
                 "cluster": self.cluster, "max_memory_fraction": self.max_memory_fraction,
-                "details": self.details}
+                "details": self.details, "pass_options": self.pass_options}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
@@ -85,7 +89,7 @@ class Plan:
                                   a["why_not"]) for a in data["alternatives"]],
                    skipped=[(Layout.from_dict(s["layout"]), s["reason"]) for s in data["skipped"]],
                    cluster=data["cluster"], max_memory_fraction=data["max_memory_fraction"],
-                   details=data["details"])
+                   details=data["details"], pass_options=data.get("pass_options", {}))
 
     def save_report(self, path) -> None:
         """Write the planning report; the suffix picks the form: .html (one offline

@@ -106,8 +106,11 @@ class Rewrites:
     tensor-parallel tables; `passes` (None: the default list) is the pass list."""
 
     def __init__(self, traces: Traces, cluster: ClusterSpec,
-                 passes: Sequence[GraphPass | str] | None) -> None:
+                 passes: Sequence[GraphPass | str] | None,
+                 options: dict[str, Any] | None = None) -> None:
         self.traces, self.cluster, self.passes = traces, cluster, passes
+        # PassOptions fields every rewrite runs with (a template's pinned cut added)
+        self.options = dict(options or {})
         self._entries: dict[RewriteKey, RewrittenEntry] = {}
         self._tables: dict[RewriteKey, dict] = {}
         self._keys: dict[Layout, RewriteKey] = {}  # asked for every layout costed
@@ -194,7 +197,7 @@ class Rewrites:
         key = self.key(layout)
         trace = self.traces.get(layout, graph=True)
         template = self.traces.is_template(layout)
-        options: dict[str, Any] = {}
+        options: dict[str, Any] = dict(self.options)
         if template:
             options["pipeline_cuts"] = [f"{trace.scaling.path}.1"]
         rewritten = self.run_passes(trace, layout, self._run_on(layout), options)

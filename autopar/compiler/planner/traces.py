@@ -269,8 +269,9 @@ class Traces:
         path, count = found
         if stages_of(layout) > 1:
             return (f"per block: a two-stage template of {keep} of the {count} blocks of "
-                    f"{path}, replicated to {stages_of(layout)} stages (trace_blocks='exact' "
-                    f"traces every block){attention}")
+                    f"{path}, replicated to {stages_of(layout)} stages, cut between blocks "
+                    f"(PassOptions.cut_inside_blocks=False; trace_blocks='exact' traces "
+                    f"every block){attention}")
         return (f"per block: {keep} of the {count} blocks of {path} traced, their costs "
                 f"scaled to the stack (trace_blocks='exact' traces every block){attention}")
 
