@@ -197,6 +197,7 @@ def run(args: argparse.Namespace) -> None:
     example = load_model_spec(args.model, **overrides)
     g = example.batch[0].shape[0]
     start_layout = Layout.from_dict(json.loads(args.layout))
+    pass_options = json.loads(args.pass_options) if args.pass_options else None
     layout, global_batch = replan(start_layout, world, g, args.keep)
     block_size = g if args.keep == "global-batch" else g // (start_layout.dp * start_layout.microbatches)
     per_step = global_batch // block_size
@@ -208,7 +209,7 @@ def run(args: argparse.Namespace) -> None:
     try:
         step = compile_step(example.model, None, data.batch(list(range(per_step))),
                             example.loss_fn, optimizer=make_optimizer(args.optimizer, args.lr),
-                            layout=layout)
+                            layout=layout, pass_options=pass_options)
     except LAYOUT_ERRORS as exc:
         refuse(exc)
     directory = Path(args.checkpoint_dir)
@@ -308,10 +309,26 @@ def _finish_save(pending, directory: Path, args, rank0: bool) -> None:
         emit("saved", path=str(pending.path), seconds=time.perf_counter() - t0)
 
 
+def check_pass_options(text: str) -> None:
+    """Refuse a --pass-options that is not a JSON object of PassOptions fields, naming the
+    flag (before any rank traces the model)."""
+    from autopar.compiler.passes.base import PassOptions
+
+    try:
+        options = json.loads(text)
+        if not isinstance(options, dict):
+            raise ValueError(f"a JSON object of PassOptions fields is needed, got {text!r}")
+        PassOptions.of(options)
+    except (ValueError, TypeError) as exc:
+        raise SystemExit(f"--pass-options: {exc}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m autopar.elastic")
     parser.add_argument("model")
     parser.add_argument("--layout", required=True, help="the starting Layout's fields as JSON")
+    parser.add_argument("--pass-options", default=None,
+                        help="PassOptions fields as JSON, e.g. a Plan's pass_options")
     parser.add_argument("--checkpoint-dir", required=True)
     parser.add_argument("--checkpoint-every", type=int, default=10)
     parser.add_argument("--keep-checkpoints", type=int, default=2)
@@ -334,6 +351,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.checkpoint_every < 1 or args.keep_checkpoints < 1 or args.epochs < 1:
         raise SystemExit("--checkpoint-every, --keep-checkpoints and --epochs must be >= 1")
+    if args.pass_options is not None:
+        check_pass_options(args.pass_options)
     run(args)
 
 

@@ -72,6 +72,8 @@ class JobSpec:
     blocks: int = 1024
     epochs: int = 1
     token_secret: str = "autopar-job-token"  # a Secret whose key "token" is the job's token
+    # PassOptions fields the workers compile the layout with (a Plan's pass_options)
+    pass_options: dict = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
 
     @property
@@ -95,7 +97,9 @@ def pytorch_job(spec: JobSpec):
                "--layout", json.dumps(spec.layout.non_default_fields()),
                "--checkpoint-dir", spec.checkpoint_path,
                "--checkpoint-every", str(spec.checkpoint_every),
-               "--blocks", str(spec.blocks), "--epochs", str(spec.epochs), *spec.extra_args]
+               "--blocks", str(spec.blocks), "--epochs", str(spec.epochs),
+               *(["--pass-options", json.dumps(spec.pass_options)] if spec.pass_options else []),
+               *spec.extra_args]
     gpus = spec.nproc_per_node if spec.cluster.backend == "nccl" else 0
     resources = k8s.V1ResourceRequirements(limits={GPU_RESOURCE: str(gpus)}) if gpus else None
     container = k8s.V1Container(

@@ -291,8 +291,11 @@ def cmd_k8s_job(args: argparse.Namespace) -> int:
 
     try:
         cluster = cluster_from_args(args.cluster, args.nodes, None, nproc=None)
+        pass_options = {}
         if args.plan:
-            layout = Layout.from_dict(json.loads(Path(args.plan).read_text())["layout"])
+            saved = json.loads(Path(args.plan).read_text())
+            layout = Layout.from_dict(saved["layout"])
+            pass_options = saved.get("pass_options", {})  # what the plan costed it with
         else:
             world = cluster.nodes * cluster.devices_per_node
             dp = args.dp or max(1, world // (args.tp * args.pp))
@@ -303,7 +306,7 @@ def cmd_k8s_job(args: argparse.Namespace) -> int:
             cluster=cluster, min_nodes=args.min_nodes, max_nodes=args.max_nodes,
             max_restarts=args.max_restarts, checkpoint_claim=args.checkpoint_claim,
             checkpoint_every=args.checkpoint_every, blocks=args.blocks, epochs=args.epochs,
-            token_secret=args.token_secret))
+            token_secret=args.token_secret, pass_options=pass_options))
     except (LayoutError, ClusterSpecError, ManifestError, OSError, KeyError, ValueError) as exc:
         raise SystemExit(f"autopar k8s job: {exc}") from exc
     text = yaml.safe_dump(out, sort_keys=False)
@@ -751,7 +754,8 @@ def build_parser() -> argparse.ArgumentParser:
     job.add_argument("--min-nodes", type=int, default=1)
     job.add_argument("--max-nodes", type=int, default=None, help="default: --nodes")
     job.add_argument("--plan", metavar="PLAN.json",
-                     help="take the layout from a plan (autopar plan --report PLAN.json)")
+                     help="take the layout, and the pass options it was costed with, from "
+                          "a plan (autopar plan --report PLAN.json)")
     job.add_argument("--dp", type=int, default=None, help="default: the world's nodes x GPUs")
     _add_layout_args(job)
     job.add_argument("--max-restarts", type=int, default=3)

@@ -133,6 +133,35 @@ def test_the_autoscaler_keeps_every_job_within_its_bounds_and_the_free_gpus(raw,
     assert grown <= max(0, free - clamped)
 
 
+def test_a_plans_pass_options_reach_the_elastic_workers(tmp_path):
+    """A Plan costed with pass options (a pipeline from a template: cuts between blocks)
+    runs with them: `k8s job --plan` puts them on autopar.elastic's command line, which
+    takes them (and refuses a malformed one by its flag)."""
+    from autopar.elastic import build_parser, check_pass_options
+
+    plan = {"layout": {"dp": 8, "pp": 2, "microbatches": 4},
+            "pass_options": {"cut_inside_blocks": False}}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    made = subprocess.run([sys.executable, "-m", "autopar", "k8s", "job", "gpt2-tiny", "--image",
+                           "img:1", "--name", "gpt", "--cluster", "dgx-a100-80gb", "--nodes",
+                           "2", "--plan", str(path)], capture_output=True, text=True,
+                          timeout=120)
+    assert made.returncode == 0, made.stderr
+    worker = yaml.safe_load(made.stdout)["spec"]["pytorchReplicaSpecs"]["Worker"]
+    command = worker["template"]["spec"]["containers"][0]["command"]
+    args = build_parser().parse_args(command[command.index("autopar.elastic") + 1:])
+    assert json.loads(args.pass_options) == {"cut_inside_blocks": False}
+    assert json.loads(args.layout) == plan["layout"]
+    check_pass_options(args.pass_options)
+    assert "--pass-options" not in manifest(_spec())["spec"]["pytorchReplicaSpecs"]["Worker"][
+        "template"]["spec"]["containers"][0]["command"]
+    for bad, said in [('{"cut_inside_blocks": "no"}', "cut_inside_blocks must be True or False"),
+                      ('{"cut_inside": false}', "unknown pass option"), ("[1]", "JSON object")]:
+        with pytest.raises(SystemExit, match=f"--pass-options: .*{said}"):
+            check_pass_options(bad)
+
+
 def test_the_cli_writes_a_valid_manifest_and_validates_a_broken_one(tmp_path):
     out = tmp_path / "job.yaml"
     run = lambda *a: subprocess.run([sys.executable, "-m", "autopar", "k8s", *a],
