@@ -506,10 +506,16 @@ class AssignStages(GraphPass):
         layers = sorted({n.meta[M.LAYER] for n in tg.call_nodes() if n.meta.get(M.LAYER) is not None})
         check_stage_count(ctx.layout, len(layers))
         cluster = ctx.cluster or ClusterSpec.local(1)  # without one: this machine's device
-        at, first, memory, weights = self._cut(tg, layers, stages, cluster, ctx)
+        # each block forward op's position in its block, each node's estimated seconds:
+        # read by every cut tried
+        position = _positions(tg)
+        seconds = {n: node_time(n, cluster) for n in tg.call_nodes()}
+        link = _link(ctx.layout, cluster)
+        at, first, memory, weights = self._cut(tg, layers, stages, cluster, ctx, position,
+                                               seconds, link)
         tg.attrs[CUT_WEIGHTS] = weights
-        per_stage = self._assign(tg, at, layers, stages, cluster)
-        sends = self._with_sends(tg, [0.0] * stages, _link(ctx.layout, cluster))
+        per_stage = self._assign(tg, at, layers, stages, position, seconds)
+        sends = self._with_sends(tg, [0.0] * stages, link)
         # first_block_of_stage: the block a stage starts with; None for a stage of only
         # final norm, head and loss; a module path where it starts inside a block.
         # estimated_send_seconds: each stage's sends and receives of one micro-batch
@@ -521,7 +527,7 @@ class AssignStages(GraphPass):
             stats["stage_budget_bytes"] = round(stage_budget(cluster, ctx.options))
         return tg, PassResult(self.name, changed=True, stats=stats)
 
-    def _cut(self, tg, layers, stages, cluster, ctx):
+    def _cut(self, tg, layers, stages, cluster, ctx, position, seconds, link):
         """(each cut as (block index, forward-op position in the block: 0 at its start),
         the first block of each stage after the first (a module path where it starts
         inside a block), the stages' bytes as weighed or None, the CutWeights)."""
@@ -530,7 +536,6 @@ class AssignStages(GraphPass):
         pinned = ctx.options.pipeline_cuts
         memory = None
         inside: dict[int, tuple[int, str]] = {}  # cut -> (position in its block, path)
-        position = _positions(tg)
         if pinned:
             cuts, inside = self._pinned(tg, layers, pinned, stages, position)
         elif stages > 1:
@@ -543,9 +548,9 @@ class AssignStages(GraphPass):
         at = [(c, inside[k][0] if k in inside else 0) for k, c in enumerate(cuts)]
         if not pinned and cuts and ctx.options.cut_inside_blocks \
                 and ctx.layout.virtual_stages == 1:
-            at, paths = self._inside_blocks(tg, layers, at, stages, cluster, memory,
-                                            stage_budget(cluster, ctx.options),
-                                            _link(ctx.layout, cluster))
+            at, paths = self._inside_blocks(tg, layers, at, stages, memory,
+                                            stage_budget(cluster, ctx.options), link,
+                                            position, seconds)
             inside = {k: (at[k][1], path) for k, path in paths.items()}
         # a cut after the last block: that stage holds only what follows the stack
         first = [inside[k][1] if k in inside else layers[c] if c < len(layers) else None
@@ -553,12 +558,10 @@ class AssignStages(GraphPass):
         return at, first, _bytes_bound(memory, at) if memory is not None else None, weights
 
     def _assign(self, tg: TrainGraph, at: list[tuple[int, int]], layers: list[int],
-                stages: int, cluster: ClusterSpec,
-                seconds: dict | None = None) -> list[float]:
+                stages: int, position: dict, seconds: dict) -> list[float]:
         """Give every node of `tg` its stage for the cuts `at` (any stage given before is
-        dropped); each stage's estimated seconds (`seconds`: each node's, else node_time)."""
+        dropped); each stage's estimated seconds (`seconds`: each node's)."""
         index = {layer: i for i, layer in enumerate(layers)}
-        position = _positions(tg)
 
         def base(node) -> int:
             """The stage a forward op of a block runs on at least: the cuts at or before it."""
@@ -570,11 +573,10 @@ class AssignStages(GraphPass):
         self._assign_backward(tg, stages)
         per_stage = [0.0] * stages
         for n in tg.call_nodes():
-            per_stage[n.meta[M.STAGE]] += \
-                seconds[n] if seconds is not None else node_time(n, cluster)
+            per_stage[n.meta[M.STAGE]] += seconds[n]
         return per_stage
 
-    def _inside_blocks(self, tg, layers, at, stages, cluster, memory, budget, link
+    def _inside_blocks(self, tg, layers, at, stages, memory, budget, link, position, seconds
                        ) -> tuple[list[tuple[int, int]], dict[int, str]]:
         """The block cuts `at` with each moved, where that makes the slowest stage faster,
         to the start of a module inside one of the two blocks beside it (the block before
@@ -589,7 +591,6 @@ class AssignStages(GraphPass):
         if blocks is None:
             return at, {}
         recomputed = {n.meta.get(M.LAYER) for n in tg.call_nodes() if n.meta.get(M.RECOMPUTED)}
-        position = _positions(tg)
         starts: dict[int, dict[str, int]] = {}  # block index -> {child path: first position}
         index = {layer: i for i, layer in enumerate(layers)}
         for n, p in position.items():
@@ -602,11 +603,10 @@ class AssignStages(GraphPass):
                   for b, firsts in starts.items()}
         if not any(starts.values()):
             return at, {}
-        seconds = {n: node_time(n, cluster) for n in tg.call_nodes()}
         limit = None if memory is None else \
             max(budget, max(memory.stage_bytes([c for c, _ in at])))
         chosen, paths = list(at), {}
-        per_stage = self._with_sends(tg, self._assign(tg, chosen, layers, stages, cluster,
+        per_stage = self._with_sends(tg, self._assign(tg, chosen, layers, stages, position,
                                                       seconds), link)
         for k in range(len(chosen)):
             c = chosen[k][0]
@@ -619,7 +619,7 @@ class AssignStages(GraphPass):
                     continue
                 if limit is not None and max(_bytes_bound(memory, trial)) > limit:
                     continue
-                times = self._with_sends(tg, self._assign(tg, trial, layers, stages, cluster,
+                times = self._with_sends(tg, self._assign(tg, trial, layers, stages, position,
                                                           seconds), link)
                 if max(times) < max(per_stage) * (1 - 1e-9):
                     chosen, per_stage, paths[k] = trial, times, path
