@@ -286,6 +286,7 @@ def cmd_k8s_job(args: argparse.Namespace) -> int:
     import yaml
 
     from autopar.cluster import ClusterSpecError
+    from autopar.compiler.passes.base import PassOptions
     from autopar.k8s import JobSpec, ManifestError, manifest
     from autopar.layout import Layout, LayoutError
 
@@ -296,6 +297,10 @@ def cmd_k8s_job(args: argparse.Namespace) -> int:
             saved = json.loads(Path(args.plan).read_text())
             layout = Layout.from_dict(saved["layout"])
             pass_options = saved.get("pass_options", {})  # what the plan costed it with
+            try:  # a hand-edited one fails here, not in every pod
+                PassOptions.of(pass_options)
+            except TypeError as exc:
+                raise ValueError(f"{args.plan}: pass_options: {exc}") from None
         else:
             world = cluster.nodes * cluster.devices_per_node
             dp = args.dp or max(1, world // (args.tp * args.pp))

@@ -156,6 +156,13 @@ def test_a_plans_pass_options_reach_the_elastic_workers(tmp_path):
     check_pass_options(args.pass_options)
     assert "--pass-options" not in manifest(_spec())["spec"]["pytorchReplicaSpecs"]["Worker"][
         "template"]["spec"]["containers"][0]["command"]
+    path.write_text(json.dumps({**plan, "pass_options": {"cut_inside": False}}))
+    refused = subprocess.run([sys.executable, "-m", "autopar", "k8s", "job", "gpt2-tiny",
+                              "--image", "img:1", "--name", "gpt", "--cluster", "dgx-a100-80gb",
+                              "--nodes", "2", "--plan", str(path)], capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode != 0 and "pass_options: unknown pass option(s) ['cut_inside']" \
+        in refused.stderr, refused.stderr
     for bad, said in [('{"cut_inside_blocks": "no"}', "cut_inside_blocks must be True or False"),
                       ('{"cut_inside": false}', "unknown pass option"), ("[1]", "JSON object")]:
         with pytest.raises(SystemExit, match=f"--pass-options: .*{said}"):

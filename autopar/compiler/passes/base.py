@@ -92,10 +92,10 @@ class PassOptions:
     # pipeline templates) and by autopar.compile(pass_options=)
     pipeline_cuts: tuple[str, ...] | None = None
     # assign_stages without pipeline_cuts: True lets a balanced cut between blocks move
-    # to a module inside a neighbouring block where the stages' estimated times are then
-    # more even; False keeps every cut between blocks. The planner's pipeline templates
-    # (two blocks, cut between them) cost cuts between blocks, and a Plan chosen from
-    # one compiles with False (Plan.pass_options)
+    # to a module inside a neighbouring block where the slowest stage, its sends and
+    # receives counted, is then faster; False keeps every cut between blocks. The
+    # planner's pipeline templates (two blocks, cut between them) cost cuts between
+    # blocks, and a Plan chosen from one compiles with False (Plan.pass_options)
     cut_inside_blocks: bool = True
     # amp: aten ops moved between AMP's lists, {"white": [...], "black": [...], "gray":
     # [...]} (an AutoMixedPrecision(amp_lists=...) of its own wins). Set by
