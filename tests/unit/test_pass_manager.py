@@ -232,3 +232,72 @@ def test_a_deferred_retrace_is_done_when_no_pass_does_it():
     assert graph_text(out) == graph_text(alone)
     shapes = {tuple(p.meta["val"].shape) for p in out.placeholders()}
     assert shapes & {(8, 8), (16, 4)}, f"the first weight (16 x 8) is not split: {shapes}"
+
+
+@pytest.mark.parametrize("layout", [Layout(dp=2, zero=3, recompute="full"),
+                                    Layout(dp=2, pp=2, microbatches=2)],
+                         ids=["zero3_recompute", "pp2"])
+def test_a_run_copies_the_callers_graph_once_and_rewrites_as_pass_by_pass(layout, monkeypatch):
+    """The default passes after the trace (gradient sums, ZeRO-3's gathers, recomputation,
+    the stage cut, fusion) hand each other their graphs (PassContext.owns_input): one
+    copy of the caller's graph in a run, and the program every pass run alone on a
+    graph it must copy gives, node for node; the caller's graph unchanged."""
+    from autopar.cluster import ClusterSpec
+    from autopar.compiler.ir.graph import TrainGraph
+    from autopar.compiler.ir.printing import graph_text
+    from autopar.compiler.passes.defaults import default_passes
+    from autopar.examples import gpt2
+
+    example = gpt2(layers=4)
+    traced = trace_train_step(example.model, example.batch, example.loss_fn)
+    before = graph_text(traced)
+    cluster = ClusterSpec.local(layout.world_size)
+    passes = default_passes(layout)
+    copies, owned = [], []
+    real_copy = TrainGraph.copy
+    monkeypatch.setattr(TrainGraph, "copy",
+                        lambda self: copies.append(1) or real_copy(self))
+    for p in passes:
+        real_run = type(p).run
+        monkeypatch.setattr(p, "run", lambda tg, ctx, _run=real_run, _p=p:
+                            owned.append((_p.name, ctx.owns_input)) or _run(_p, tg, ctx))
+    together, _ = run_passes(traced, layout, cluster, passes)
+    assert graph_text(traced) == before
+    assert len(copies) == 1, (copies, owned)
+    # the first pass gets the caller's graph; once one has rewritten it, the rest own theirs
+    assert not owned[0][1] and owned[-1] == ("fusion", True), owned
+    assert sum(o for _, o in owned) >= 2, owned
+    one_by_one = traced
+    for p in passes:
+        one_by_one, _ = PassManager([p]).run(one_by_one, PassContext(layout, cluster))
+    assert len(copies) > 2  # alone, each rewriting pass copied its input
+    assert graph_text(together) == graph_text(one_by_one)
+    assert together.signature == one_by_one.signature
+
+
+class EditsInPlace(GraphPass):
+    """A pass that rewrites the graph it is handed when it owns it (`writable`)."""
+    name = "edits_in_place"
+
+    def run(self, tg, ctx):
+        from autopar.compiler.passes.base import writable
+
+        out = writable(tg, ctx)
+        out.attrs["owned"] = ctx.owns_input
+        return out, PassResult(self.name, changed=True)
+
+
+def test_only_a_graph_made_in_the_run_is_handed_over_to_edit(tiny_graph):
+    """The caller's graph, and a graph a pass left unchanged, are copied before an edit;
+    a graph a pass made is the next pass's."""
+    class Unchanged(GraphPass):
+        name = "unchanged"
+
+        def run(self, tg, ctx):
+            return tg, PassResult(self.name, changed=False)
+
+    out, _ = PassManager([Unchanged(), EditsInPlace()]).run(tiny_graph, PassContext())
+    assert out.attrs["owned"] is False and out.graph is not tiny_graph.graph
+    assert "owned" not in tiny_graph.attrs
+    out, _ = PassManager([CutsStages(), EditsInPlace()]).run(tiny_graph, PassContext())
+    assert out.attrs["owned"] is True

@@ -4,8 +4,9 @@ The graph is a function of flat inputs, in this order:
 
     params..., buffers..., user inputs...   ->   (loss, grad per param..., new value per mutated buffer...)
 
-`GraphSignature` names each placeholder and each output. A TrainGraph is never
-edited in place by a pass: `TrainGraph.copy()` gives the pass its own graph.
+`GraphSignature` names each placeholder and each output. A pass edits only a graph no one
+else holds: `TrainGraph.copy()` gives it its own, unless the PassManager hands it one
+that the pass before it made in the same run (`passes.base.writable`).
 """
 
 from __future__ import annotations

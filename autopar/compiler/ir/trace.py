@@ -35,6 +35,7 @@ from torch._functorch._aot_autograd.logging_utils import (
 )
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.export.graph_signature import InputKind, OutputKind
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
@@ -522,7 +523,10 @@ def _trace_joint(source: TraceSource) -> tuple[fx.GraphModule, GraphSignature]:
         flat.append(fake_mode.from_tensor(torch.ones((), dtype=torch.float32)))
     with fake_mode:
         try:
-            gm = make_fx(joint_step, tracing_mode="real")(*flat)
+            # lazy: the graph's Python code is generated when it first runs or is read,
+            # not at each edit below (the planner costs joint graphs it never runs)
+            with _use_lazy_graph_module(True):
+                gm = make_fx(joint_step, tracing_mode="real")(*flat)
         except (DataDependentOutputException, GuardOnDataDependentSymNode) as exc:
             # the forward exported, so what reads a tensor's value is a backward the
             # model registered itself (an autograd.Function's or a custom op's)

@@ -49,7 +49,7 @@ from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.annotate import tensor_bytes
 from autopar.compiler.ir.graph import TrainGraph, param_layers
 from autopar.compiler.ir.schedule import in_flight
-from autopar.compiler.passes.base import GraphPass, PassContext, PassOptions, PassResult
+from autopar.compiler.passes.base import GraphPass, PassContext, PassOptions, PassResult, writable
 from autopar.compiler.passes.manager import register_pass
 from autopar.costs import DEFAULT_EFFICIENCY, group_spans_nodes
 from autopar.layout import Layout
@@ -502,7 +502,7 @@ class AssignStages(GraphPass):
 
     def run(self, tg: TrainGraph, ctx: PassContext) -> tuple[TrainGraph, PassResult]:
         stages = ctx.layout.pp * ctx.layout.virtual_stages
-        tg = tg.copy()
+        tg = writable(tg, ctx)
         layers = sorted({n.meta[M.LAYER] for n in tg.call_nodes() if n.meta.get(M.LAYER) is not None})
         check_stage_count(ctx.layout, len(layers))
         cluster = ctx.cluster or ClusterSpec.local(1)  # without one: this machine's device

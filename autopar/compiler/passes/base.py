@@ -2,9 +2,10 @@
 
 A pass declares what it `requires`, what it `provides` and what it `invalidates`
 (property names such as "traced", "retraceable" or "dp_grad_sync"); the
-PassManager refuses to run a pass whose requirements are not met. A pass never edits its input graph (it rewrites
-`tg.copy()`), never times or logs itself, and says in its result what it declined
-to do and why.
+PassManager refuses to run a pass whose requirements are not met. A pass never edits a graph
+it does not own: it rewrites `writable(tg, ctx)`, a copy of its input unless the manager
+says the input is the pass's own (`PassContext.owns_input`); it never times or logs
+itself, and says in its result what it declined to do and why.
 
 Writing one (see docs/passes.md):
 
@@ -52,6 +53,7 @@ A pass that does not re-trace has nothing to do for this: it ignores
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
@@ -166,6 +168,10 @@ class PassContext:
     # GraphPass.retraces_from_source is set), so this pass may leave its own re-trace to
     # it (trace.retrace(..., deferred=True)); set by the PassManager (module docstring)
     may_defer_retrace: bool = False
+    # True: the input graph is one the pass before this one made in this run of the
+    # PassManager, which nothing else holds, so the pass may rewrite it in place
+    # (`writable`) instead of copying it first; set by the PassManager
+    owns_input: bool = False
 
     def __post_init__(self) -> None:
         if self.cluster is not None and not isinstance(self.cluster, ClusterSpec):
@@ -173,6 +179,17 @@ class PassContext:
                             f"{type(self.cluster).__name__} {self.cluster!r:.80}")
         if not isinstance(self.options, PassOptions):
             object.__setattr__(self, "options", PassOptions.of(self.options))
+
+
+def writable(tg: TrainGraph, ctx: PassContext) -> TrainGraph:
+    """The graph a pass rewrites: `tg` itself (as a new TrainGraph sharing its graph,
+    with its own `attrs` dict) when the pass owns its input (`ctx.owns_input`), else a
+    copy (`TrainGraph.copy`). A copy of a large joint graph costs as much as a small
+    pass itself; the planner runs the passes after the forward level on every layout
+    it costs, so each saves one."""
+    if ctx.owns_input:
+        return dataclasses.replace(tg, attrs=dict(tg.attrs))
+    return tg.copy()
 
 
 @dataclass

@@ -75,7 +75,7 @@ from autopar.compiler.codegen.triton_gen import TensorArg
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.annotate import op_name, tensor_bytes
 from autopar.compiler.ir.graph import TrainGraph
-from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
+from autopar.compiler.passes.base import GraphPass, PassContext, PassResult, writable
 from autopar.compiler.passes.manager import register_pass
 
 FUSED_KEY = "autopar.fused_key"  # str: the region's key on its fused node
@@ -382,7 +382,7 @@ class FuseRegions(GraphPass):
     def run(self, tg: TrainGraph, ctx: PassContext) -> tuple[TrainGraph, PassResult]:
         if not ctx.layout.fusion:
             return tg, PassResult(self.name, changed=False, declined=[("fusion", "Layout.fusion=False")])
-        out = tg.copy()
+        out = writable(tg, ctx)
         stats = Counter()
         made: set[fx.Node] = set()  # the nodes the pass made
         key = _fingerprint(out)

@@ -50,7 +50,7 @@ from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.batch import LOSS_NORM_INPUT, LossNormalizer
 from autopar.compiler.ir.graph import TensorSpec, TrainGraph
 from autopar.compiler.ir.program import LOSS_SCALE_INPUT
-from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
+from autopar.compiler.passes.base import GraphPass, PassContext, PassResult, writable
 from autopar.compiler.passes.builder import NodeBuilder
 from autopar.compiler.passes.manager import register_pass
 from autopar.layout import Layout
@@ -86,7 +86,7 @@ class GlobalLossMean(GraphPass):
         if all(form == "not a count" for form in found.values()):
             return tg, PassResult(self.name, changed=False, stats={"normalizers": 0},
                                   declined=declined)
-        tg = tg.copy()  # found on the input graph; rewritten on the copy, node by name
+        tg = writable(tg, ctx)  # found on the input graph; rewritten on this one, node by name
         by_name = {n.name: n for n in tg.graph.nodes}
         found = {by_name[c.name]: form for c, form in found.items() if form != "not a count"}
         sig = tg.signature

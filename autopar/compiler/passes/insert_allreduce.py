@@ -66,7 +66,7 @@ from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.annotate import tensor_bytes
 from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.ir.program import block_rows, mesh_group_tag
-from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
+from autopar.compiler.passes.base import GraphPass, PassContext, PassResult, writable
 from autopar.compiler.passes.builder import NodeBuilder, scale_backward_seed
 from autopar.compiler.passes.manager import register_pass
 from autopar.costs import dp_node_split
@@ -232,7 +232,7 @@ class InsertAllReduce(GraphPass):
         if dp == 1:
             return tg, PassResult(self.name, changed=False,
                                   declined=[("all-reduce", "dp=1: gradients are already global")])
-        tg = tg.copy()
+        tg = writable(tg, ctx)
         build = NodeBuilder(tg.graph, self.name)
         tag = mesh_group_tag("dp")
         divisor = 1 if scale_backward_seed(tg, build, dp) else dp

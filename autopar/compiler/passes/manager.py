@@ -6,6 +6,10 @@ pass to `dump_dir/NNN_passname.py` when a dump directory is given (the
 `AUTOPAR_DUMP` environment variable, read by `autopar.compile`). It also runs the
 deferred re-trace hand-off between forward-level passes (passes/base.py's docstring).
 
+A graph a pass returns is the next pass's to rewrite in place (`PassContext.owns_input`,
+`base.writable`): only the caller's input graph is copied, once, by the first pass that
+rewrites it. So a pass returns a graph it made, or its input, never one it keeps.
+
 When a pass raises, the exception propagates as it was raised, with a note
 (`add_note`, shown under the traceback) naming the pass and the passes that ran
 before it. A graph a pass returns that fails verification raises VerificationError
@@ -88,6 +92,7 @@ class PassManager:
             self._dump(0, "traced", tg)
         results = []
         left_by = None  # the pass whose re-trace is pending in tg, if one is
+        given = tg.graph  # the caller's: a pass copies it before rewriting it
         for index, p in enumerate(self.passes, start=1):
             start = time.perf_counter()
             if not p.retraces_from_source:  # a re-trace left for a pass that does them
@@ -95,8 +100,12 @@ class PassManager:
             before = _signatures(tg.graph) if self.record_rewrites else None
             follows = self.passes[index] if index < len(self.passes) else None
             may_defer = follows is not None and follows.retraces_from_source
+            # a graph other than the caller's was made in this run (by the pass before, or
+            # a re-trace) and nothing else holds it: the pass may rewrite it in place
+            owns = tg.graph is not given and not tg.retrace_pending
             try:
-                new, result = p.run(tg, dataclasses.replace(ctx, may_defer_retrace=may_defer))
+                new, result = p.run(tg, dataclasses.replace(ctx, may_defer_retrace=may_defer,
+                                                            owns_input=owns))
             except Exception as exc:
                 # the caller may catch this type (a LayoutError the planner skips, a
                 # StageError a test expects): it goes on as raised, with where it came from

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.graph import TrainGraph
-from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
+from autopar.compiler.passes.base import GraphPass, PassContext, PassResult, writable
 from autopar.compiler.passes.manager import register_pass
 from autopar.compiler.passes.recompute_auto import plan_auto
 from autopar.compiler.passes.recompute_rules import choose, layers_of, rewrite
@@ -79,7 +79,7 @@ class Recompute(GraphPass):
             per_layer = {layer: policy for layer in layers_of(tg)}
             if policy == "selective":  # also outside the stack: the loss's log-softmax
                 per_layer[None] = policy
-        tg = tg.copy()
+        tg = writable(tg, ctx)
         chosen, kept = choose(tg, per_layer)
         copies = rewrite(tg.graph, chosen)
         tg.gm.recompile()

@@ -53,7 +53,7 @@ from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.annotate import node_bytes
 from autopar.compiler.ir.graph import TrainGraph, new_node_meta
 from autopar.compiler.ir.program import block_rows, mesh_group_tag
-from autopar.compiler.passes.base import GraphPass, PassContext, PassResult
+from autopar.compiler.passes.base import GraphPass, PassContext, PassResult, writable
 from autopar.compiler.passes.manager import register_pass
 from autopar.compiler.passes.recompute_rules import derived_from, rewrite
 
@@ -107,7 +107,7 @@ class ShardParameters(GraphPass):
             return tg, PassResult(self.name, changed=False,
                                   declined=[("parameter sharding", "Layout.zero < 3 or no "
                                              "gradient is reduce-scattered")])
-        tg = tg.copy()
+        tg = writable(tg, ctx)
         placeholders = tg.placeholders()
         remade = self._remake_weight_views_in_backward(tg, [placeholders[i] for i in blocked])
         order = {n: i for i, n in enumerate(tg.graph.nodes)}
