@@ -288,8 +288,8 @@ class EditsInPlace(GraphPass):
 
 
 def test_only_a_graph_made_in_the_run_is_handed_over_to_edit(tiny_graph):
-    """The caller's graph, and a graph a pass left unchanged, are copied before an edit;
-    a graph a pass made is the next pass's."""
+    """The caller's graph is copied before an edit, also when a pass before handed it on
+    unchanged; a graph a pass made is the next pass's."""
     class Unchanged(GraphPass):
         name = "unchanged"
 
