@@ -175,6 +175,25 @@ def test_unsupported_region_says_why():
         generate(region.gm, [TensorArg.of(x)])
 
 
+def test_a_regions_verdict_is_kept_per_inputs(monkeypatch):
+    """FusedRegion.check generates a region's source once per inputs to learn whether it
+    can be emitted, and says the generator's reason again for inputs it was refused."""
+    from autopar.compiler.codegen import kernels
+
+    calls = []
+    monkeypatch.setattr(kernels, "generate", lambda *a: calls.append(a) or generate(*a))
+    x, w, y = torch.randn(4, 6), torch.randn(6), torch.randn(6, 4).t()
+    mixed = region_of(lambda x, w: [x * 2.0, w * 3.0], x, w)
+    for _ in range(2):
+        with pytest.raises(Unsupported, match="shape"):
+            mixed.check([TensorArg.of(x), TensorArg.of(w)])
+    assert len(calls) == 1
+    scaled = region_of(lambda x: [x * 2.0 + 1.0], x)
+    for t in (x, x, y, y):  # another stride is other inputs
+        scaled.check([TensorArg.of(t)])
+    assert len(calls) == 3
+
+
 @SETTINGS
 @given(a=dims, b=dims, n=cols, seed=st.integers(0, 99))
 def test_views_and_column_sums(a, b, n, seed):

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import copy
 import operator
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import autopar
@@ -402,6 +403,60 @@ def test_property_every_op_in_at_most_one_kernel_and_values_kept(steps):
     with backend("triton"):
         got = out.gm(*params, x)
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(got, want))
+
+
+# a random graph's nodes: (op, role, stage); the roles without a program (COMM,
+# OPTIMIZER) make values outside the programs that programs may read back
+_OPS = [aten.add.Tensor, aten.mul.Tensor, aten.neg.default, aten.exp.default, aten.mm.default,
+        aten.clone.default]
+_PLACES = [(M.Role.FORWARD, 0), (M.Role.FORWARD, 1), (M.Role.BACKWARD, 1),
+           (M.Role.BACKWARD, 0), (M.Role.COMM, None), (M.Role.OPTIMIZER, None)]
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.lists(st.tuples(st.integers(0, len(_OPS) - 1), st.integers(0, len(_PLACES) - 1),
+                          st.integers(0, 99), st.integers(0, 99)), min_size=2, max_size=40))
+# a forward's neg read by its exp and by two comm-side clones in a row, the exp and the
+# second clone read by one add: neg, exp and add fused would wait on the clones, which
+# wait on them
+@example([(2, 0, 0, 0), (5, 4, 2, 0), (5, 4, 3, 0), (3, 0, 2, 0), (0, 0, 5, 4)])
+def test_program_partitions_are_those_of_the_whole_graph(spec):
+    """The pass partitions each program on the nodes that can matter to it (its own, the
+    values it reads, and the outside nodes on a path from it back into it); torch's
+    partitioner on the whole graph, once per program, must propose the same regions,
+    also where paths leave a program and come back (random graphs over two stages'
+    forward and backward and outside values between them)."""
+    from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+
+    from autopar.compiler.passes import fuse_regions
+
+    graph = torch.fx.Graph()
+    values = [graph.placeholder("x"), graph.placeholder("y")]
+    for node, t in zip(values, (torch.randn(4, 4), torch.randn(4, 4))):
+        node.meta = {M.VAL: t}
+    for op, place, a, b in spec:
+        args = (values[a % len(values)], values[b % len(values)])[:1 if op in (2, 3, 5) else 2]
+        node = graph.call_function(_OPS[op], args)
+        role, stage = _PLACES[place]
+        node.meta = {M.VAL: _OPS[op](*(x.meta[M.VAL] for x in args)), M.ROLE: role,
+                     M.STAGE: stage}
+        values.append(node)
+    graph.output([n for n in values if not n.users])
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+
+    want, want_rejected = [], {}
+    for program in dict.fromkeys(p for n in graph.nodes if n.op == "call_function"
+                                 and (p := fuse_regions.program_of(n)) is not None):
+        support = fuse_regions._Fusable(program)
+        whole = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True,
+                                           skip_horizontal_fusion=True)
+        want += [sorted(p.nodes, key=order.__getitem__) for p in whole.propose_partitions()]
+        want_rejected.update(support.rejected)
+    rejected = {}
+    got = fuse_regions._candidates(SimpleNamespace(graph=graph), rejected)  # reads .graph
+    assert got == sorted(want, key=lambda nodes: order[nodes[0]])
+    assert rejected == want_rejected
 
 
 def test_cli_kernels_writes_every_kernel(tmp_path):

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 
+from autopar.compiler.codegen.ops import Unsupported
 from autopar.compiler.codegen.triton_gen import (
     COLUMN,
     KernelSource,
@@ -55,9 +56,26 @@ class FusedRegion:
     # input_key(inputs) -> (KernelSource, the @triton.jit function, its launch: everything
     # but the tensors bound)
     _kernels: dict = field(default_factory=dict)
+    # inputs (TensorArgs) -> None when the generator emits the region for them, else why
+    # not: `check`'s verdicts (the planner fuses the same blocks under many layouts)
+    _verdicts: dict = field(default_factory=dict)
 
     def source(self, args: list[TensorArg]) -> KernelSource:
         return generate(self.gm, args, self.name)
+
+    def check(self, args: list[TensorArg]) -> None:
+        """Raise Unsupported (with the generator's reason) when `source(args)` would:
+        the verdict is kept per inputs, since the source is a function of the region's
+        ops, which its key hashes, and of `args`."""
+        spec = tuple(args)
+        if spec not in self._verdicts:
+            try:
+                self.source(args)
+                self._verdicts[spec] = None
+            except Unsupported as exc:
+                self._verdicts[spec] = str(exc)
+        if self._verdicts[spec] is not None:
+            raise Unsupported(self._verdicts[spec])
 
     def fallback(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The region's own aten ops. An output that is a view of another output (a

@@ -15,7 +15,9 @@ kernel's eager fallback and the source of its Triton kernel.
   what follows it (`_cut_remaps`).
 - Legality: torch.fx's CapabilityBasedPartitioner groups connected candidates
   without a cycle through the rest of the graph; it runs once per program (forward
-  or backward of a pipeline stage), so no kernel spans two programs. The code
+  or backward of a pipeline stage), so no kernel spans two programs, on the nodes that
+  can change that program's partition (`_partition_scope`: the regions of the whole
+  graph, tests/unit/test_fusion.py). The code
   generator then accepts the region (one iteration shape, or a row kernel with
   per-row and column outputs) or says why not; a region over two sizes is cut to its
   largest part and the rest proposed again in the next round (see `_peel`).
@@ -285,23 +287,59 @@ def inline_timeline(nodes: list[fx.Node], inputs: list[fx.Node],
 
 
 def _candidates(tg: TrainGraph, rejected: dict[fx.Node, str]) -> list[list[fx.Node]]:
-    order = {n: i for i, n in enumerate(tg.graph.nodes)}
-    programs = dict.fromkeys(p for n in tg.call_nodes() if (p := program_of(n)) is not None)
-    if not programs:
-        return []
-    # the graph does not change before every program is proposed: one partitioner, whose
-    # dependency map (every node's downstream set) is built once, serves them all, its
-    # operator support swapped for each
-    partitioner = _ProgramPartitioner(tg.gm, None, allows_single_node_partition=True,
-                                      skip_horizontal_fusion=True)
+    nodes = list(tg.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    members: dict[tuple, list[fx.Node]] = {}
+    for n in nodes:
+        if n.op == "call_function" and (p := program_of(n)) is not None:
+            members.setdefault(p, []).append(n)
     out = []
-    for program in programs:
+    for program, inside in members.items():
         support = _Fusable(program)
-        partitioner.operator_support = support
+        view = _ProgramView(_partition_scope(inside, order))
+        partitioner = _ProgramPartitioner(view, support, allows_single_node_partition=True,
+                                          skip_horizontal_fusion=True)
         for part in partitioner.propose_partitions():
             out.append(sorted(part.nodes, key=order.__getitem__))
         rejected.update(support.rejected)
     return sorted(out, key=lambda nodes: order[nodes[0]])
+
+
+def _partition_scope(inside: list[fx.Node], order: dict[fx.Node, int]) -> list[fx.Node]:
+    """The nodes the partitioner must see to partition one program as it would on the
+    whole graph, in graph order: the program's, every node outside it on a path from the
+    program back into it (such a path forbids some merges), and the values the program
+    reads (the partitioner moves a getitem to its producer's partition, none when the
+    producer is outside). Any other node is unsupported, makes no partition and lies on
+    no path between two of the program's nodes, so leaving it out changes no partition,
+    and the partitioner's downstream sets shrink from the rest of the graph (a forward
+    reaches the whole backward) to the program."""
+    members = set(inside)
+    reached: set[fx.Node] = set()  # outside nodes a path from the program reaches
+    todo = [u for n in inside for u in n.users if u not in members]
+    while todo:
+        n = todo.pop()
+        if n not in reached:
+            reached.add(n)
+            todo += [u for u in n.users if u not in members]
+    returning: set[fx.Node] = set()  # of those, the ones with a path back into it
+    todo = [a for n in inside for a in n.all_input_nodes if a in reached]
+    while todo:
+        n = todo.pop()
+        if n not in returning:
+            returning.add(n)
+            todo += [a for a in n.all_input_nodes if a in reached]
+    read = {a for n in inside for a in n.all_input_nodes}
+    return sorted(members | returning | read, key=order.__getitem__)
+
+
+class _ProgramView:
+    """What CapabilityBasedPartitioner reads of its graph module: `graph.nodes`, in order
+    (here a subset of a graph's nodes, `_partition_scope`)."""
+
+    def __init__(self, nodes: list[fx.Node]):
+        self.graph = self
+        self.nodes = nodes
 
 
 class _ProgramPartitioner(CapabilityBasedPartitioner):
@@ -567,7 +605,7 @@ def _emit(nodes: list[fx.Node], order, declined):
             return None  # a lone op (or a region saving nothing) stays an aten op
         try:
             fused = register_region(region.gm, region.args, _region_name(attempt))
-            fused.source(region.args)
+            fused.check(region.args)
             return region, fused
         except Unsupported as exc:
             declined.setdefault((region.describe(), str(exc)), attempt[0])
