@@ -179,16 +179,20 @@ def test_the_rewrites_asked_put_each_pipelines_widest_template_before_it():
     assert asked == [wide, narrow, flat, accumulated]
 
 
-def test_children_get_every_near_groups_trace_but_the_first_and_rewrite_its_firsts_ahead():
+def test_children_get_every_trace_but_the_first_and_rewrite_its_firsts_ahead():
     from autopar.compiler.planner.workers import child_groups, firsts
 
     # groups are (trace, what the re-tracing passes read): a group goes with its trace
-    groups = [("t1", 1), ("t2", 2), ("t3", 1), ("t2", 4), ("t4", 1), ("t5", 1)]
-    bounds = [1.0, 1.1, 9.0, 9.0, 1.2, 1.4]  # t3 far above the least: left to the parent
-    # ("t2", 4) is far too, but goes with its trace, which a child makes
-    assert child_groups(groups, bounds, 1) == [[("t2", 2), ("t2", 4), ("t4", 1), ("t5", 1)]]
-    assert child_groups(groups, bounds, 2) == [[("t2", 2), ("t2", 4), ("t5", 1)], [("t4", 1)]]
-    assert child_groups([("t1", 1), ("t1", 2)], [1.0, 1.0], 1) == [[]]  # one trace: parent's
+    groups = [("t1", 1), ("t2", 2), ("t3", 1), ("t2", 4), ("t4", 1), ("t5", 1), ("t1", 2)]
+    bounds = [1.0, 1.1, 9.0, 9.0, 1.2, 1.4, 9.0]
+    # the near traces (bound within AHEAD of the least) round robin from the second, then
+    # the far ones (t3); ("t2", 4) is far too, but goes with its trace; last, the groups
+    # of the parent's trace but its first
+    assert child_groups(groups, bounds, 1) == \
+        [[("t2", 2), ("t3", 1), ("t2", 4), ("t4", 1), ("t5", 1), ("t1", 2)]]
+    assert child_groups(groups, bounds, 2) == \
+        [[("t2", 2), ("t2", 4), ("t5", 1), ("t1", 2)], [("t3", 1), ("t4", 1)]]
+    assert child_groups([("t1", 1)], [1.0], 1) == [[]]  # one group: the parent's
     template = autopar.Layout(dp=2, pp=4, microbatches=4)
     flat, zero1 = autopar.Layout(dp=8), autopar.Layout(dp=8, zero=1)
     later = autopar.Layout(dp=2, pp=4, microbatches=4, schedule="gpipe")
@@ -416,5 +420,26 @@ def test_a_group_taken_back_takes_the_unstarted_groups_of_its_trace_with_it(gpt8
         assert worker.take_back(taken)
         assert [worker.claims[worker.slots[g]] for g in (taken, sibling, other)] == \
             [PARENT, PARENT, PENDING]
+    finally:
+        worker.close()
+
+
+def test_a_group_of_a_trace_the_parent_holds_is_taken_back_alone(gpt8):
+    """A child is also given the groups of the parent's own trace (its other tp), last:
+    when the parent needs one it has not started, the parent takes back that one only
+    and leaves the others to the child, which traces the micro-batch once for them."""
+    from autopar.compiler.planner.workers import RewriteWorker, child_groups
+
+    model, batch = gpt8
+    est = Estimator(model, CLUSTER, batch, causal_lm_loss, trace_blocks=2)
+    first, taken, sibling = (est.group_of(lay) for lay in (
+        autopar.Layout(dp=8, amp="bf16"), autopar.Layout(dp=4, tp=2, microbatches=2, amp="bf16"),
+        autopar.Layout(dp=2, tp=4, microbatches=4, amp="bf16")))  # one micro-batch size
+    assert first[0] == taken[0] == sibling[0] and len({first, taken, sibling}) == 3
+    assert child_groups([first, taken, sibling], [1.0, 1.0, 1.0], 1) == [[taken, sibling]]
+    worker = RewriteWorker(est, [], [taken, sibling])  # nothing ahead: none started
+    try:
+        assert worker.take_back(taken, siblings=False)
+        assert [worker.claims[worker.slots[g]] for g in (taken, sibling)] == [PARENT, PENDING]
     finally:
         worker.close()

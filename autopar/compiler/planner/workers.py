@@ -25,12 +25,17 @@ groups is asked of the child (it rewrites it then if it has not yet), any other 
 rewritten in the parent as without a worker. A group is rewritten by one process
 only, so every prediction is the one a single process computes, and so is the plan.
 
-Groups are given by trace (`child_groups`): the traces of the groups whose FLOP bound
-is within `AHEAD` of the least, and with each every group of that trace. A trace no
-near group has (fp32 once bf16 is 15x faster, say) is seldom costed, and a child busy
-with it would keep the parent waiting on its next request. A child sends no graph, so
-the parent never traces what a child has: it does not take back or steal a group whose
-trace the child has made and it has not, but asks the child for it.
+Groups are given by trace (`child_groups`), each trace with every group of it, in the
+order a child rewrites them ahead: first the traces of the groups whose FLOP bound is
+within `AHEAD` of the least, then the others (fp32 once bf16 is 15x faster, say: seldom
+costed), then the other groups of the parent's own trace (its other tp degrees), which
+a child traces again for them. A child otherwise idle once its near groups are done
+rewrites what the parent would rewrite alone late in the search (on the 39.1B Megatron
+row the parent's trace's other tp degrees, about 2.5 s while the child waited). A
+child sends no graph, so the parent never traces what a child has: it does not take
+back or steal a group whose trace the child has made and it has not, but asks the
+child for it; a group it takes back takes with it the other unstarted groups of its
+trace, unless the parent holds that trace already (its own).
 
 Only for the scaled traces of `trace_blocks` (an exact trace keeps the rewritten graph
 for the memory replay, which is not sent). If the child dies, or cannot send a
@@ -84,11 +89,16 @@ class WorkerPool:
         for layout in order:
             group = estimator.group_of(layout)
             least[group] = min(least.get(group, math.inf), bound(layout))
-        for share in child_groups(list(least), list(least.values()), count):
+        bounds = list(least.values())
+        # the trace that stays with the parent (child_groups): its groups a child has
+        # come last in the child's order
+        parents = next((g[0] for g, b in least.items() if b <= min(bounds) * AHEAD), None)
+        for share in child_groups(list(least), bounds, count):
             if share:
                 mine = set(share)
                 ahead = firsts([lay for lay in order if estimator.group_of(lay) in mine],
                                estimator.group_of)
+                ahead.sort(key=lambda lay: estimator.group_of(lay)[0] == parents)
                 worker = RewriteWorker(estimator, ahead, share)
                 self.by_group.update(dict.fromkeys(share, worker))
         if self.by_group:
@@ -123,7 +133,7 @@ class WorkerPool:
         # not started there: rewritten here rather than waited for, unless the child has
         # (or is making) its trace and this process has not: a trace costs more than a wait
         if traces.has_graph(group[0]) or not worker.made_trace(group[0]):
-            if worker.take_back(group):
+            if worker.take_back(group, siblings=not traces.has_graph(group[0])):
                 del self.by_group[group]
                 return None
         else:
@@ -200,17 +210,20 @@ class RewriteWorker:
         self.ready: dict[tuple, Any] = {}  # rewrites.ExportedEntry
         self.traces: dict[tuple, Any] = {}  # traces.TracedEntry
 
-    def take_back(self, group: tuple) -> bool:
+    def take_back(self, group: tuple, siblings: bool = True) -> bool:
         """Whether the parent takes `group` back: the child has not started it, and now
         never will (False: the child has it, the parent asks for its results). With it
-        go the other groups of its trace the child has not started: the parent makes
-        that trace, so the child would make it a second time. A group taken back leaves
-        `ahead`, so that `steal` does not take it a second time."""
+        go the other groups of its trace the child has not started (`siblings`): the
+        parent makes that trace, so the child would make it a second time; not when the
+        parent holds the trace already (siblings=False), where the child, idle
+        otherwise, may still rewrite them. A group taken back leaves `ahead`, so that
+        `steal` does not take it a second time."""
         with self.claims.get_lock():
             slot = self.slots[group]
             if self.claims[slot] == PENDING:
                 for other, k in self.slots.items():
-                    if other[0] == group[0] and self.claims[k] == PENDING:
+                    if (other == group or siblings) and other[0] == group[0] \
+                            and self.claims[k] == PENDING:
                         self.claims[k] = PARENT
             taken = self.claims[slot] == PARENT
             mine = {g for g, k in self.slots.items() if self.claims[k] == PARENT}
@@ -243,7 +256,7 @@ class RewriteWorker:
         for group, layout in sorted(self.ahead, key=lambda item: not traced(item[0])):
             if not traced(group) and self.made_trace(group[0]):
                 continue
-            if self.take_back(group):
+            if self.take_back(group, siblings=not traced(group)):
                 return group, layout
         return None
 
@@ -364,16 +377,24 @@ def _payload(estimator, kind: str, layout: Layout) -> tuple[str, Any]:
 def child_groups(order: Sequence[tuple], bounds: Sequence[float], children: int
                  ) -> list[list[tuple]]:
     """Of the groups in the search's order (with each one's least FLOP bound), those each
-    of `children` children rewrites. A group goes with its trace (`group[0]`): the traces
-    of the groups within AHEAD, in order, round robin from the second (the first stays
-    with the parent, and so does a trace with no group within AHEAD), and with each
-    trace every group of it, near or not. A child sends no graph, so a group of a trace
-    the child made would otherwise be traced a second time in the parent."""
+    of `children` children rewrites, in the order it rewrites them ahead. A group goes
+    with its trace (`group[0]`): the traces of the groups within AHEAD, in order, round
+    robin from the second (the first is the parent's), then the other traces, and with
+    each trace every group of it, near or not; last, the parent's trace's groups but its
+    first (the parent takes back each one it needs before a child starts it). A child
+    sends no graph, so a group of a trace the child made would otherwise be traced a
+    second time in the parent."""
     least = min(bounds, default=0.0)
     near = list(dict.fromkeys(g[0] for g, b in zip(order, bounds) if b <= least * AHEAD))
-    owner = {trace: k % children for k, trace in enumerate(near[1:])}
+    far = [t for t in dict.fromkeys(g[0] for g in order) if t not in near]
+    owner = {trace: k % children for k, trace in enumerate(near[1:] + far)}
     shares: list[list[tuple]] = [[] for _ in range(children)]
     for group in order:
         if group[0] in owner:
             shares[owner[group[0]]].append(group)
+    # then the parent's trace's other groups, last: a child done with its own traces it
+    # again, rather than wait, for the ones the parent has not taken back by then
+    mine = [g for g in order if near and g[0] == near[0]][1:]
+    for k, group in enumerate(mine):
+        shares[k % children].append(group)
     return shares
