@@ -16,8 +16,9 @@ from autopar.api import LAYOUT_ERRORS
 from autopar.bisection import ROUNDING, BisectReport, bisect
 from autopar.layout import Layout
 
-# what rank 0 writes to stderr before the layout's refusal (api.LAYOUT_ERRORS): the CLI
-# ends with that line
+# what each rank writes to stderr before the layout's refusal (api.LAYOUT_ERRORS): the
+# CLI ends with the first such line (every rank writes one: the first rank to exit
+# makes torchrun stop the others, perhaps before they write theirs)
 REFUSED_PREFIX = "autopar bisect: "
 
 
@@ -39,8 +40,7 @@ def main(argv: list[str] | None = None) -> None:
         report = bisect(example.model, example.batch, example.loss_fn, layout,
                         rounding=args.rounding)
     except LAYOUT_ERRORS as exc:  # every rank refuses the layout alike, before any collective
-        if dist.get_rank() == 0:
-            print(f"{REFUSED_PREFIX}{exc}", file=sys.stderr, flush=True)
+        print(f"{REFUSED_PREFIX}{exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     if dist.get_rank() == 0:
         print(json.dumps(_as_dict(report)) if args.json else str(report), flush=True)

@@ -62,5 +62,6 @@ EVENT_PREFIX = "@autopar-event "
 
 
 def emit(event: str, **fields) -> None:
-    """Rank 0's progress as one JSON line on stdout, which the CLI shows."""
+    """An event as one JSON line on stdout, which the CLI shows: rank 0's progress, and
+    any rank's refusal of the layout (train_worker.refuse)."""
     print(EVENT_PREFIX + json.dumps({"event": event, **fields}), flush=True)

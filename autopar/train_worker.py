@@ -30,14 +30,13 @@ REFUSED = 2
 
 
 def refuse(exc: Exception) -> None:
-    """End this rank for a layout compile refused (api.LAYOUT_ERRORS): rank 0 reports the
-    message as an event, which the CLI prints as its error; every rank exits with
-    REFUSED and no traceback. compile is the same function of the model and the layout
-    on every rank, so every rank refuses, before any collective of the step."""
-    from autopar.runtime.mesh import launched_rank
-
-    if launched_rank() == 0:
-        emit("refused", message=str(exc))
+    """End this rank for a layout compile refused (api.LAYOUT_ERRORS): it reports the
+    message as an event, which the CLI prints as its error, and exits with REFUSED and
+    no traceback. compile is the same function of the model and the layout on every
+    rank, so every rank refuses, before any collective of the step, with one message;
+    every rank reports it, since the first to exit makes torchrun stop the others,
+    perhaps before they report."""
+    emit("refused", message=str(exc))
     raise SystemExit(REFUSED) from exc
 
 
