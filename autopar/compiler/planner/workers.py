@@ -29,13 +29,12 @@ Groups are given by trace (`child_groups`), each trace with every group of it, i
 order a child rewrites them ahead: first the traces of the groups whose FLOP bound is
 within `AHEAD` of the least, then the others (fp32 once bf16 is 15x faster, say: seldom
 costed), then the other groups of the parent's own trace (its other tp degrees), which
-a child traces again for them. A child otherwise idle once its near groups are done
-rewrites what the parent would rewrite alone late in the search (on the 39.1B Megatron
-row the parent's trace's other tp degrees, about 2.5 s while the child waited). A
-child sends no graph, so the parent never traces what a child has: it does not take
-back or steal a group whose trace the child has made and it has not, but asks the
-child for it; a group it takes back takes with it the other unstarted groups of its
-trace, unless the parent holds that trace already (its own).
+a child traces again for them: a child otherwise idle once its near groups are done
+rewrites what the parent would rewrite alone late in the search. A child sends no
+graph, so the parent never traces what a child has: it does not take back or steal a
+group whose trace the child has made and it has not, but asks the child for it; a
+group it takes back takes with it the other unstarted groups of its trace, unless the
+parent holds that trace already (its own).
 
 Only for the scaled traces of `trace_blocks` (an exact trace keeps the rewritten graph
 for the memory replay, which is not sent). If the child dies, or cannot send a
@@ -90,9 +89,7 @@ class WorkerPool:
             group = estimator.group_of(layout)
             least[group] = min(least.get(group, math.inf), bound(layout))
         bounds = list(least.values())
-        # the trace that stays with the parent (child_groups): its groups a child has
-        # come last in the child's order
-        parents = next((g[0] for g, b in least.items() if b <= min(bounds) * AHEAD), None)
+        parents = parent_trace(list(least), bounds)  # its groups come last in a child's order
         for share in child_groups(list(least), bounds, count):
             if share:
                 mine = set(share)
@@ -394,7 +391,14 @@ def child_groups(order: Sequence[tuple], bounds: Sequence[float], children: int
             shares[owner[group[0]]].append(group)
     # then the parent's trace's other groups, last: a child done with its own traces it
     # again, rather than wait, for the ones the parent has not taken back by then
-    mine = [g for g in order if near and g[0] == near[0]][1:]
-    for k, group in enumerate(mine):
+    parents = parent_trace(order, bounds)
+    for k, group in enumerate([g for g in order if g[0] == parents][1:]):
         shares[k % children].append(group)
     return shares
+
+
+def parent_trace(order: Sequence[tuple], bounds: Sequence[float]) -> tuple | None:
+    """The trace the parent keeps (`child_groups`): that of the first group in the
+    search's order whose FLOP bound is within AHEAD of the least (None: no group)."""
+    least = min(bounds, default=0.0)
+    return next((g[0] for g, b in zip(order, bounds) if b <= least * AHEAD), None)
