@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import functools
 import json
 import os
@@ -181,6 +182,16 @@ def _broadcast(obj):
     return box[0]
 
 
+def watch_for_hang(seconds: float) -> None:
+    """(Re)start the hang watch: if `seconds` pass before the next call (or
+    `faulthandler.cancel_dump_traceback_later`), every thread's Python stack is written
+    to this process's stderr, once, and the process goes on. A rank stuck in a
+    collective that its peers left shows where it and each of them waits, in torchrun's
+    output, without attaching a debugger. 0: no watch."""
+    if seconds > 0:
+        faulthandler.dump_traceback_later(seconds, repeat=False, file=sys.__stderr__)
+
+
 def run(args: argparse.Namespace) -> None:
     from autopar.api import LAYOUT_ERRORS
     from autopar.api import compile as compile_step
@@ -236,6 +247,7 @@ def run(args: argparse.Namespace) -> None:
     pending = None  # the background save under way
     history = Path(args.history) if args.history else None
     while True:
+        watch_for_hang(args.dump_stacks_after)  # one step: its lease, the step, its save
         leases = None
         if rank0:
             state = master.state()
@@ -268,6 +280,7 @@ def run(args: argparse.Namespace) -> None:
                  seconds=time.perf_counter() - t0, tokens=batch[0].numel())
         if step.steps % args.checkpoint_every == 0:
             pending = _save(step, directory, master, args, rank0, pending)
+    watch_for_hang(args.dump_stacks_after)  # the last save and the final weights
     if step.steps % args.checkpoint_every:
         pending = _save(step, directory, master, args, rank0, pending)
     _finish_save(pending, directory, args, rank0)
@@ -275,6 +288,7 @@ def run(args: argparse.Namespace) -> None:
         weights = step.full_state_dict()
         if rank0:
             torch.save(weights, args.out)
+    faulthandler.cancel_dump_traceback_later()
     if rank0:
         emit("finished", step=step.steps, restart=restart)
 
@@ -340,6 +354,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--keep", choices=KEEP, default="global-batch")
     parser.add_argument("--batch", type=int, default=None, help="the example's global batch")
     parser.add_argument("--lease-timeout", type=float, default=600.0)
+    parser.add_argument("--dump-stacks-after", type=float, default=600.0,
+                        help="seconds: write every thread's Python stack to stderr when "
+                             "one step (its lease, the step and its save) takes longer, "
+                             "to show where each rank waits if a collective hangs (0: never)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--optimizer", default="adamw")
     parser.add_argument("--history", default=None, help="append each step's blocks here")
@@ -351,6 +369,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.checkpoint_every < 1 or args.keep_checkpoints < 1 or args.epochs < 1:
         raise SystemExit("--checkpoint-every, --keep-checkpoints and --epochs must be >= 1")
+    if args.dump_stacks_after < 0:
+        raise SystemExit("--dump-stacks-after must be >= 0 seconds (0: never)")
     if args.pass_options is not None:
         check_pass_options(args.pass_options)
     run(args)

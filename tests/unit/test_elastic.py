@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from autopar.elastic import ElasticError, latest_checkpoint, replan
+from autopar.elastic import ElasticError, build_parser, latest_checkpoint, replan
 from autopar.layout import Layout
 from benchmarks.recovery import children, free_port, wait_for_listener
 
@@ -155,6 +155,26 @@ def _wait_for_step(history: Path, step: int, proc: subprocess.Popen, timeout: fl
         assert proc.poll() is None, "the job ended before the step to kill at"
         time.sleep(0.05)
     raise AssertionError(f"step {step} and a committed checkpoint not reached in {timeout} s")
+
+
+@pytest.mark.processes
+def test_a_step_slower_than_the_hang_watch_writes_every_threads_stack(tmp_path):
+    """--dump-stacks-after: a step (its lease, the step, its save) that takes longer makes
+    the worker write every thread's Python stack to stderr, and training goes on to the
+    end; by default the watch waits 600 s. One process, no torchrun: the test model reads
+    each batch in 50 ms, so a 20 ms watch fires during the first step."""
+    assert build_parser().parse_args(["m", "--layout", "{}", "--checkpoint-dir", "c"]) \
+        .dump_stacks_after == 600.0
+    args = _worker_args(tmp_path, "watched", {"dp": 1}, blocks=2, epochs=1)
+    out = subprocess.run([sys.executable, *args, "--dump-stacks-after", "0.02"], env=_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Timeout (0:00:00.020000)!" in out.stderr, out.stderr[-3000:]
+    assert 'File "' in out.stderr and "elastic.py" in out.stderr and "in run" in out.stderr
+    assert len(_committed(tmp_path / "watched" / "history.jsonl")) == 2  # trained to the end
+    bad = subprocess.run([sys.executable, *args, "--dump-stacks-after", "-1"], env=_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--dump-stacks-after must be >= 0" in bad.stderr
 
 
 @pytest.mark.slow
