@@ -198,11 +198,14 @@ def run(args: argparse.Namespace) -> None:
     from autopar.examples import load_model_spec
     from autopar.logs import emit
     from autopar.runtime.blocks import BlockMaster, BlockQueues
-    from autopar.runtime.mesh import launched_rank, launched_world_size
+    from autopar.runtime.mesh import init_world, launched_rank, launched_world_size
     from autopar.train_worker import make_optimizer, refuse
 
     torch.set_num_threads(1)
     world, rank0 = launched_world_size(), launched_rank() == 0
+    if world > 1:
+        # before compile's own set-up: every group of the job takes this timeout
+        init_world(timedelta(seconds=args.collective_timeout))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     overrides = {"batch": args.batch} if args.batch else {}
     example = load_model_spec(args.model, **overrides)
@@ -358,6 +361,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds: write every thread's Python stack to stderr when "
                              "one step (its lease, the step and its save) takes longer, "
                              "to show where each rank waits if a collective hangs (0: never)")
+    parser.add_argument("--collective-timeout", type=float, default=900.0,
+                        help="seconds a collective waits for its peers before it raises: a "
+                             "rank that stopped answering then fails the workers and torchrun "
+                             "restarts them from the last checkpoint (torch's default: 1800 "
+                             "on gloo)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--optimizer", default="adamw")
     parser.add_argument("--history", default=None, help="append each step's blocks here")
@@ -371,6 +379,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("--checkpoint-every, --keep-checkpoints and --epochs must be >= 1")
     if args.dump_stacks_after < 0:
         raise SystemExit("--dump-stacks-after must be >= 0 seconds (0: never)")
+    if not args.collective_timeout > 0:
+        raise SystemExit(f"--collective-timeout must be > 0 seconds, not "
+                         f"{args.collective_timeout}")
     if args.pass_options is not None:
         check_pass_options(args.pass_options)
     run(args)

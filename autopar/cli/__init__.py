@@ -258,6 +258,9 @@ def _elastic_command(args: argparse.Namespace, nproc: int, layout_arg: str) -> l
     if not args.checkpoint_dir:
         raise SystemExit("autopar train --elastic needs --checkpoint-dir DIR, a directory "
                          "every node sees")
+    if not args.collective_timeout > 0:
+        raise SystemExit(f"autopar train --elastic --collective-timeout must be > 0 seconds, "
+                         f"not {args.collective_timeout}")
     multi = args.nnodes != "1" or args.rdzv_endpoint
     if multi and not args.rdzv_endpoint:
         raise SystemExit(f"autopar train --elastic --nnodes {args.nnodes} needs "
@@ -277,7 +280,7 @@ def _elastic_command(args: argparse.Namespace, nproc: int, layout_arg: str) -> l
             "--checkpoint-dir", args.checkpoint_dir, "--checkpoint-every",
             str(args.checkpoint_every), "--blocks", str(args.blocks), "--epochs",
             str(args.epochs), "--keep", args.keep, "--lr", str(args.lr),
-            "--optimizer", args.optimizer]
+            "--optimizer", args.optimizer, "--collective-timeout", str(args.collective_timeout)]
 
 
 # -- autopar k8s ------------------------------------------------------------------------------
@@ -725,6 +728,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="what stays when dp changes (default: the global batch)")
     elastic.add_argument("--nnodes", default="1", help="torchrun's MIN:MAX nodes")
     elastic.add_argument("--max-restarts", type=int, default=3)
+    elastic.add_argument("--collective-timeout", type=float, default=900.0, metavar="S",
+                         help="seconds a collective waits for a rank that stopped answering "
+                              "before the workers fail and restart (default 900)")
     elastic.add_argument("--rdzv-endpoint", default=None,
                          help="host:port of the c10d rendezvous (several nodes)")
     elastic.add_argument("--rdzv-id", default="autopar")

@@ -71,6 +71,8 @@ from torch.distributed.checkpoint import (
 )
 from torch.distributed.checkpoint.api import CheckpointException
 
+from autopar.runtime.mesh import new_group
+
 MANIFEST_FILE = "autopar_manifest.json"
 _FORMAT = 2  # 2: parameter groups' names in the record, per-rank values
 _TMP = ".tmp-"
@@ -520,7 +522,7 @@ def _background_group():
     if not _distributed():
         return None
     if not _BACKGROUND_GROUP:
-        _BACKGROUND_GROUP.append(dist.new_group(backend="gloo"))
+        _BACKGROUND_GROUP.append(new_group(backend="gloo"))
     return _BACKGROUND_GROUP[0]
 
 

@@ -96,7 +96,7 @@ class Mesh:
                          ("dp.node", [row[j::local] for j in range(local)])]
             for name, groups in sets:
                 for ranks in groups:
-                    group = dist.new_group(ranks)
+                    group = new_group(ranks)
                     if me in ranks:
                         out[name] = group
         return out
@@ -174,23 +174,60 @@ def build_mesh(dims: tuple[tuple[str, int], ...], node_split: int = 1) -> Mesh:
             f"(or `autopar train --nproc {needed}`)")
     if needed == 1 and not dist.is_initialized():
         return Mesh(None, {}, {name: 0 for name, _ in dims})
-    if not dist.is_initialized():
-        backend = "nccl" if device_type() == "cuda" else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, **_elastic_store())
-        # NOTE: a process that exits with its gloo group alive aborts ("terminate called
-        # without an active exception"); the group autopar made, autopar tears down.
-        atexit.register(_destroy_process_group)
-        log.info("process group %s: rank %d of %d", backend, dist.get_rank(), world)
+    init_world()
     names = tuple(name for name, _ in dims)
     shape = tuple(size for _, size in dims)
     mesh = init_device_mesh(device_type(), shape, mesh_dim_names=names)
+    timeout = collective_timeout()
+    for name in names:
+        # init_device_mesh gives the groups it makes torch's default timeout (30 min on
+        # gloo), not the world group's: a collective of a dimension would wait that long
+        set_timeout(mesh.get_group(name), timeout)
     groups = {name: mesh.get_group(name).group_name for name in names}
     coords = {name: mesh.get_local_rank(name) for name in names}
     built = Mesh(mesh, groups, coords)
     built.split_dp(node_split)
     return built
+
+
+def init_world(timeout: timedelta | None = None) -> None:
+    """Initialise the default process group (gloo on CPU, NCCL on GPU) under torchrun,
+    unless it is already: `timeout` bounds how long any collective waits for its peers
+    (torch's default without it: 30 min on gloo, 10 on NCCL). A collective past it
+    raises on the ranks that wait, so a rank that stopped answering ends the job (or,
+    under torchrun's restarts, restarts it) instead of hanging it. Every group autopar
+    makes afterwards takes the same timeout (`collective_timeout`)."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device_type() == "cuda" else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=timeout, **_elastic_store())
+    # NOTE: a process that exits with its gloo group alive aborts ("terminate called
+    # without an active exception"); the group autopar made, autopar tears down.
+    atexit.register(_destroy_process_group)
+    log.info("process group %s: rank %d of %d, collectives time out after %s", backend,
+             dist.get_rank(), dist.get_world_size(), collective_timeout())
+
+
+def collective_timeout() -> timedelta:
+    """The timeout of the default process group's collectives: init_process_group's
+    `timeout` (init_world's, or the caller's own), read back from its backend."""
+    return dist.group.WORLD._get_backend(torch.device(device_type())).options._timeout
+
+
+def set_timeout(group, timeout: timedelta) -> None:
+    """Give `group`'s collectives `timeout` (torch gives a new group its backend's
+    default, whatever the world group's timeout is)."""
+    backend = group._get_backend(torch.device(device_type()))
+    if backend.options._timeout != timeout:
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def new_group(ranks=None, backend=None):
+    """dist.new_group with the world group's collective timeout (collective; every rank
+    calls it with the same arguments, in the same order)."""
+    return dist.new_group(ranks, timeout=collective_timeout(), backend=backend)
 
 
 def _elastic_store() -> dict:

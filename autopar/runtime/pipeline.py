@@ -40,7 +40,7 @@ from autopar.compiler.ir.pipeline_program import (
 )
 from autopar.compiler.ir.program import TensorEntry, bind_groups, runnable
 from autopar.runtime.loss_scaler import LossScaler
-from autopar.runtime.mesh import Mesh, build_mesh
+from autopar.runtime.mesh import Mesh, build_mesh, new_group
 from autopar.runtime.shards import (
     block_of,
     gather_into,
@@ -153,8 +153,8 @@ class PipelineStep(TrainingState):
                 continue
             for d in range(self.dp):
                 for t in range(self.tp):
-                    group = dist.new_group([self.mesh.global_rank(dp=d, pp=r, tp=t)
-                                            for r in ranks])
+                    group = new_group([self.mesh.global_rank(dp=d, pp=r, tp=t)
+                                       for r in ranks])
                     if (d, t) == (self.dp_rank, self.mesh.rank_in("tp")) and self.pp_rank in ranks:
                         groups[entry.name] = group
         return groups

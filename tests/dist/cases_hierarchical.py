@@ -217,3 +217,42 @@ def hierarchical_local_sgd_average_equals_flat_and_only_leaders_cross():
             expected = 2 if leader or form == "shards" else 0  # one per averaging
             assert len(crossing) == expected, (extra, form, dist.get_rank(), calls)
             assert len(inside) == 4, (extra, form, calls)  # two per averaging
+
+
+@case(world=4)
+def every_group_autopar_makes_takes_the_world_groups_collective_timeout():
+    """init_process_group's `timeout` bounds every collective of the job: the groups of
+    the mesh's dimensions, the hierarchical all-reduce's node groups, a pipeline's groups
+    of a weight two stages read, and mesh.new_group's (the background saves', Local SGD's
+    detached ones). torch would give each new group its backend's 30 min instead."""
+    from datetime import timedelta
+
+    from autopar.runtime import mesh as mesh_module
+
+    world = dist.group.WORLD
+    before = mesh_module.collective_timeout()
+    wanted = timedelta(seconds=77)
+    dist.distributed_c10d._set_pg_timeout(wanted, world)
+    try:
+        assert mesh_module.collective_timeout() == wanted
+
+        def timeout(group):
+            return group._get_backend(torch.device("cpu")).options._timeout
+
+        example = gpt2(layers=2)
+        layouts = (autopar.Layout(dp=4, allreduce="hierarchical"),
+                   autopar.Layout(dp=2, tp=2), autopar.Layout(dp=2, pp=2, microbatches=2))
+        for layout in layouts:
+            step, _ = step_of(copy.deepcopy(example.model), example.batch, example.loss_fn,
+                              sgd, layout)
+            groups = {name: step.mesh.group(name) for name in step.mesh.group_names}
+            groups.update(getattr(step, "_groups", {}))
+            if layout.pp > 1:
+                assert groups.keys() - step.mesh.group_names, "no group of a shared weight"
+            assert len(groups) >= 2, (layout, groups)
+            for name, group in groups.items():
+                assert timeout(group) == wanted, (layout, name, timeout(group))
+        assert timeout(mesh_module.new_group(backend="gloo")) == wanted
+        assert timeout(dist.new_group()) == timedelta(minutes=30)  # torch's own default
+    finally:
+        dist.distributed_c10d._set_pg_timeout(before, world)

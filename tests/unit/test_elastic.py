@@ -81,6 +81,28 @@ def test_the_cli_runs_several_nodes_through_autopars_rendezvous(monkeypatch):
         made.shutdown()
 
 
+def test_the_collective_timeout_reaches_the_worker_and_a_bad_one_is_refused(monkeypatch):
+    """`autopar train --elastic --collective-timeout S` hands S to every worker (900 s by
+    default); zero or less is refused before anything starts, by the CLI and the worker,
+    naming the flag."""
+    from autopar.cli import _elastic_command
+    from autopar.cli import build_parser as cli_parser
+    from autopar.elastic import main
+
+    monkeypatch.setenv("AUTOPAR_JOB_TOKEN", "t")
+    base = ["train", "gpt2-tiny", "--elastic", "--checkpoint-dir", "c", "--lr", "0.01",
+            "--optimizer", "sgd"]
+    for extra, wanted in (([], "900.0"), (["--collective-timeout", "30"], "30.0")):
+        cmd = _elastic_command(cli_parser().parse_args(base + extra), 2, "{}")
+        assert cmd[cmd.index("--collective-timeout") + 1] == wanted
+        assert build_parser().parse_args(cmd[cmd.index("autopar.elastic") + 1:]) \
+            .collective_timeout == float(wanted)
+    with pytest.raises(SystemExit, match="--collective-timeout must be > 0 seconds, not 0"):
+        _elastic_command(cli_parser().parse_args(base + ["--collective-timeout", "0"]), 2, "{}")
+    with pytest.raises(SystemExit, match="--collective-timeout must be > 0 seconds, not -1"):
+        main(["m", "--layout", "{}", "--checkpoint-dir", "c", "--collective-timeout", "-1"])
+
+
 def test_a_broken_checkpoint_is_skipped_with_a_warning_that_names_it(tmp_path):
     from autopar.runtime.checkpoint import describe_tensors, save_checkpoint
 
@@ -179,46 +201,85 @@ def test_a_step_slower_than_the_hang_watch_writes_every_threads_stack(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.processes
-def test_a_worker_killed_mid_run_loses_nothing_and_ends_with_the_same_weights(tmp_path):
-    """3 workers, max-restarts 1: rank 1 is SIGKILLed once step 4 has begun and the step-3
-    checkpoint is committed (or a later one: the saves run in the background). torchrun
-    restarts the workers, they load the checkpoint (and the master's state in it) and
-    finish. Every sample is in the committed history once per epoch, and the final
-    weights equal a run without the kill bit for bit."""
+def test_a_worker_killed_or_stopped_mid_run_loses_nothing_and_ends_with_the_same_weights(
+        tmp_path):
+    """3 workers, max-restarts 1, two faults in two runs, each once step 4 has begun and
+    the step-3 checkpoint is committed (or a later one: the saves run in the background):
+    - "killed": rank 1 is SIGKILLed;
+    - "stopped": rank 1 is SIGSTOPped, as a rank hung in the kernel or on a dead link
+      would be; its peers wait in their next collective until --collective-timeout (6 s)
+      and raise, which fails the workers. torchrun then SIGTERMs every worker, waits 30 s
+      for them (a stopped one never answers) and SIGKILLs the rest: the test SIGKILLs the
+      stopped rank itself once both peers have exited, to save those 30 s.
+    Either way torchrun restarts the workers, they load the checkpoint (and the master's
+    state in it) and finish. Every sample is in the committed history once per epoch,
+    and the final weights equal a run without a fault bit for bit."""
     blocks, epochs = 6, 2
     runs = {}
-    for tag in ("clean", "killed"):
+    for tag in ("clean", "killed", "stopped"):
         (tmp_path / tag).mkdir()
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", "3", "--max-restarts", "1",
-               *_worker_args(tmp_path, tag, {"dp": 3}, blocks, epochs)]
+               *_worker_args(tmp_path, tag, {"dp": 3}, blocks, epochs),
+               "--collective-timeout", "6"]
         proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
-        if tag == "killed":
-            _wait_for_step(tmp_path / tag / "history.jsonl", 4, proc, 240,
-                           checkpoints=tmp_path / tag / "ckpt")
-            victim = next(p for p in children(proc.pid) if _rank_of(p) == 1)
-            os.kill(victim, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=600)
+        try:
+            if tag != "clean":
+                _wait_for_step(tmp_path / tag / "history.jsonl", 4, proc, 240,
+                               checkpoints=tmp_path / tag / "ckpt")
+                workers = children(proc.pid)
+                victim = next(p for p in workers if _rank_of(p) == 1)
+                if tag == "killed":
+                    os.kill(victim, signal.SIGKILL)
+                else:
+                    os.kill(victim, signal.SIGSTOP)
+                    peers = [p for p in workers if p != victim]
+                    deadline = time.time() + 60  # the timeout is 6 s; gloo's default 30 min
+                    while any(_state(p) != "Z" for p in peers):
+                        assert time.time() < deadline, \
+                            "the stopped rank's peers did not time out"
+                        time.sleep(0.1)
+                    os.kill(victim, signal.SIGKILL)
+            out, _ = proc.communicate(timeout=600)
+        finally:  # a failed test leaves no job behind (a stopped worker never ends)
+            if proc.poll() is None:
+                for pid in children(proc.pid):
+                    os.kill(pid, signal.SIGKILL)
+                proc.kill()
+                proc.wait()
         assert proc.returncode == 0, out[-6000:]
         runs[tag] = out
-    events = [json.loads(line.split(" ", 1)[1]) for line in runs["killed"].splitlines()
-              if line.startswith("@autopar-event ")]
-    resumed = [e for e in events if e["event"] == "resumed"]
-    assert [e["restart"] for e in resumed] == [0, 1], resumed
-    # the steps lost are those committed since the checkpoint (and the one under way when
-    # the kill fell between its progress record and its history line)
-    history = [json.loads(line) for line in
-               (tmp_path / "killed" / "history.jsonl").read_text().splitlines()]
-    lost = max(r["step"] for r in history if r["restart"] == 0) - resumed[1]["step"]
-    assert resumed[1]["checkpoint"] and lost <= resumed[1]["steps_redone"] <= lost + 1, \
-        (resumed[1], lost)
-    _check_exactly_once(tmp_path / "killed" / "history.jsonl", blocks, epochs, 6)
+    # gloo's words for a collective past its timeout, on both peers of the stopped rank
+    errors = [line for line in runs["stopped"].splitlines() if "Error" in line]
+    assert sum("Application timeout caused pair closure" in line for line in errors) == 2, \
+        errors
     clean = torch.load(tmp_path / "clean" / "weights.pt")
-    killed = torch.load(tmp_path / "killed" / "weights.pt")
-    assert clean.keys() == killed.keys()
-    for name in clean:
-        assert torch.equal(clean[name], killed[name]), name
+    for tag in ("killed", "stopped"):
+        events = [json.loads(line.split(" ", 1)[1]) for line in runs[tag].splitlines()
+                  if line.startswith("@autopar-event ")]
+        resumed = [e for e in events if e["event"] == "resumed"]
+        assert [e["restart"] for e in resumed] == [0, 1], (tag, resumed)
+        # the steps lost are those committed since the checkpoint (and the one under way
+        # when the fault fell between its progress record and its history line)
+        history = [json.loads(line) for line in
+                   (tmp_path / tag / "history.jsonl").read_text().splitlines()]
+        lost = max(r["step"] for r in history if r["restart"] == 0) - resumed[1]["step"]
+        assert resumed[1]["checkpoint"] and lost <= resumed[1]["steps_redone"] <= lost + 1, \
+            (tag, resumed[1], lost)
+        _check_exactly_once(tmp_path / tag / "history.jsonl", blocks, epochs, 6)
+        after = torch.load(tmp_path / tag / "weights.pt")
+        assert clean.keys() == after.keys()
+        for name in clean:
+            assert torch.equal(clean[name], after[name]), (tag, name)
+
+
+def _state(pid: int) -> str:
+    """The process's state letter in /proc (Z: exited, not yet reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "Z"
 
 
 def _wait_for_record(history: Path, restart: int, step: int, proc: subprocess.Popen,
