@@ -195,6 +195,11 @@ def dp2_zero2_amp_fp16_gpt2():
     check_amp_parity(gpt2(), "fp16", dp=2, zero=2)
 
 
+@case(world=2)
+def dp2_zero3_amp_fp16_llama():
+    check_amp_parity(llama(), "fp16", dp=2, zero=3)
+
+
 @case(world=4)
 def dp2_tp2_amp_bf16_llama():
     check_amp_parity(llama(kv_heads=4), "bf16", roundings=2, dp=2, tp=2)
