@@ -16,6 +16,7 @@ recomputed forward) over the predicted step time and the GPU count.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import statistics
@@ -85,6 +86,27 @@ def layout_of(row: Row, micro_batch: int, schedule: str) -> autopar.Layout:
                           amp="fp16", recompute="full", overlap_comm=False)
 
 
+def fitting_layout(row: Row, layout: autopar.Layout, estimator: Estimator
+                   ) -> tuple[autopar.Layout, autopar.Prediction]:
+    """`layout` (layout_of's) and its prediction, except that a row without a pipeline
+    runs its rank's share in the fewest micro-batches whose predicted peak fits the
+    memory `autopar.plan` allows (`Plan.max_memory_fraction` of the device): the paper
+    gives no micro-batch size for those rows, its runs fit its GPUs, and fewer, larger
+    micro-batches are what a Megatron-LM user tunes toward (the faster). On the unfused
+    kernels the 1.7B row's whole share (16 sequences) is predicted at 83.5 GB."""
+    prediction = estimator.predict(layout)
+    if row.pp > 1:
+        return layout, prediction
+    budget = estimator.cluster.device.memory_bytes * MEMORY_FRACTION
+    per_rank = row.batch // row.dp
+    for m in (m for m in range(layout.microbatches, per_rank + 1) if per_rank % m == 0):
+        candidate = dataclasses.replace(layout, microbatches=m)
+        prediction = prediction if m == layout.microbatches else estimator.predict(candidate)
+        if prediction.peak_memory_bytes <= budget:
+            return candidate, prediction
+    raise ValueError(f"{row.billions}B: no micro-batch count fits {budget / 1e9:.1f} GB")
+
+
 def gpt(row: Row, attention: str, arch: str = "gpt2"):
     """The row's GPT on the meta device: transformers' GPT-2, or GPT-NeoX configured as
     the same sequential pre-norm block (`use_parallel_residual=False`, GELU MLP of 4h,
@@ -108,6 +130,9 @@ def gpt(row: Row, attention: str, arch: str = "gpt2"):
                                                         device="meta"),)
 
 
+# the share of a device's memory a layout may use: autopar.plan's default
+MEMORY_FRACTION = autopar.Plan.__dataclass_fields__["max_memory_fraction"].default
+
 # Megatron-LM steps Adam with apex's fused kernel (one pass over parameter, gradient and
 # both moments), not torch's default one pass per op
 OPTIMIZER = "adamw-fused"
@@ -121,13 +146,17 @@ def cluster_of(row: Row, attention: str = "fused") -> autopar.ClusterSpec:
     return cluster.model_copy(update={"device": device})
 
 
+def estimator(row: Row, attention: str, trace_blocks: int | None = 2, arch: str = "gpt2",
+              kernels: str = "fused") -> Estimator:
+    model, batch = gpt(row, attention, arch)
+    return Estimator(model, cluster_of(row, kernels), batch, causal_lm_loss,
+                     optimizer=OPTIMIZER, trace_blocks=trace_blocks)
+
+
 def predict(row: Row, layout: autopar.Layout, attention: str,
             trace_blocks: int | None = 2, arch: str = "gpt2",
             kernels: str = "fused") -> autopar.Prediction:
-    model, batch = gpt(row, attention, arch)
-    cluster = cluster_of(row, kernels)
-    return Estimator(model, cluster, batch, causal_lm_loss, optimizer=OPTIMIZER,
-                     trace_blocks=trace_blocks).predict(layout)
+    return estimator(row, attention, trace_blocks, arch, kernels).predict(layout)
 
 
 def plan_row(row: Row, attention: str = "sdpa", arch: str = "gpt2", kernels: str = "fused"):
@@ -165,8 +194,9 @@ def plan_table(rows: list[Row], args) -> None:
             print(f"| {row.billions}B | error: {type(exc).__name__}: {exc} | | | | | | | |",
                   flush=True)
             continue
-        layout = layout_of(row, args.micro_batch, args.schedule)
-        paper = predict(row, layout, args.attention, arch=args.arch, kernels=args.kernels)
+        layout, paper = fitting_layout(row, layout_of(row, args.micro_batch, args.schedule),
+                                       estimator(row, args.attention, arch=args.arch,
+                                                 kernels=args.kernels))
         chosen_rate = flops / plan.predicted.step_time_s / row.gpus / 1e12
         paper_rate = flops / paper.step_time_s / row.gpus / 1e12
         error = paper_rate / row.tflops - 1
@@ -219,21 +249,20 @@ def main() -> None:
     for billions in args.rows:
         row = rows[billions]
         layout = layout_of(row, args.micro_batch, args.schedule)
-        brief = (f"dp={layout.dp} tp={layout.tp} pp={layout.pp} m={layout.microbatches}"
-                 + (f" v={layout.virtual_stages}" if layout.virtual_stages > 1 else ""))
         start = time.perf_counter()
         try:
-            pred = predict(row, layout, args.attention, args.trace_blocks or None, args.arch,
-                           args.kernels)
+            layout, pred = fitting_layout(row, layout, estimator(
+                row, args.attention, args.trace_blocks or None, args.arch, args.kernels))
         except Exception as exc:  # report the failing layout, do not hide it
-            print(f"| {billions}B | {brief} | {row.tflops:.0f} | error: "
+            print(f"| {billions}B | {brief(layout)} | {row.tflops:.0f} | error: "
                   f"{type(exc).__name__}: {exc} | | | | | | |", flush=True)
             continue
         seconds = time.perf_counter() - start
         achieved = paper_flops(row.batch, row.layers, row.hidden) / pred.step_time_s / row.gpus / 1e12
         error = achieved / row.tflops - 1
         errors.append(error)
-        print(f"| {billions}B | {brief} | {row.tflops:.0f} | {achieved:.1f} | {error:+.1%} | "
+        print(f"| {billions}B | {brief(layout)} | {row.tflops:.0f} | {achieved:.1f} | "
+              f"{error:+.1%} | "
               f"{pred.tflops_per_device:.1f} | {pred.mfu:.1%} | {pred.bubble_fraction:.1%} | "
               f"{pred.step_time_s:.2f} | {seconds:.0f} |", flush=True)
     if errors:

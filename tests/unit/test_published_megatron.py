@@ -37,6 +37,24 @@ def test_paper_formula_is_model_flops_plus_one_recomputed_forward():
     assert 1.25 < ratio < 4 / 3  # the logit layer, never recomputed, pulls it below 4/3
 
 
+def test_the_papers_layout_without_a_pipeline_takes_the_fewest_micro_batches_that_fit():
+    """The 1.7B row's whole rank share (16 sequences) in one micro-batch is predicted
+    over the plan's memory budget (90% of 80 GB) with the paper's unfused attention:
+    the paper's layout is costed with the fewest micro-batches that fit, as its run
+    did fit."""
+    from benchmarks.published_megatron import MEMORY_FRACTION, estimator, fitting_layout
+
+    logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
+    row = TABLE_1[0]
+    est = estimator(row, "sdpa", kernels="unfused")
+    whole = layout_of(row, micro_batch=1, schedule="1f1b")
+    budget = MEMORY_FRACTION * est.cluster.device.memory_bytes
+    assert MEMORY_FRACTION == 0.9 and est.predict(whole).peak_memory_bytes > budget
+    layout, pred = fitting_layout(row, whole, est)
+    assert layout.microbatches == 2 and pred.peak_memory_bytes <= budget
+    assert pred.step_time_s == est.predict(layout).step_time_s
+
+
 def test_scaled_gradient_accumulation_counts_every_block():
     """Accumulation without a pipeline, traced per block, is costed as the whole trace
     costs it: its stage's programs replayed over the scaled summary, each block
