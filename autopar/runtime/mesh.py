@@ -213,14 +213,20 @@ def init_world(timeout: timedelta | None = None) -> None:
 def collective_timeout() -> timedelta:
     """The timeout of the default process group's collectives: init_process_group's
     `timeout` (init_world's, or the caller's own), read back from its backend."""
-    return dist.group.WORLD._get_backend(torch.device(device_type())).options._timeout
+    return _timeout_of(dist.group.WORLD)
+
+
+def _timeout_of(group) -> timedelta:
+    """The timeout of `group`'s backend for its first device type (a group made by
+    the caller on another backend than this machine's default is read as it is)."""
+    devices = group._device_types or [torch.device(device_type())]
+    return group._get_backend(devices[0]).options._timeout
 
 
 def set_timeout(group, timeout: timedelta) -> None:
     """Give `group`'s collectives `timeout` (torch gives a new group its backend's
     default, whatever the world group's timeout is)."""
-    backend = group._get_backend(torch.device(device_type()))
-    if backend.options._timeout != timeout:
+    if _timeout_of(group) != timeout:
         dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 

@@ -190,8 +190,9 @@ def test_a_step_slower_than_the_hang_watch_writes_every_threads_stack(tmp_path):
     args = _worker_args(tmp_path, "watched", {"dp": 1}, blocks=2, epochs=1)
     out = subprocess.run([sys.executable, *args, "--dump-stacks-after", "0.02"], env=_env(),
                          capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert "Timeout (0:00:00.020000)!" in out.stderr, out.stderr[-3000:]
+    assert out.returncode == 0, (out.returncode, out.stderr[:1500], out.stderr[-1500:])
+    said = "this step has run for over 0.02 s (--dump-stacks-after)"
+    assert said in out.stderr, out.stderr[-3000:]
     assert 'File "' in out.stderr and "elastic.py" in out.stderr and "in run" in out.stderr
     assert len(_committed(tmp_path / "watched" / "history.jsonl")) == 2  # trained to the end
     bad = subprocess.run([sys.executable, *args, "--dump-stacks-after", "-1"], env=_env(),
