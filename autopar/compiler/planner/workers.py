@@ -391,7 +391,7 @@ def child_groups(order: Sequence[tuple], bounds: Sequence[float], children: int
             shares[owner[group[0]]].append(group)
     # then the parent's trace's other groups, last: a child done with its own traces it
     # again, rather than wait, for the ones the parent has not taken back by then
-    parents = near[0] if near else None  # parent_trace
+    parents = near[0] if near else None  # what parent_trace names: the first near trace
     for k, group in enumerate([g for g in order if g[0] == parents][1:]):
         shares[k % children].append(group)
     return shares
