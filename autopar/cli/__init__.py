@@ -29,7 +29,6 @@ from pathlib import Path
 
 from rich.table import Table
 
-from autopar.api import LAYOUT_ERRORS
 from autopar.cli.common import bytes_whose, cluster_from_args, console
 from autopar.cli.planning import add_planner_commands
 from autopar.costs import OPTIMIZER_STATES
@@ -486,6 +485,7 @@ class _Progress:
 def cmd_estimate(args: argparse.Namespace) -> int:
     import torch
 
+    from autopar.api import LAYOUT_ERRORS
     from autopar.compiler.planner.estimate import estimate
     from autopar.examples import load_model_spec
 
@@ -542,7 +542,7 @@ def _print_estimate(model: str, cluster, layout, pred) -> None:
 def cmd_check(args: argparse.Namespace) -> int:
     import torch
 
-    from autopar.api import check
+    from autopar.api import LAYOUT_ERRORS, check
     from autopar.compiler.ir.collectives import CollectiveMismatch
     from autopar.examples import load_model_spec
 
@@ -831,10 +831,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    configure_from_env()
+    args = build_parser().parse_args(argv)  # `--help` and a bad flag end here, before torch
     from autopar.examples import ModelSpecError
 
-    configure_from_env()
-    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except ModelSpecError as exc:  # the model argument names no model

@@ -90,3 +90,46 @@ def test_planned_compile_on_one_process_trains_the_plans_layout():
     step = autopar.compile(ex.model, None, ex.batch, ex.loss_fn)
     assert step.plan is not None and step.plan.layout == autopar.Layout()
     assert torch.isfinite(step(*ex.batch))
+
+
+def test_every_public_name_is_its_home_modules_object():
+    """`autopar.X` (imported on first use) is the object its module defines; `from autopar
+    import *` gives every name of __all__; a submodule is imported when named."""
+    import importlib
+
+    assert sorted(autopar.__all__) == sorted(autopar._HOME_OF)
+    for name in autopar.__all__:
+        home = importlib.import_module(autopar._HOME_OF[name])
+        assert getattr(autopar, name) is getattr(home, name), name
+    names: dict = {}
+    exec("from autopar import *", names)
+    assert set(autopar.__all__) <= set(names)
+    assert autopar.examples.gpt2 is importlib.import_module("autopar.examples").gpt2
+    assert "compile" in dir(autopar)
+    with pytest.raises(AttributeError, match="no attribute 'compil'"):
+        autopar.compil  # noqa: B018
+
+
+@pytest.mark.parametrize("code, left_out", [
+    # the command line's help and its flag errors, before any command runs
+    ("from autopar.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass",
+     ["torch", "autopar.api"]),
+    ("from autopar.cli import main\ntry:\n    main(['train', '--help'])\nexcept SystemExit:\n"
+     "    pass", ["torch", "autopar.api"]),
+    ("import autopar; autopar.Layout(dp=2)", ["torch", "autopar.api"]),
+    # a parameter server and the elastic launcher do not compile: no compiler in them
+    ("import autopar.ps_worker", ["autopar.api", "autopar.compiler.passes", "torch._dynamo"]),
+    ("import autopar.elastic", ["autopar.api", "autopar.compiler.passes"]),
+])
+def test_entry_points_import_only_what_they_run(code, left_out):
+    """`import autopar` imports nothing until a name is used, so a process that never
+    compiles does not pay the compiler's imports (about 2 s on this machine), and
+    `autopar --help` answers without torch."""
+    import subprocess
+    import sys
+
+    check = f"{code}\nimport sys\nprint(sorted(m for m in {left_out!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]", (code, out.stdout)
