@@ -4,13 +4,18 @@ rank's program is traced with fake tensors (parity runs in tests/dist/cases_tp.p
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections import Counter
+from typing import NamedTuple
 
 import pytest
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._pytree import tree_flatten
 
 import autopar
 from autopar.compiler.passes.defaults import run_passes
@@ -18,7 +23,8 @@ from autopar.compiler.ir import meta as M
 from autopar.compiler.ir.trace import trace_train_step
 from autopar.compiler.passes.tensor_parallel import (REPLICATED_ALLOWANCE, format_placements,
                                                      plan_tensor_parallel)
-from autopar.compiler.passes.tp_rules import R
+from autopar.compiler.passes import tp_solver
+from autopar.compiler.passes.tp_rules import R, Strategy, tensor_inputs
 from autopar.examples import llama, neox
 
 c10d = torch.ops._c10d_functional
@@ -74,7 +80,11 @@ def test_megatron_mlp_block_one_all_reduce_each_way():
 
 
 def test_sequence_parallel_gathers_and_scatters_instead_of_all_reduce():
-    tg = trace_train_step(MegatronBlock(), (torch.randn(8, 64, 256),), block_loss)
+    # the residual stream goes on into a norm, as in a transformer: split by sequence, as
+    # the norm takes it (a block whose sum went straight to the loss could split that sum
+    # on the hidden dim at the same price)
+    model = torch.nn.Sequential(MegatronBlock(), torch.nn.LayerNorm(256))
+    tg = trace_train_step(model, (torch.randn(8, 64, 256),), block_loss)
     out, _ = run_passes(tg, autopar.Layout(tp=2, sequence_parallel=True), DGX,
                         options={"tp_rank": 0})
     ops = {r["node"]: r["strategy"] for r in out.attrs["tp"]["ops"]}
@@ -424,3 +434,75 @@ def test_compile_refuses_a_world_size_that_does_not_fit_tp():
     with pytest.raises(autopar.LayoutError, match=r"needs dp\*tp\*pp = 4 processes.*"
                                                   r"torchrun --nproc-per-node 4"):
         autopar.compile(ex.model, None, ex.batch, ex.loss_fn, layout=autopar.Layout(tp=2, pp=2))
+
+
+# -- the placement program itself, against enumerating every choice ----------------------
+
+_PRICES = (0.0, 0.25, 1.0, 3.5, math.inf)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_placement_program_finds_the_cheapest_consistent_choice(data):
+    """Random ops, each with 1-3 placements of its own cost (one: a fixed choice, folded
+    into a constant), and redistributions between them priced per pair of placements
+    (inf: not convertible): the program's optimum is the least total over every
+    combination of choices that converts nothing unconvertible, and it says so when
+    there is none."""
+    # seconds as a CPU's ops cost them, or as a GPU's (microseconds: HiGHS's tolerances)
+    unit = data.draw(st.sampled_from((1.0, 1e-6)), label="unit")
+    count = data.draw(st.integers(2, 5), label="ops")
+    opts = [[(Strategy((), p), unit * data.draw(st.sampled_from((0.0, 0.5, 2.0)), label="cost"))
+             for p in data.draw(st.lists(st.sampled_from((R, 0, 1)), min_size=1, max_size=3,
+                                         unique=True), label="placements")]
+            for _ in range(count)]
+    pairs = data.draw(st.lists(st.tuples(st.integers(0, count - 1), st.integers(0, count - 1))
+                               .filter(lambda e: e[0] < e[1]), max_size=6, unique=True),
+                      label="edges")
+    price = {e: {(p, q): unit * data.draw(st.sampled_from(_PRICES), label="price")
+                 for p in (R, 0, 1) for q in (R, 0, 1)} for e in pairs}
+
+    best = math.inf
+    for combo in itertools.product(*opts):
+        total = sum(c for _, c in combo) + sum(
+            price[a, b][combo[a][0].output, combo[b][0].output] for a, b in pairs)
+        best = min(best, total)
+
+    model = tp_solver._Model(None)
+    x = [model.choose(str(i), o) for i, o in enumerate(opts)]
+    try:
+        for a, b in pairs:
+            model.edge(tp_solver._placement_expr(x[a], lambda s: s.output),
+                       tp_solver._placement_expr(x[b], lambda s: s.output),
+                       lambda p, q, t=price[a, b]: t[p, q])
+        model.solve(2)
+    except (tp_solver._NoPlan, tp_solver.TensorParallelPlanError):
+        assert best == math.inf
+        return
+    assert best < math.inf
+    assert model.objective() == pytest.approx(best, rel=1e-6)
+    chosen = [model.chosen(v) for v in x]  # and the choice it returns costs that
+    total = sum(dict(o)[s] for o, s in zip(opts, chosen)) + sum(
+        price[a, b][chosen[a].output, chosen[b].output] for a, b in pairs)
+    assert total == pytest.approx(best, rel=1e-6)
+
+
+class _Pair(NamedTuple):
+    first: object
+    second: object
+
+
+def test_tensor_inputs_in_pytree_order():
+    """The solver's fast walk over an op's arguments gives pytree's order (args, then
+    kwargs by key order), through tuples, lists, dicts and a namedtuple, and only the
+    tensor-valued nodes."""
+    g = fx.Graph()
+    a, b, c, d, e = (g.placeholder(n) for n in "abcde")
+    for n in (a, b, c, d):
+        n.meta["val"] = torch.empty(2)
+    e.meta["val"] = 3  # not a tensor
+    node = g.call_function(torch.ops.aten.cat.default, ((d, [c, e]), _Pair(b, 1)),
+                           {"z": a, "y": {"k": (c, b)}})
+    expected = [x for x in tree_flatten((node.args, node.kwargs))[0]
+                if isinstance(x, fx.Node) and isinstance(x.meta["val"], torch.Tensor)]
+    assert tensor_inputs(node) == expected == [d, c, b, a, c, b]

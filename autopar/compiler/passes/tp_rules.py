@@ -165,8 +165,32 @@ def is_tensor_node(arg: Any) -> bool:
 
 
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    """The node's tensor arguments, in pytree order of (args, kwargs)."""
-    return [a for a in tree_flatten((node.args, node.kwargs))[0] if is_tensor_node(a)]
+    """The node's tensor arguments, in pytree order of (args, kwargs): depth first through
+    tuples, lists and dicts (in key order), the containers an FX node's arguments are
+    made of (the solver asks this of every node many times; pytree's own flatten, for
+    any other container, costs most of the solver's Python time)."""
+    out: list[fx.Node] = []
+    _collect_tensor_nodes(node.args, out)
+    _collect_tensor_nodes(node.kwargs, out)
+    return out
+
+
+def _collect_tensor_nodes(arg: Any, out: list[fx.Node]) -> None:
+    if isinstance(arg, fx.Node):
+        if isinstance(arg.meta.get("val"), torch.Tensor):
+            out.append(arg)
+    elif type(arg) in _SEQUENCES:
+        for a in arg:
+            _collect_tensor_nodes(a, out)
+    elif type(arg) in _MAPPINGS:
+        for a in arg.values():
+            _collect_tensor_nodes(a, out)
+    elif isinstance(arg, (tuple, list, dict)):  # a namedtuple, a subclass: pytree's order
+        out.extend(a for a in tree_flatten(arg)[0] if is_tensor_node(a))
+
+
+_SEQUENCES = (tuple, list, fx.immutable_collections.immutable_list)
+_MAPPINGS = (dict, fx.immutable_collections.immutable_dict)
 
 
 def output_vals(node: fx.Node) -> tuple[torch.Tensor | None, ...]:

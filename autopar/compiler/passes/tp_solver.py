@@ -30,6 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import highspy
+import numpy as np
 import torch
 import torch.fx as fx
 
@@ -328,15 +329,38 @@ def _placement_expr(vars_: list, pick) -> dict[Placement, list]:
     return expr
 
 
+# The program's costs are in microseconds: in seconds, a GPU op's costs (1e-8 to 1e-5)
+# sit at HiGHS's tolerances (an optimality gap of 1e-6 absolute is "optimal"), and it
+# returned plans a few microseconds, several percent, off the optimum.
+_MICRO = 1e6
+
+
 class _Model:
-    """The integer program, with constant folding for nodes that have one option."""
+    """The integer program, with constant folding for nodes that have one option. A
+    variable is its column's index; the rows are kept as lists and handed to HiGHS in one
+    call when it solves (highspy's expression objects cost more than the solve)."""
 
     def __init__(self, costs: TPCosts):
-        self.h = new_model()
         self.constant = 0.0
         self.replicated = 0.0  # the objective of the all-replicated plan
-        self.has_choices = False
-        self._grad_vars: dict[str, object] = {}
+        self._cost: list[float] = []  # per column: its objective coefficient
+        self._binary: list[int] = []  # the columns that are 0/1 choices
+        self._rows: list[tuple[dict[int, float], float, float]] = []  # (terms, low, high)
+        self._grad_vars: dict[str, int | None] = {}
+        self._values: list[float] = []
+        self._objective = 0.0
+
+    def _var(self, cost: float, binary: bool = False) -> int:
+        self._cost.append(cost * _MICRO)
+        if binary:
+            self._binary.append(len(self._cost) - 1)
+        return len(self._cost) - 1
+
+    def _row(self, terms: Iterable[tuple[int, float]], low: float, high: float) -> None:
+        merged: dict[int, float] = {}
+        for var, coef in terms:
+            merged[var] = merged.get(var, 0.0) + coef
+        self._rows.append((merged, low, high))
 
     def choose(self, name: str, opts: list[tuple[Strategy, float]]) -> list[tuple]:
         self.replicated += next((c for s, c in opts if all(p == R for p in s.outputs())),
@@ -344,29 +368,45 @@ class _Model:
         if len(opts) == 1:
             self.constant += opts[0][1]
             return [(None, opts[0][0])]
-        vars_ = [self.h.addBinary(obj=cost) for _, cost in opts]
-        self.h.addConstr(sum(vars_) == 1)
-        self.has_choices = True
+        vars_ = [self._var(cost, binary=True) for _, cost in opts]
+        self._row(((v, 1.0) for v in vars_), 1.0, 1.0)
         return list(zip(vars_, (s for s, _ in opts)))
 
-    def equal(self, a, b) -> None:
+    def equal(self, a: int | None, b: int | None) -> None:
         if a is not None and b is not None:
-            self.h.addConstr(a - b == 0)  # NOTE: `a == b` of two variables compares them
+            self._row(((a, 1.0), (b, -1.0)), 0.0, 0.0)
 
     def edge(self, have: dict, need: dict, price) -> None:
-        for p, src_vars in have.items():
-            for q, dst_vars in need.items():
-                cost = price(p, q)
+        """The redistribution of a value from the placement its producer gives (`have`:
+        placement -> the producer's variables giving it, None for a fixed choice) to the
+        one its user takes (`need`). With both sides chosen, by the pair's indicator
+        z_pq, whose rows (sum_q z_pq = X_p, sum_p z_pq = Y_q) make z the product of the
+        two choices already in the LP relaxation: the relaxation of `y >= X_p + Y_q - 1`
+        is loose (a half of each choice pays nothing), and HiGHS then spends its cuts
+        and a sub-MIP closing that gap."""
+        prices = {(p, q): price(p, q) for p in have for q in need}
+        if any(None in vs for vs in (*have.values(), *need.values())):
+            for (p, q), cost in prices.items():
                 if cost == 0.0:
                     continue
-                lhs = _sum(src_vars) + _sum(dst_vars)
+                const, live = _split(have[p] + need[q])
                 if cost == INF:
-                    self._at_most(lhs, 1)
-                elif _is_const(lhs):
-                    self.constant += cost if lhs >= 2 else 0.0
-                else:
-                    y = self.h.addVariable(lb=0, ub=1, obj=cost)
-                    self.h.addConstr(y >= lhs - 1)
+                    self._at_most(const, live, 1)
+                elif not live:
+                    self.constant += cost if const >= 2 else 0.0
+                else:  # one side fixed: y >= the other side's choice, as tight as it gets
+                    y = self._var(cost)
+                    self._row([(y, 1.0)] + [(v, -1.0) for v in live], const - 1, math.inf)
+            return
+        if all(cost == 0.0 for cost in prices.values()):
+            return
+        z = {pq: self._var(cost) for pq, cost in prices.items() if cost != INF}
+        for p, src_vars in have.items():
+            self._row([(z[p, q], 1.0) for q in need if (p, q) in z] +
+                      [(v, -1.0) for v in src_vars], 0.0, 0.0)
+        for q, dst_vars in need.items():
+            self._row([(z[p, q], 1.0) for p in have if (p, q) in z] +
+                      [(v, -1.0) for v in dst_vars], 0.0, 0.0)
 
     def grad_allreduce(self, value: str, split_users: list, cost: float) -> None:
         """One all-reduce of `value`'s gradient if any of split_users is chosen."""
@@ -380,47 +420,66 @@ class _Model:
             self.constant += cost
             self._grad_vars[value] = None
             return
-        if not known:
-            z = self._grad_vars[value] = self.h.addVariable(lb=0, ub=1, obj=cost)
+        if z is None:
+            z = self._grad_vars[value] = self._var(cost)
         for v in split_users:
-            self.h.addConstr(z >= v)
+            self._row(((z, 1.0), (v, -1.0)), 0.0, math.inf)
 
     def budget(self, terms: list, limit: float) -> None:
         const = sum(b for v, b in terms if v is None)
         live = [(v, b) for v, b in terms if v is not None]
         if not live:
             return
-        self.h.addConstr(sum(b * v for v, b in live) <= limit - const)
+        self._row(live, -math.inf, limit - const)
 
     def require(self, expr: dict, placement: Placement) -> None:
         for p, vars_ in expr.items():
             if p != placement:
-                self._at_most(_sum(vars_), 0)
+                self._at_most(*_split(vars_), 0)
 
-    def _at_most(self, lhs, bound: int) -> None:
-        if _is_const(lhs):
-            if lhs > bound:
+    def _at_most(self, const: int, live: list[int], bound: int) -> None:
+        """const + the sum of the `live` variables <= bound."""
+        if not live:
+            if const > bound:
                 raise _NoPlan("the only placements on both sides cannot be converted")
             return
-        self.h.addConstr(lhs <= bound)
+        self._row(((v, 1.0) for v in live), -math.inf, bound - const)
 
     def solve(self, tp: int) -> None:
-        if self.has_choices:
-            self.h.minimize()
-            status = self.h.getModelStatus()
-            if status != highspy.HighsModelStatus.kOptimal:
-                ended = self.h.modelStatusToString(status)
-                raise TensorParallelPlanError(
-                    None, tp, f"the placement program (HiGHS) ended {ended}: the ops' "
-                    "strategies admit no consistent set of placements")
+        if not self._cost:
+            return
+        h = new_model()
+        n = len(self._cost)
+        h.addCols(n, np.array(self._cost), np.zeros(n), np.ones(n), 0,
+                  np.zeros(n, dtype=np.int32), np.zeros(0, dtype=np.int32), np.zeros(0))
+        h.changeColsIntegrality(len(self._binary), np.array(self._binary, dtype=np.int32),
+                                np.full(len(self._binary), highspy.HighsVarType.kInteger))
+        starts, index, value = [], [], []
+        for terms, _, _ in self._rows:
+            starts.append(len(index))
+            index += terms
+            value += terms.values()
+        h.addRows(len(self._rows), np.array([low for _, low, _ in self._rows]),
+                  np.array([high for _, _, high in self._rows]), len(index),
+                  np.array(starts, dtype=np.int32), np.array(index, dtype=np.int32),
+                  np.array(value))
+        h.run()
+        status = h.getModelStatus()
+        if status != highspy.HighsModelStatus.kOptimal:
+            ended = h.modelStatusToString(status)
+            raise TensorParallelPlanError(
+                None, tp, f"the placement program (HiGHS) ended {ended}: the ops' "
+                "strategies admit no consistent set of placements")
+        self._values = list(h.getSolution().col_value)
+        self._objective = h.getInfo().objective_function_value / _MICRO
 
     def chosen(self, vars_: list[tuple]) -> Strategy:
         if vars_[0][0] is None:
             return vars_[0][1]
-        return max(vars_, key=lambda vs: self.h.val(vs[0]))[1]
+        return max(vars_, key=lambda vs: self._values[vs[0]])[1]
 
     def objective(self) -> float:
-        return self.constant + (self.h.getObjectiveValue() if self.has_choices else 0.0)
+        return self.constant + self._objective
 
 
 class _NoPlan(ValueError):
@@ -446,12 +505,6 @@ class TensorParallelPlanError(ValueError):
             f"please report the model")
 
 
-def _sum(vars_: list):
-    """Sum of binary variables, None standing for a constant 1."""
-    const = sum(1 for v in vars_ if v is None)
-    live = [v for v in vars_ if v is not None]
-    return const + sum(live) if live else const
-
-
-def _is_const(expr) -> bool:
-    return isinstance(expr, (int, float))
+def _split(vars_: list) -> tuple[int, list[int]]:
+    """(how many of vars_ are None, a choice fixed to 1; the others, variables)."""
+    return sum(1 for v in vars_ if v is None), [v for v in vars_ if v is not None]
