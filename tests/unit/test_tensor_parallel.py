@@ -468,7 +468,7 @@ def test_placement_program_finds_the_cheapest_consistent_choice(data):
             price[a, b][combo[a][0].output, combo[b][0].output] for a, b in pairs)
         best = min(best, total)
 
-    model = tp_solver._Model(None)
+    model = tp_solver._Model()
     x = [model.choose(str(i), o) for i, o in enumerate(opts)]
     try:
         for a, b in pairs:

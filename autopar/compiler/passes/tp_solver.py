@@ -210,7 +210,7 @@ def solve(graph: fx.Graph, tp: int, costs: TPCosts, param_options: dict[str, lis
     demand = strided_demand(graph, tp)
     param_options = with_strided(graph, param_options, demand, tied, tp)
     options = _options(graph, tp, param_options, costs, banned, wanted, demand)
-    model = _Model(costs)
+    model = _Model()
     x = {name: model.choose(name, opts) for name, opts in options.items()}
     for group in tied:
         for other in group[1:]:
@@ -340,7 +340,7 @@ class _Model:
     variable is its column's index; the rows are kept as lists and handed to HiGHS in one
     call when it solves (highspy's expression objects cost more than the solve)."""
 
-    def __init__(self, costs: TPCosts):
+    def __init__(self) -> None:
         self.constant = 0.0
         self.replicated = 0.0  # the objective of the all-replicated plan
         self._cost: list[float] = []  # per column: its objective coefficient
@@ -392,8 +392,8 @@ class _Model:
                 const, live = _split(have[p] + need[q])
                 if cost == INF:
                     self._at_most(const, live, 1)
-                elif not live:
-                    self.constant += cost if const >= 2 else 0.0
+                elif not live:  # both sides fixed (one option each): the pair is the plan's
+                    self.constant += cost
                 else:  # one side fixed: y >= the other side's choice, as tight as it gets
                     y = self._var(cost)
                     self._row([(y, 1.0)] + [(v, -1.0) for v in live], const - 1, math.inf)
