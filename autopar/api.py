@@ -30,6 +30,7 @@ from autopar.compiler.passes.assign_stages import StageError
 from autopar.compiler.passes.base import GraphPass, PassOptions
 from autopar.compiler.passes.defaults import first_graph, is_pipelined, pass_list, run_passes
 from autopar.compiler.passes.recompute_rules import RecomputeError
+from autopar.compiler.passes.sync_batch_norm import training_batch_norms, where
 from autopar.compiler.passes.tp_solver import TensorParallelPlanError
 from autopar.compiler.planner.ps_cost import compare_ps
 from autopar.compiler.planner.result import Plan
@@ -223,6 +224,13 @@ def build_ps(model: torch.nn.Module, cluster: ClusterSpec | None, example_inputs
     else:
         traced = trace_train_step(model, local, objective)
     if ps.mode == "sync" and layout.dp > 1:
+        norms = training_batch_norms(traced)
+        if norms:  # the trainers have no group to sum a forward's statistics over
+            raise LayoutError(f"{where(norms[0])}: a batch norm in training mode normalises "
+                              f"by the whole batch's statistics, and the {layout.dp} "
+                              f"parameter-server trainers of a sync step each hold a shard "
+                              f"of it; train this model with a dp layout (which sums them), "
+                              f"or put the module in eval mode")
         # a loss that divides by a count of the batch (ignore_index, a mask's sum)
         # divides by the global batch's count, as one process on the whole batch does
         traced = run_passes(traced, layout, None, ["global_loss_mean"])[0]

@@ -5,8 +5,9 @@ The batch's rows are right-padded to different lengths with labels -100 on the p
 so the two ranks hold different numbers of real tokens: with the pass autopar trains as
 one process on the whole batch; without it (and with DDP) each rank's mean counts its
 own tokens. Same model, AdamW, one gloo process group, one thread per process; rounds
-alternate between the three sides, in an order rotated every round. Prints the median step time of each and the ratios,
-and how far each side's first loss is from the single-process loss.
+alternate between the three sides, in an order rotated every round (common.rotated).
+Prints the median step time of each and the ratios, and how far each side's first loss
+is from the single-process loss.
 
     OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 2 \\
         benchmarks/global_loss_mean_cost.py --rounds 5 --steps 3 --model llama-small4
@@ -16,16 +17,13 @@ from __future__ import annotations
 
 import copy
 import json
-import statistics
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 import autopar
 import common  # benchmarks/common.py (the script's own folder is on sys.path)
-from autopar.compiler.passes.defaults import default_passes
 from autopar.examples import load_model_spec
 
 
@@ -48,19 +46,6 @@ def loss_fn(out, labels):
     return F.cross_entropy(logits.flatten(0, 1).float(), labels[:, 1:].flatten())
 
 
-def rotated(sides: dict, batch: tuple, rounds: int, steps: int, warmup: int) -> dict:
-    """common.alternate, with the order of the sides rotated every round: the differences
-    measured here are a few percent, the size of the bias of always going first."""
-    names = list(sides)
-    for step in sides.values():
-        common.time_steps(step, batch, warmup)
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            samples[name] += common.time_steps(sides[name], batch, steps)
-    return {name: statistics.median(v) for name, v in samples.items()}
-
-
 def main() -> None:
     args = common.parser(__doc__.splitlines()[0], steps=3).parse_args()
     dist.init_process_group("gloo")
@@ -76,25 +61,9 @@ def main() -> None:
                                example_targets=(batch[1],), loss_fn=loss_fn,
                                optimizer=adamw, layout=layout, passes=passes)
 
-    with_pass = compiled(None)
-    without = compiled([p for p in default_passes(layout) if p.name != "global_loss_mean"])
-    ddp = DDP(copy.deepcopy(example.model))
-    opt = adamw(list(ddp.parameters()))
-
-    def ddp_step(x, labels):
-        loss = loss_fn(ddp(x.chunk(world)[rank]), labels.chunk(world)[rank])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
     reference = loss_fn(example.model(ids), batch[1]).item()
-    first = {"with_pass": with_pass(*batch).item(), "without_pass": without(*batch).item()}
-    ddp_first = ddp_step(*batch)
-    dist.all_reduce(ddp_first)
-    first["ddp"] = ddp_first.item() / world
-    sides = {"with_pass": with_pass, "without_pass": without, "ddp": ddp_step}
-    medians = rotated(sides, batch, args.rounds, args.steps, args.warmup)
+    medians, first = common.pass_cost(compiled, "global_loss_mean", layout, example.model, adamw, loss_fn,
+                                      batch, args)
     if rank == 0:
         print(json.dumps({
             "model": args.model, "rounds": args.rounds, "steps": args.steps,

@@ -29,6 +29,7 @@ from autopar.compiler.lowering.lower import _entry
 from autopar.compiler.passes.assign_stages import StageError
 from autopar.compiler.passes.builder import NodeBuilder, scale_backward_seed
 from autopar.compiler.passes.insert_allreduce import gradient_terms
+from autopar.compiler.passes.sync_batch_norm import training_batch_norms, where
 from autopar.layout import Layout
 
 
@@ -40,10 +41,17 @@ def _program_of(node: fx.Node) -> tuple[int, str] | None:
 
 def lower_pipeline(tg: TrainGraph, layout: Layout) -> PipelineProgram:
     """Per-stage programs plus the schedule for `layout` (pp, microbatches, schedule)."""
+    norms = training_batch_norms(tg) if layout.microbatches > 1 else []
+    if norms:
+        raise StageError(f"{where(norms[0])}: a batch norm in training mode normalises by the "
+                         f"statistics of the whole batch, and a step of {layout.microbatches} "
+                         f"micro-batches computes each micro-batch's before the next exists; "
+                         f"use microbatches=1 and pp=1 for this model (dp > 1 computes them "
+                         f"over every rank's shard), or put the module in eval mode")
     if tg.signature.mutated_buffers:
         raise StageError(f"pipelining and micro-batching keep one copy of each buffer, but the "
-                         f"step updates {list(tg.signature.mutated_buffers)} (BatchNorm-style "
-                         "running statistics); use microbatches=1 and pp=1 for this model")
+                         f"step updates {list(tg.signature.mutated_buffers)}; use "
+                         "microbatches=1 and pp=1 for this model")
     tg = tg.copy()
     divisor = layout.microbatches * layout.dp
     grad_divisor = 1

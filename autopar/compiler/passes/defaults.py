@@ -18,6 +18,7 @@ from autopar.compiler.passes.insert_allreduce import InsertAllReduce
 from autopar.compiler.passes.manager import PassManager, get_pass
 from autopar.compiler.passes.recompute import Recompute
 from autopar.compiler.passes.shard_parameters import ShardParameters
+from autopar.compiler.passes.sync_batch_norm import SyncBatchNorm
 from autopar.compiler.passes.tensor_parallel import TensorParallel
 from autopar.layout import Layout
 
@@ -30,7 +31,8 @@ def is_pipelined(layout: Layout) -> bool:
 
 def default_passes(layout: Layout) -> list[GraphPass]:
     """tensor_parallel -> amp -> recompute -> global_loss_mean -> pipeline stages or
-    data-parallel sync (-> zero-3 parameter sharding) -> fusion. With Layout.local_sgd,
+    (batch norm statistics ->) data-parallel sync (-> zero-3 parameter sharding) ->
+    fusion. With Layout.local_sgd,
     the steady state's program: no global loss mean, no gradient sync. With Layout.dgc,
     its compressed steps' program: each rank's share of the global loss's gradient, not
     summed (runtime/dgc.py exchanges it).
@@ -56,7 +58,9 @@ def default_passes(layout: Layout) -> list[GraphPass]:
     # DGC: the gradients stay this rank's share of the global one (runtime/dgc.py sums
     # them, sparsified); its dense steps are the layout without dgc
     sync = [InsertAllReduce()] if layout.dp > 1 and not local and layout.dgc is None else []
-    return first + sync + ([ShardParameters()] if layout.zero == 3 else []) + last
+    # a batch norm's statistics over the whole batch (Local SGD's replicas train apart)
+    stats = [SyncBatchNorm()] if layout.dp > 1 and not local else []
+    return first + stats + sync + ([ShardParameters()] if layout.zero == 3 else []) + last
 
 
 def split_forward_level(passes: Sequence[GraphPass]) -> tuple[list[GraphPass], list[GraphPass]]:
