@@ -160,9 +160,10 @@ def test_unknown_op_and_list_names_suggest_a_fix():
 
 def test_wiring_amp_after_tensor_parallel_and_fp16_micro_batches():
     assert [p.name for p in default_passes(Layout(amp="bf16", dp=2, fusion=False))] == [
-        "amp", "global_loss_mean", "insert_allreduce"]
+        "amp", "global_loss_mean", "sync_batch_norm", "insert_allreduce"]
     assert [p.name for p in default_passes(Layout(amp="bf16", dp=2, tp=2, fusion=False))] == [
-        "tensor_parallel", "amp", "global_loss_mean", "insert_allreduce"]  # AMP wraps TP
+        "tensor_parallel", "amp", "global_loss_mean", "sync_batch_norm",
+        "insert_allreduce"]  # AMP wraps TP
     assert [p.name for p in default_passes(Layout(fusion=False))] == []
     example = mlp()
     accumulated = autopar.compile(copy.deepcopy(example.model), None, example.batch,

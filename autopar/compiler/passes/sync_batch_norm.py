@@ -13,7 +13,7 @@ compiled step is equivalent by construction.
 The pass rewrites, on the joint graph, each training-mode batch norm and its backward
 into ops that gather or sum over the data-parallel group (`c10d` collectives on the
 "dp" mesh tag, as the gradient sync's): one collective each way, as `nn.SyncBatchNorm`
-has (an all-gather of [C] statistics, an all-reduce of [2C] sums):
+has (an all-gather of each rank's [2C] statistics, an all-reduce of [2C] sums):
 
     forward (x: [N, C, *], n = the elements of a channel on this rank, dp * n in all)
         m_r, M_r = this shard's mean and sum((x - m_r)^2)
@@ -31,7 +31,7 @@ has (an all-gather of [C] statistics, an all-reduce of [2C] sums):
         grad_x = (g - s1 / (dp n) - xhat s2 / (dp n)) * rstd * weight
 
 The statistics and the backward's sums are computed in fp32 (torch's kernels accumulate
-a half input in fp32 too); the outputs take the input's dtype. A batch norm outside
+a half input in fp32 too); each output takes the dtype the replaced op gives it. A batch norm outside
 training mode (`model.eval()`: the running statistics, no batch statistics) is left as
 it is, as is every other norm (layer, group, instance and RMS norms see one sample).
 
