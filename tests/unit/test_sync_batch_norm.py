@@ -17,7 +17,7 @@ from autopar.compiler.ir.program import mesh_group_tag
 from autopar.compiler.ir.trace import trace_train_step
 from autopar.compiler.passes.assign_stages import StageError
 from autopar.compiler.passes.defaults import default_passes, run_passes
-from autopar.compiler.passes.sync_batch_norm import SyncBatchNorm
+from autopar.compiler.passes.sync_batch_norm import BatchNormError, SyncBatchNorm
 from autopar.layout import Layout, LayoutError, PSLayout
 from tests.dist.cases_batch_norm import cnn
 
@@ -80,6 +80,21 @@ def test_the_default_passes_sum_statistics_wherever_the_batch_is_split_over_dp()
     assert names(Layout(dp=2)).index("sync_batch_norm") < names(Layout(dp=2)).index("insert_allreduce")
     for layout in (Layout(), Layout(tp=2), Layout(dp=2, local_sgd=4)):
         assert "sync_batch_norm" not in names(layout), layout
+
+
+def test_a_norm_updating_its_running_statistics_in_place_is_refused_under_dp():
+    # export leaves the functional form; a graph from elsewhere (not functionalised) can
+    # hold the in-place one, whose statistics the pass does not rewrite: an error naming
+    # the module, not a step on the shard's statistics
+    example, labels = cnn()
+    tg = _traced(example.model, example.batch, labels)
+    node = next(n for n in tg.call_nodes()
+                if n.target is aten._native_batch_norm_legit_functional.default)
+    node.target = aten._native_batch_norm_legit.default  # the same arguments, in place
+    with pytest.raises(BatchNormError, match=r"module 1 \(BatchNorm2d\): batch norm as "
+                                             r"aten._native_batch_norm_legit.default in "
+                                             r"training mode, updating .* in place; dp=2"):
+        run_passes(tg, Layout(dp=2), autopar.ClusterSpec.local(2), [SyncBatchNorm()])
 
 
 def test_micro_batches_refuse_a_training_batch_norm_and_name_the_module():

@@ -52,10 +52,10 @@ import torch
 import torch.fx as fx
 
 from autopar.compiler.ir import meta as M
-from autopar.compiler.ir.annotate import node_bytes, node_flops
 from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.ir.program import mesh_group_tag
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult, writable
+from autopar.compiler.passes.builder import NodeBuilder
 from autopar.compiler.passes.manager import register_pass
 from autopar.layout import Layout
 
@@ -146,43 +146,9 @@ class _Forward:
     count: int  # elements of a channel over the whole batch (every rank's)
 
 
-class _Builder:
-    """Inserts nodes after a cursor with the replaced node's annotations (module, block,
-    source line) and their own FLOPs and bytes, so the cost model prices them."""
-
-    def __init__(self, graph: fx.Graph, like: fx.Node, role: M.Role, cursor: fx.Node):
-        self.graph, self.like, self.role, self.cursor = graph, like, role, cursor
-
-    def __call__(self, op, *args, **kwargs) -> fx.Node:
-        vals, kvals = fx.node.map_arg((args, kwargs), lambda n: n.meta[M.VAL])
-        with self.graph.inserting_after(self.cursor):
-            node = self.graph.create_node("call_function", op, args, kwargs,
-                                          name=getattr(op, "__name__", "op").split(".")[0])
-        node.meta = {M.VAL: op(*vals, **kvals), M.ROLE: self.role,
-                     M.CREATED_BY: SyncBatchNorm.name}
-        for key in (M.MODULE_PATH, M.MODULE_TYPE, M.LAYER, M.SOURCE, "nn_module_stack",
-                    "stack_trace"):
-            if key in self.like.meta:
-                node.meta[key] = self.like.meta[key]
-        node.meta.setdefault(M.MODULE_PATH, None)
-        node.meta[M.FLOPS] = node_flops(node)
-        node.meta[M.BYTES] = node_bytes(node)
-        self.cursor = node
-        return node
-
-    def fp32(self, x: fx.Node) -> fx.Node:
-        if x.meta[M.VAL].dtype == torch.float32:
-            return x
-        return self(aten._to_copy.default, x, dtype=torch.float32)
-
-    def cast(self, x: fx.Node, dtype: torch.dtype) -> fx.Node:
-        if x.meta[M.VAL].dtype == dtype:
-            return x
-        return self(aten._to_copy.default, x, dtype=dtype)
-
-    def summed(self, x: fx.Node, tag: str) -> fx.Node:
-        """The sum of `x` over the data-parallel group (`tag`)."""
-        return self(c10d.wait_tensor.default, self(c10d.all_reduce.default, x, "sum", tag))
+def _emitter(build: NodeBuilder, role: M.Role):
+    """`emit(op, *args, **kwargs)`: a node after the builder's cursor, in `role`."""
+    return lambda op, *args, **kwargs: build.call(op, args, role, kwargs=kwargs)
 
 
 @register_pass
@@ -213,13 +179,14 @@ class SyncBatchNorm(GraphPass):
         by_name = {n.name: n for n in tg.graph.nodes}
         tag = mesh_group_tag("dp")
         rewritten: dict[fx.Node, _Forward] = {}  # the mean a backward reads -> its forward
+        build = NodeBuilder(tg.graph, self.name)
         for old in norms:
-            forward = _rewrite_forward(tg.graph, by_name[old.name], tag, dp)
+            forward = _rewrite_forward(build, by_name[old.name], tag, dp)
             rewritten[forward.mean] = forward
         backwards = [n for n in tg.call_nodes() if n.target is _BACKWARD
                      and n.args[5] in rewritten and n.args[7]]
         for node in backwards:
-            _rewrite_backward(tg.graph, node, rewritten[node.args[5]], tag)
+            _rewrite_backward(build, node, rewritten[node.args[5]], tag)
         tg.graph.eliminate_dead_code()
         tg.gm.recompile()
         return tg, PassResult(self.name, changed=True, stats={
@@ -231,15 +198,16 @@ def _channel_shape(x: torch.Tensor) -> list[int]:
     return [1, x.shape[1]] + [1] * (x.dim() - 2)
 
 
-def _rewrite_forward(graph: fx.Graph, node: fx.Node, tag: str, dp: int) -> _Forward:
+def _rewrite_forward(build: NodeBuilder, node: fx.Node, tag: str, dp: int) -> _Forward:
     x, weight, bias, running_mean, running_var, momentum, eps = _bound(node)
     val = x.meta[M.VAL]
     dims = [0, *range(2, val.dim())]
     channels, local = val.shape[1], val.numel() // val.shape[1]
     count = dp * local
     shape = _channel_shape(val)
-    b = _Builder(graph, node, M.Role.FORWARD, node)
-    x32 = b.fp32(x)
+    role = M.Role.FORWARD
+    b = _emitter(build.at(node).like(node), role)
+    x32 = build.cast(x, torch.float32, role)
     # this shard's mean and sum of squared deviations, gathered from every rank in one
     # collective and merged (Chan et al.): the whole batch's sum of squared deviations is
     # the shards' plus each shard's count times its mean's squared distance from the
@@ -262,18 +230,19 @@ def _rewrite_forward(graph: fx.Graph, node: fx.Node, tag: str, dp: int) -> _Forw
     rstd = b(aten.rsqrt.default, b(aten.add.Tensor, var, eps))
     out = b(aten.mul.Tensor, centred, b(aten.view.default, rstd, shape))
     if weight is not None:
-        out = b(aten.mul.Tensor, out, b(aten.view.default, b.fp32(weight), shape))
+        out = b(aten.mul.Tensor, out, b(aten.view.default, build.cast(weight, torch.float32, role), shape))
     if bias is not None:
-        out = b(aten.add.Tensor, out, b(aten.view.default, b.fp32(bias), shape))
+        out = b(aten.add.Tensor, out, b(aten.view.default, build.cast(bias, torch.float32, role), shape))
     # each output in the dtype the replaced op gives it: a half input's kernel keeps its
     # mean and rstd for the backward in the half dtype (on a CPU), as rounded here
     dtypes = [v.dtype for v in node.meta[M.VAL]]
-    outputs = [b.cast(out, dtypes[0]), b.cast(mean, dtypes[1]), b.cast(rstd, dtypes[2])]
+    outputs = [build.cast(v, dtype, role) for v, dtype in zip((out, mean, rstd), dtypes)]
     if running_mean is not None:
         unbiased = count / max(count - 1, 1)
         for stat, batch, scale in ((running_mean, mean, 1.0), (running_var, var, unbiased)):
             kept = b(aten.mul.Tensor, stat, 1.0 - momentum)
-            new = b(aten.mul.Tensor, b.cast(batch, stat.meta[M.VAL].dtype), momentum * scale)
+            batch = build.cast(batch, stat.meta[M.VAL].dtype, role)
+            new = b(aten.mul.Tensor, batch, momentum * scale)
             outputs.append(b(aten.add.Tensor, kept, new))
     for user in list(node.users):
         if user.target is operator.getitem:
@@ -281,23 +250,26 @@ def _rewrite_forward(graph: fx.Graph, node: fx.Node, tag: str, dp: int) -> _Forw
     return _Forward(outputs[1], outputs[2], count)
 
 
-def _rewrite_backward(graph: fx.Graph, node: fx.Node, forward: _Forward, tag: str) -> None:
+def _rewrite_backward(build: NodeBuilder, node: fx.Node, forward: _Forward, tag: str) -> None:
     grad, x, weight = node.args[0], node.args[1], node.args[2]
     mask = node.args[9] if len(node.args) > 9 else [True, True, True]
     val = x.meta[M.VAL]
     dims = [0, *range(2, val.dim())]
     shape = _channel_shape(val)
-    b = _Builder(graph, node, M.Role.BACKWARD, node)
-    g32, x32 = b.fp32(grad), b.fp32(x)
-    rstd = b(aten.view.default, b.fp32(forward.rstd), shape)
-    mean = b(aten.view.default, b.fp32(forward.mean), shape)
+    role = M.Role.BACKWARD
+    b = _emitter(build.at(node).like(node), role)
+    g32, x32, rstd, mean = (build.cast(v, torch.float32, role)
+                            for v in (grad, x, forward.rstd, forward.mean))
+    rstd = b(aten.view.default, rstd, shape)
+    mean = b(aten.view.default, mean, shape)
     xhat = b(aten.mul.Tensor, b(aten.sub.Tensor, x32, mean), rstd)
     sum_g = b(aten.sum.dim_IntList, g32, dims)
     sum_gx = b(aten.sum.dim_IntList, b(aten.mul.Tensor, g32, xhat), dims)
     outputs: list[fx.Node | None] = [None, None, None]
     if mask[0]:
         channels = val.shape[1]
-        both = b.summed(b(aten.cat.default, [sum_g, sum_gx]), tag)  # one collective
+        both = b(c10d.wait_tensor.default,  # one collective
+                 b(c10d.all_reduce.default, b(aten.cat.default, [sum_g, sum_gx]), "sum", tag))
         mean_g = b(aten.div.Tensor, b(aten.slice.Tensor, both, 0, 0, channels), forward.count)
         mean_gx = b(aten.div.Tensor, b(aten.slice.Tensor, both, 0, channels, 2 * channels),
                     forward.count)
@@ -305,7 +277,7 @@ def _rewrite_backward(graph: fx.Graph, node: fx.Node, forward: _Forward, tag: st
         centred = b(aten.sub.Tensor, centred,
                     b(aten.mul.Tensor, xhat, b(aten.view.default, mean_gx, shape)))
         scale = rstd if weight is None else \
-            b(aten.mul.Tensor, rstd, b(aten.view.default, b.fp32(weight), shape))
+            b(aten.mul.Tensor, rstd, b(aten.view.default, build.cast(weight, torch.float32, role), shape))
         outputs[0] = b(aten.mul.Tensor, centred, scale)
     if mask[1] and weight is not None:
         outputs[1] = sum_gx
@@ -313,7 +285,7 @@ def _rewrite_backward(graph: fx.Graph, node: fx.Node, forward: _Forward, tag: st
         outputs[2] = sum_g
     # in the dtypes the replaced backward gives
     wanted = node.meta[M.VAL]
-    outputs = [None if out is None or want is None else b.cast(out, want.dtype)
+    outputs = [None if out is None or want is None else build.cast(out, want.dtype, role)
                for out, want in zip(outputs, wanted)]
     for user in list(node.users):
         if user.target is operator.getitem and outputs[user.args[1]] is not None:
