@@ -28,6 +28,7 @@ from autopar.compiler.lowering.lower_ps import split_for_ps
 from autopar.compiler.passes.amp_policy import parse_amp_lists
 from autopar.compiler.passes.assign_stages import StageError
 from autopar.compiler.passes.base import GraphPass, PassOptions
+from autopar.compiler.passes.batch_split import BatchSplitError
 from autopar.compiler.passes.defaults import first_graph, is_pipelined, pass_list, run_passes
 from autopar.compiler.passes.recompute_rules import RecomputeError
 from autopar.compiler.passes.sync_batch_norm import training_batch_norms, where
@@ -56,7 +57,7 @@ log = logging.getLogger("autopar")
 # report it as a message, not a traceback; any other error is a bug and keeps its
 # traceback.
 LAYOUT_ERRORS = (LayoutError, ClusterSpecError, BatchError, ScheduleError, TraceError,
-                 StageError, RecomputeError, TensorParallelPlanError, PlanError)
+                 StageError, RecomputeError, TensorParallelPlanError, PlanError, BatchSplitError)
 
 
 def _default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:

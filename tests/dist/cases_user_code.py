@@ -128,6 +128,11 @@ LOSSES = {
         _logits(out).flatten(0, 1), labels.flatten(), reduction="sum")
         / (labels != -100).sum(), True),
     "model_labels": (None, True),
+    # a sum over the batch over a count known in advance (Hugging Face's
+    # num_items_in_batch): a sum, so each shard's loss is scaled by the number of shards
+    # (global_loss_mean)
+    "sum_over_tokens": (lambda out, ids: F.cross_entropy(
+        _logits(out).flatten(0, 1), ids.flatten(), reduction="sum") / (BATCH * SEQ), False),
 }
 
 

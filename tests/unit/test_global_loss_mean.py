@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 import autopar
 from autopar.compiler.ir.batch import LOSS_NORM_INPUT, normalizer_means
+from autopar.compiler.passes.batch_split import BatchSplitError
 
 aten = torch.ops.aten
 
@@ -41,6 +43,9 @@ LOSSES = {
     "label_smoothing": lambda out, y: F.cross_entropy(out, y, label_smoothing=0.2),
     "sum_over_count": lambda out, y: F.cross_entropy(out, y, reduction="sum") / (y != -100).sum(),
     "masked_mean": _masked_mean,
+    # sums over the batch: the step scales each shard's loss by the number of shards
+    "sum": lambda out, y: F.cross_entropy(out, y, reduction="sum"),
+    "sum_of_sums": lambda out, y: F.cross_entropy(out, y, reduction="sum") + 0.1 * out.square().sum(),
 }
 
 
@@ -121,15 +126,27 @@ def test_golden_nll_sums_and_its_backward_divides_by_the_input():
     assert results["global_loss_mean"].stats["normalizers"] == 1
 
 
-def test_a_ratio_of_the_batch_is_declined_not_rewritten():
-    """A mean of the batch does not add up over shards: kept per shard, and said so."""
+def test_a_ratio_of_the_batch_is_refused_naming_the_op():
+    """A mean of the batch does not add up over shards: no step on shards is the batch's,
+    so the pass refuses it (passes/batch_split.py) rather than divide per shard."""
     def per_ratio(out, y):
         return F.cross_entropy(out, y, reduction="sum") / (y > 2).float().mean()
     x, y = torch.randn(8, 6), torch.randint(0, 5, (8,))
-    _, tg, results = _rewritten(per_ratio, x, y)
-    result = results["global_loss_mean"]
-    assert any("not a count" in why for _, why in result.declined), result.declined
-    assert not tg.loss_normalizers and not result.changed
+    with pytest.raises(BatchSplitError, match=r"aten.div.Tensor in the loss function: samples "
+                                              r"of different shards meet here.* \(a part of a "
+                                              r"sum over the batch, a part of a mean over"):
+        _rewritten(per_ratio, x, y)
+
+
+def test_a_sum_over_the_batch_is_scaled_by_the_shards():
+    x, y = torch.randn(8, 6), torch.randint(0, 5, (8,))
+    _, tg, results = _rewritten(LOSSES["sum"], x, y, shards=4)
+    assert results["global_loss_mean"].stats["divides_by"] == ["the loss, a sum over the batch (sum)"]
+    (normalizer,) = tg.loss_normalizers
+    # the batch's divisor is 1, so each of 4 shards divides its sum by 1/4
+    assert normalizer_means(tg.loss_normalizers, (x, y), (0, 0), 4)[0].item() == 0.25
+    loss = tg.loss_node()
+    assert loss.target is aten.div.Tensor and loss.args[1].name == normalizer.name
 
 
 def test_one_shard_is_left_alone():

@@ -251,13 +251,18 @@ class LossNormalizer:
     and the loss are then averaged over shards as for any other loss)."""
 
     name: str
-    program: Any  # fx.GraphModule: one shard's user inputs (flat) -> its summed count
+    # fx.GraphModule: one shard's user inputs (flat) -> its summed count; None: the
+    # batch's divisor is 1 (a loss that sums over the batch: each shard's divisor is then
+    # 1 / shards, so the average over shards is the batch's sum)
+    program: Any
     dtype: torch.dtype  # of the step's input (fp32 for integer counts: a mean is fractional)
     # fx.GraphModule: the batch's summed count -> the divisor (a cast, a clamp), or None
     finish: Any = None
 
     def mean(self, pieces: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
         """The divisor of one shard: the batch's divisor over the number of shards."""
+        if self.program is None:
+            return torch.tensor(1.0 / len(pieces), dtype=self.dtype)
         total = sum(self.program(*piece) for piece in pieces)
         if self.finish is not None:
             total = self.finish(total)

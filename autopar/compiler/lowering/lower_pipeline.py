@@ -11,6 +11,7 @@ the runtime wires programs, messages and parameters by name.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import torch
@@ -36,6 +37,11 @@ from autopar.layout import Layout
 def _program_of(node: fx.Node) -> tuple[int, str] | None:
     if node.op != "call_function":
         return None
+    if node.target is operator.getitem and isinstance(node.args[0], fx.Node) \
+            and node.args[0].op == "call_function":
+        # with the op it reads: an op's tuple of outputs never crosses programs (nll's
+        # total weight, read only by its backward, is taken in the forward)
+        return _program_of(node.args[0])
     return node.meta[M.STAGE], ("B" if node.meta[M.ROLE] == M.Role.BACKWARD else "F")
 
 

@@ -51,6 +51,9 @@ from autopar.compiler.ir.batch import LOSS_NORM_INPUT, LossNormalizer
 from autopar.compiler.ir.graph import TensorSpec, TrainGraph
 from autopar.compiler.ir.program import LOSS_SCALE_INPUT
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult, writable
+from autopar.compiler.passes.batch_split import MEAN as MEAN_FORM
+from autopar.compiler.passes.batch_split import SUM as SUM_FORM
+from autopar.compiler.passes.batch_split import split_loss
 from autopar.compiler.passes.builder import NodeBuilder
 from autopar.compiler.passes.manager import register_pass
 from autopar.layout import Layout
@@ -78,12 +81,21 @@ class GlobalLossMean(GraphPass):
         if shards == 1:
             return tg, PassResult(self.name, changed=False,
                                   declined=[("global loss mean", "one shard: the batch is whole")])
+        # where samples of different shards meet, no rewrite makes the shards' step the
+        # batch's: an error naming the line (batch_split.py); else the loss's form
+        split = split_loss(tg.source) if tg.source is not None else None
+        over_batch = split.form if split is not None else MEAN_FORM
         n_user = _n_user_inputs(tg)
         found = _batch_counts(tg, n_user)
         declined = [(f"division by {c.name}", "a value of the batch that is not a count (a "
                      "sum over elements): each shard divides by its own")
                     for c, form in found.items() if form == "not a count"]
-        if all(form == "not a count" for form in found.values()):
+        declined += [(f"a rule for {op}", "taken as keeping the shard's samples apart (no "
+                      "rule proves it)") for op in (split.assumed if split else ())]
+        if tg.source is None:
+            declined.append(("samples meeting across shards", "no exported forward to read "
+                             "(a graph built without trace_train_step)"))
+        if all(form == "not a count" for form in found.values()) and over_batch != SUM_FORM:
             return tg, PassResult(self.name, changed=False, stats={"normalizers": 0},
                                   declined=declined)
         tg = writable(tg, ctx)  # found on the input graph; rewritten on this one, node by name
@@ -115,6 +127,20 @@ class GlobalLossMean(GraphPass):
                 _divide_nll_by(build, count, mean)
             else:
                 count.replace_all_uses_with(mean)
+        if over_batch == SUM_FORM:
+            # a sum over the batch: the shards' losses add up to the batch's, and the
+            # step averages them, so each shard's loss and its gradients are scaled by
+            # the number of shards: divided by the batch's divisor (1) over the shards
+            name = f"{LOSS_NORM_INPUT}_{len(normalizers)}"
+            loss = tg.loss_node()
+            dtype = loss.meta[M.VAL].dtype
+            normalizers.append(LossNormalizer(name, None, dtype))
+            specs.append(TensorSpec(name, (), dtype))
+            with tg.graph.inserting_after(last_input):
+                mean = tg.graph.placeholder(name)
+            mean.meta = {M.VAL: loss.meta[M.VAL].reshape(()).to(dtype)}
+            last_input = mean
+            _divide_loss_by(build, tg, loss, mean)
         tg.graph.eliminate_dead_code()
         tg.gm.recompile()
         signature = dataclasses.replace(
@@ -122,10 +148,10 @@ class GlobalLossMean(GraphPass):
             batch_dims=sig.batch_dims[:n_user] + (None,) * len(specs) + sig.batch_dims[n_user:])
         tg = dataclasses.replace(tg, signature=signature,
                                  loss_normalizers=tg.loss_normalizers + tuple(normalizers))
+        divides_by = [f"{c.name} ({how})" for c, how in found.items()]
+        divides_by += ["the loss, a sum over the batch (sum)"] if over_batch == SUM_FORM else []
         return tg, PassResult(self.name, changed=True, stats={
-            "normalizers": len(normalizers),
-            "divides_by": [f"{c.name} ({form})" for c, form in found.items()]},
-            declined=declined)
+            "normalizers": len(normalizers), "divides_by": divides_by}, declined=declined)
 
 
 def _n_user_inputs(tg: TrainGraph) -> int:
@@ -233,6 +259,23 @@ def _getitem(node: fx.Node, index: int) -> fx.Node | None:
 def _user_placeholders(tg: TrainGraph, n_user: int) -> list[fx.Node]:
     first = len(tg.signature.params) + len(tg.signature.buffers)
     return tg.placeholders()[first:first + n_user]
+
+
+def _divide_loss_by(build: NodeBuilder, tg: TrainGraph, loss: fx.Node, mean: fx.Node) -> None:
+    """The step's loss, and the backward's seed (so every gradient), divided by `mean`."""
+    divided = build.at(loss).call(aten.div.Tensor, (loss, mean), role=loss.meta[M.ROLE])
+    seeds = [u for u in loss.users if u.target == aten.ones_like.default]
+    output = next(iter(n for n in tg.graph.nodes if n.op == "output"))
+    output.replace_input_with(loss, divided)
+    for seed in seeds:
+        # the seed stays ones_like(the step's loss), where the passes after this one look
+        # for it (to average over dp ranks and micro-batches); the backward takes seed / mean
+        seed.replace_input_with(loss, divided)
+        scaled = build.at(seed).call(aten.div.Tensor, (seed, mean), role=M.Role.BACKWARD)
+        seed.replace_all_uses_with(scaled, delete_user_cb=lambda user, s=scaled: user is not s)
+    if len(seeds) != 1:
+        raise ValueError(f"global_loss_mean: the joint graph seeds its backward with "
+                         f"{len(seeds)} ones_like(loss) nodes, not one")
 
 
 def _divide_nll_by(build: NodeBuilder, total: fx.Node, mean: fx.Node) -> None:

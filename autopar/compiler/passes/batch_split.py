@@ -1,0 +1,654 @@
+"""Whether a step may be split along its batch, and what its loss is over the batch.
+
+Data parallelism and micro-batches run the step on shards of the batch and average the
+shards' losses and gradients. That equals the step on the whole batch when every sample
+is computed apart from the others until the loss reduces over them with a mean. Code
+that lets samples meet does not split:
+
+- in-batch negatives: `a @ b.T` over the batch, scored against `arange(len(a))`;
+- a statistic of the batch used in the forward: `x - x.mean(0)`, a softmax over dim 0;
+- a value built with the batch's size rather than from the batch: `arange(n)` as labels;
+- a ratio of two batch statistics that are not a count (`sum / mask.mean()`).
+
+On shards each of these computes something else, and nothing fails. This analysis
+finds them on the exported forward (model and loss, one node per aten op, before
+autograd) and says where, as the module and source line the user wrote.
+
+It propagates, from the batch inputs (split on dim 0) and the parameters (whole on
+every rank), what each value is on a shard:
+
+    d (an int)   the shard's block of a value split on dim d, as the batch is
+    SUM, MEAN    a sum or mean over the batch's samples: the shard's part of it
+    COUNT        a statistic of the data alone, no parameter (a token count, a clamp
+                 of it): fine as the divisor the loss's mean takes (global_loss_mean
+                 divides by the whole batch's count instead), nowhere else
+    Same(dims)   the same on every shard, whatever the batch; `dims`: the dims along
+                 which it is constant (an expand, a tensor of ones), where it may stand
+                 for a split value's block
+
+The rules per aten op are tensor parallelism's (tp_rules.py): a strategy of the op whose
+input placements are the values' placements (a Same input whole, or split on a dim it
+is constant along) and that needs no collective of its own gives the output's
+placement; an op with no such strategy lets samples of different shards meet. What
+tensor parallelism does not need is added here: batch norms in training mode (their
+statistics are summed over the group by sync_batch_norm, and micro-batches refuse
+them), losses with a `reduction` argument, and the arithmetic of batch sums and means
+(affine maps of a mean; a sum over a count).
+
+`split_loss` gives the loss's form over the batch: MEAN (each shard's loss is its mean:
+their average is the batch's), SUM (each shard's loss is its sum: the batch's is their
+sum, so the step scales it by the number of shards), or SAME (no sample reaches it).
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor._op_schema import OpSchema
+from torch.export.graph_signature import InputKind, OutputKind
+
+from autopar.compiler.ir.annotate import module_of
+from autopar.compiler.ir.trace import TraceSource, batch_dims_of, forward_module
+from autopar.compiler.passes.tp_rules import (
+    P,
+    R,
+    ShardingRuleError,
+    Strategy,
+    output_vals,
+    strategies,
+    tensor_inputs,
+)
+
+aten = torch.ops.aten
+
+SUM, MEAN, COUNT, SAME = "sum", "mean", "count", "same"
+
+
+@dataclass(frozen=True)
+class Same:
+    """The same value on every shard; constant along `dims` (where it may stand for the
+    block of a value split there)."""
+
+    dims: frozenset = frozenset()
+
+
+class BatchSplitError(ValueError):
+    """Samples of different shards meet in the step: split over dp or micro-batches it
+    would compute something else. The message names the op, the module and the line."""
+
+
+# batch norms in training mode: their statistics are the batch's (sync_batch_norm sums
+# them over the data-parallel group; a micro-batched step refuses them)
+_BATCH_NORMS = frozenset({
+    aten.batch_norm.default, aten._native_batch_norm_legit_functional.default,
+    aten._native_batch_norm_legit.default, aten._native_batch_norm_legit.no_stats,
+    aten.native_batch_norm.default, aten._batch_norm_with_update.default,
+    aten._batch_norm_with_update_functional.default,
+})
+# ops that make a tensor of one value (constant along every dim)
+_FILLS = frozenset({
+    aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format,
+    aten.scalar_tensor.default, aten.new_full.default, aten.new_zeros.default,
+    aten.new_ones.default, aten.new_empty.default, aten.full_like.default,
+    aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
+})
+_LIKE = frozenset({aten.full_like.default, aten.zeros_like.default, aten.ones_like.default,
+                   aten.empty_like.default})
+# an affine map of a mean is the mean of the map; a sum takes linear maps only
+_ADD = frozenset({aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar,
+                  aten.rsub.Scalar})
+_SLICES = frozenset({aten.slice.Tensor, aten.narrow.default})
+# linear maps of one tensor that tensor parallelism's rules do not list: of a statistic,
+# the same statistic
+_LINEAR = frozenset({aten.sum.default, aten.squeeze.default, aten.clone.default,
+                     aten.alias.default, aten.detach.default})
+
+# embedding bags: (weight, indices, offsets, ..., per_sample_weights, ...)
+_BAGS = frozenset({aten.embedding_bag.default, aten.embedding_bag.padding_idx,
+                   aten._embedding_bag.default, aten._embedding_bag_forward_only.default})
+
+_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class Split:
+    """What the analysis found: the loss's form over the batch (MEAN, SUM or SAME), and
+    the ops it took as keeping samples apart without a rule that proves it (`where` of
+    each: an op no rule knows whose output keeps the batch's size, integer data a sort
+    or an index rearranges), for the pass result to list."""
+
+    form: str
+    assumed: tuple[str, ...] = ()
+
+
+def split_loss(source: TraceSource) -> Split:
+    """The form of the step's loss over the batch (module docstring), once per export.
+    Raises BatchSplitError where samples of different shards would meet."""
+    exported = source.exported
+    if exported not in _CACHE:
+        _CACHE[exported] = _analyse(source)
+    found = _CACHE[exported]
+    if isinstance(found, BatchSplitError):
+        raise BatchSplitError(str(found))
+    return found
+
+
+def _analyse(source: TraceSource) -> Split | BatchSplitError:
+    try:
+        propagation = _Propagation(source)
+        return Split(propagation.run(), tuple(where(n) for n in propagation.assumed))
+    except BatchSplitError as exc:  # kept, to raise again for each layout asked
+        return exc
+
+
+class _Propagation:
+    def __init__(self, source: TraceSource):
+        self.gm = forward_module(source)
+        signature = source.exported.graph_signature
+        self.kinds = [spec.kind for spec in signature.input_specs]
+        self.output_kinds = [spec.kind for spec in signature.output_specs]
+        self.env: dict[fx.Node, object] = {}
+        self.from_params: set[fx.Node] = set()
+        self.assumed: list[fx.Node] = []  # ops taken as per sample with no rule (_assumed)
+
+    def run(self) -> str:
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        users = [n for n, kind in zip(placeholders, self.kinds) if kind == InputKind.USER_INPUT]
+        vals = [n.meta.get("val") for n in users]
+        dims = batch_dims_of([v for v in vals if isinstance(v, torch.Tensor)])
+        split = dict(zip([n for n, v in zip(users, vals) if isinstance(v, torch.Tensor)], dims))
+        for node, kind in zip(placeholders, self.kinds):
+            if kind == InputKind.USER_INPUT and split.get(node) is not None:
+                self.env[node] = split[node]
+            else:
+                self.env[node] = Same()
+                if kind == InputKind.PARAMETER:
+                    self.from_params.add(node)
+        loss = None
+        for node in self.gm.graph.nodes:
+            if node.op == "get_attr":
+                self.env[node] = Same()
+            elif node.op == "call_function":
+                if any(a in self.from_params for a in node.all_input_nodes):
+                    self.from_params.add(node)
+                self.env[node] = self._visit(node)
+            elif node.op == "output":
+                outs = node.args[0] if isinstance(node.args[0], (tuple, list)) else [node.args[0]]
+                specs = self.output_kinds
+                users = [o for o, kind in zip(outs, specs) if kind == OutputKind.USER_OUTPUT]
+                loss = users[0] if users else outs[-1]
+        form = self.env.get(loss) if isinstance(loss, fx.Node) else None
+        if form in (SUM, MEAN):
+            return form
+        if isinstance(form, Same) or form is None:
+            return SAME
+        raise self._error(loss, "the loss is not a sum or mean over the batch's samples "
+                          f"(on a shard it would be {_show(form)})")
+
+    # -- one op -------------------------------------------------------------------------
+
+    def _visit(self, node: fx.Node):
+        if node.target is operator.getitem:
+            src = self.env[node.args[0]]
+            return src[node.args[1]] if isinstance(src, tuple) else src
+        ins = tensor_inputs(node)
+        places = [self.env[a] for a in ins]
+        n_out = len(output_vals(node))
+        if not n_out:
+            return Same()  # (an assertion on metadata)
+        multi = not isinstance(node.meta.get("val"), torch.Tensor)
+        if node.target in _FILLS and not (node.target in _LIKE and isinstance(places[0], int)):
+            return self._each(node, multi, lambda v: Same(frozenset(range(v.dim()))))
+        if all(isinstance(p, Same) for p in places):
+            return self._each(node, multi, lambda v: Same(self._constant_dims(node, places)))
+        if node.target in _BATCH_NORMS and isinstance(places[0], int) and places[0] == 0:
+            # out split as x; saved statistics and running statistics: one per channel
+            return (0,) + tuple(Same() for _ in range(n_out - 1)) if multi else 0
+        if node.target in _LIKE:
+            return places[0]
+        reduction = _reduction(node)
+        if reduction is not None:
+            return self._loss(node, places, reduction)
+        if any(p in (SUM, MEAN, COUNT) and not _integral(a) for a, p in zip(ins, places)):
+            return self._batch_statistic(node, ins, places)
+        if node.target is aten.index.Tensor and (found := self._index(node, places)) is not None:
+            return found
+        if node.target in _BAGS and (found := _bags(node, places)) is not None:
+            return found
+        if node.target in _SLICES and _whole(node):
+            return places[0]
+        try:
+            out = self._propagate(node, places)
+        except _NoRule:
+            return self._assumed(node, places)
+        return self._meet(node, places) if out is None else out
+
+    def _propagate(self, node: fx.Node, places: list):
+        """The output placement(s) of `node` on inputs placed as `places`, or None where
+        the op cannot run on them as they are (samples of different shards meet). The
+        op's tensor-parallel rule first (tp_rules: the common ops, fast), else DTensor's
+        sharding propagation on a one-dimensional mesh; _NoRule if neither knows it."""
+        found = self._strategy(node, places)
+        if found is not None:
+            if node.target is aten.mean.dim and P in found.outputs():
+                return MEAN
+            out = found.output
+            return tuple(self._placed(o) for o in out) if isinstance(out, tuple) \
+                else self._placed(out)
+        return _dtensor_placement(node, places)
+
+    @staticmethod
+    def _each(node: fx.Node, multi: bool, make):
+        if not multi:
+            return make(node.meta["val"])
+        return tuple(make(v) if v is not None else Same() for v in output_vals(node))
+
+    def _placed(self, p):
+        if p == P:
+            return SUM
+        return Same() if p == R else p
+
+    def _strategy(self, node: fx.Node, places: list) -> Strategy | None:
+        """The first strategy of the op whose inputs are the values as they are (a Same
+        value whole, or split where it is constant), with no collective of its own."""
+        try:
+            options = strategies(node, 1)
+        except ShardingRuleError:
+            return None
+        for s in options:
+            if s.comm or (s.lowering not in (None, "mean_over_shards")):
+                continue
+            if all(_takes(have, want) for have, want in zip(places, s.inputs)) \
+                    and any(want != R for want in s.inputs):
+                return s
+        return None
+
+    def _constant_dims(self, node: fx.Node, places: list) -> frozenset:
+        """The output dims of an op on Same values along which it is constant: dims of
+        size 1, those an expand made, and each dim c where the op, given each input as
+        if split on its dim aligned with c (where it is constant along it), gives an
+        output split on c."""
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return frozenset()
+        dims = {d for d in range(val.dim()) if val.shape[d] == 1}
+        ins = tensor_inputs(node)
+        if node.target is aten.expand.default:
+            x = node.args[0].meta["val"]
+            lead = val.dim() - x.dim()
+            dims |= {d for d in range(val.dim()) if d < lead or x.shape[d - lead] == 1}
+        if node.target is aten.repeat.default:
+            # a tiled dim: the whole batch's tiling, cut in blocks, is this tiling again
+            lead = len(node.args[1]) - node.args[0].meta["val"].dim()
+            dims |= {d for d, times in enumerate(node.args[1]) if times > 1 or
+                     (d >= lead and d - lead in places[0].dims)}
+        if not any(p.dims for p in places):
+            return frozenset(dims)  # (parameters, arange: nothing constant to carry)
+        if node.target is aten.index.Tensor:
+            return frozenset(dims | _indexed_constant_dims(node, self.env))
+        if _is_pointwise(node.target):
+            for c in range(val.dim()):
+                if all(_aligned_constant(a.meta["val"], p, c - (val.dim() - a.meta["val"].dim()))
+                       for a, p in zip(ins, places)):
+                    dims.add(c)
+            return frozenset(dims)
+        for c in range(val.dim()):
+            if c in dims:
+                continue
+            for right in (True, False):  # inputs aligned as broadcasting does, or by index
+                trial = []
+                for a, p in zip(ins, places):
+                    aligned = c - (val.dim() - a.meta["val"].dim()) if right else c
+                    trial.append(aligned if 0 <= aligned < a.meta["val"].dim()
+                                 and aligned in p.dims and a.meta["val"].shape[aligned] > 1
+                                 else Same())
+                if not any(isinstance(t, int) for t in trial):
+                    continue
+                try:
+                    if self._propagate(node, trial) == c:
+                        dims.add(c)
+                        break
+                except _NoRule:
+                    pass
+        return frozenset(dims)
+
+    def _rows(self, node: fx.Node, places: list):
+        """Integer data of the shard's rows an op rearranges (a sort of the tokens' expert
+        ids, an inverse permutation): split on dim 0 where an output keeps the size of a
+        dim 0 split input, else a count of the shard (the tokens per expert). Taken to
+        index the shard's own rows, which static placements cannot prove."""
+        sizes = {a.meta["val"].shape[0] for a, p in zip(tensor_inputs(node), places) if p == 0}
+        keeps = [v is not None and v.dim() > 0 and v.shape[0] in sizes for v in output_vals(node)]
+        self.assumed.append(node)
+        if isinstance(node.meta.get("val"), torch.Tensor):
+            return 0 if keeps[0] else COUNT
+        return tuple(0 if k else COUNT for k in keeps)
+
+    def _index(self, node: fx.Node, places: list):
+        """x[idx] with one index tensor (integer data split on its own dim e) on dim k: of x
+        the same on every shard (a table: rotary cos[position_ids]) the rows each sample
+        picks, split on the output's dim k + e; of x split on k, the shard's rows
+        rearranged (taken as the shard's own), likewise; with an index the same on every
+        shard, on another dim than x's split one: x's split dim, moved past the index's
+        dims. None for any other indexing."""
+        x, indices = node.args[0], node.args[1]
+        tensors = [(k, i) for k, i in enumerate(indices) if i is not None]
+        place = self.env.get(x)
+        if len(tensors) != 1:
+            return None
+        k, index = tensors[0]
+        idx = self.env.get(index)
+        if isinstance(idx, Same) and isinstance(place, int) and place != k:
+            # the same picks from every sample, along another dim than the batch's
+            return place if place < k else place + index.meta["val"].dim() - 1
+        if not isinstance(idx, int) or index.meta["val"].is_floating_point():
+            return None
+        if isinstance(place, Same):
+            return k + idx  # rows of a table every shard holds, per sample (an embedding)
+        return place + idx if place == k else None
+
+    def _assumed(self, node: fx.Node, places: list):
+        """An op no rule knows (tensor parallelism's nor DTensor's): taken as per sample
+        when every split input is split on dim 0 and each output keeps dim 0's size, and
+        listed (`assumed`); else an error naming it."""
+        split = {p for p in places if isinstance(p, int)}
+        outs = output_vals(node)
+        sizes = {a.meta["val"].shape[0] for a, p in zip(tensor_inputs(node), places) if p == 0}
+        if split == {0} and len(sizes) == 1 and outs and all(
+                v is not None and v.dim() > 0 and v.shape[0] in sizes for v in outs) \
+                and not any(p in (SUM, MEAN, COUNT) and not _integral(a)
+                            for a, p in zip(tensor_inputs(node), places)):
+            self.assumed.append(node)
+            return 0 if isinstance(node.meta.get("val"), torch.Tensor) else tuple(0 for _ in outs)
+        if node not in self.from_params:
+            return COUNT
+        if _integral(node):
+            return self._rows(node, places)
+        raise self._error(node, f"no rule says how {node.target} treats the batch's "
+                          "samples, and its output does not keep them along dim 0")
+
+    # -- losses and batch statistics ------------------------------------------------------
+
+    def _loss(self, node: fx.Node, places: list, reduction: int):
+        """An op with a `reduction` argument (cross_entropy, mse_loss, nll_loss, ...):
+        its input and target are split on the batch (dim 0) or the same on every shard;
+        its other tensors (class weights) are whole."""
+        for k, (arg, p) in enumerate(zip(tensor_inputs(node), places)):
+            batch_arg = k < 2
+            ok = (p == 0 or (isinstance(p, Same) and 0 in p.dims)) if batch_arg and \
+                arg.meta["val"].dim() > 0 else isinstance(p, Same)
+            if not ok:
+                return self._meet(node, places)
+        return 0 if reduction == 0 else (MEAN if reduction == 1 else SUM)
+
+    def _batch_statistic(self, node: fx.Node, ins: list[fx.Node], places: list):
+        """An op on a sum or mean over the batch (or on a count of the data)."""
+        kinds = {p for p in places if p in (SUM, MEAN, COUNT)}
+        rest_same = all(isinstance(p, Same) for p in places if p not in (SUM, MEAN, COUNT))
+        target = node.target
+        if len(kinds) == 1 and COUNT not in kinds and rest_same:
+            kind = next(iter(kinds))
+            stats = [k for k, p in enumerate(places) if p == kind]
+            if target in _ADD:
+                # a sum of statistics; a mean plus a constant is the mean of the sums
+                if len(stats) == len(places) or kind == MEAN:
+                    return kind
+            elif target in (aten.mul.Tensor, aten.mul.Scalar, aten.neg.default):
+                if len(stats) == 1:  # scaled by a constant
+                    return kind
+            elif target in (aten.div.Tensor, aten.div.Scalar):
+                if stats == [0]:
+                    return kind
+            elif self._strategy(node, places) is not None or \
+                    (target in _LINEAR and len(places) == 1):
+                return kind  # a view, a cast, a slice or a sum of it: the same statistic
+        if target is aten.div.Tensor and len(ins) == 2 and places[0] == SUM \
+                and places[1] in (SUM, COUNT) and ins[1] not in self.from_params:
+            return MEAN  # a sum over a count of the batch's data (global_loss_mean's)
+        return self._meet(node, places)
+
+    # -- errors ----------------------------------------------------------------------------
+
+    def _meet(self, node: fx.Node, places: list):
+        """Samples of different shards meet in `node`. Of the data alone (no parameter:
+        a count, a mask's sum, a clamp of one) it is a statistic the loss may divide by
+        (global_loss_mean takes the whole batch's); integer data (indices, positions,
+        counts: a mixture of experts sorting its tokens by expert) is the shard's own
+        rows rearranged (`_rows`); else an error."""
+        if node not in self.from_params:
+            return COUNT
+        if _integral(node):
+            return self._rows(node, places)
+        ins = ", ".join(_show(p) for p in places)
+        raise self._error(node, f"{node.target} takes ({ins}) on a shard: no way to run it "
+                          "on each shard's samples apart")
+
+    def _error(self, node: fx.Node, what: str) -> BatchSplitError:
+        return BatchSplitError(
+            f"{where(node)}: samples of different shards meet here, so the step does not "
+            f"split along the batch: {what}. Data parallelism and micro-batches run each "
+            f"shard apart and average the results, which would compute something else "
+            f"(in-batch negatives such as `a @ b.T` scored against `arange(len(a))`, a "
+            f"statistic of the batch such as `x - x.mean(0)`, a ratio of two batch "
+            f"means). Train it with dp=1 and microbatches=1, or compute that part "
+            f"per sample")
+
+
+def _bags(node: fx.Node, places: list):
+    """An embedding bag of equal bags split on the batch (2-D indices, which
+    nn.EmbeddingBag flattens with offsets `arange(0, n * size, size)`): each output (the
+    bags, and its integer bookkeeping) split on dim 0. None for any other form (bags of
+    their own sizes given by offsets)."""
+    args = list(node.args) + [None] * (9 - len(node.args))
+    weight, indices, offsets, include_last = args[0], args[1], args[2], args[7]
+    by_node = dict(zip(tensor_inputs(node), places))
+    if not isinstance(by_node.get(weight), Same) or by_node.get(indices) != 0 or include_last:
+        return None
+    if offsets is not None:
+        equal = offsets.target in (aten.arange.start_step, aten.arange.default, aten.arange.start) \
+            and indices.meta["val"].dim() == 1 and offsets.meta["val"].numel() > 0 \
+            and indices.meta["val"].shape[0] % offsets.meta["val"].shape[0] == 0 \
+            and float(offsets.args[-1] if offsets.target is aten.arange.start_step else 1) \
+            * offsets.meta["val"].shape[0] == indices.meta["val"].shape[0]
+        if not equal:
+            return None
+    elif indices.meta["val"].dim() != 2:
+        return None
+    if any(p != 0 and not isinstance(p, Same) for p in places):
+        return None
+    return tuple(0 for _ in output_vals(node)) \
+        if not isinstance(node.meta.get("val"), torch.Tensor) else 0
+
+
+def _indexed_constant_dims(node: fx.Node, env: dict) -> set[int]:
+    """x[i0, i1, ...] (index tensors from dim 0 on, broadcast together): an output dim of
+    the indices' broadcast is constant where every index into a dim x is not constant
+    along is constant along it (masks built by indexing a padding mask with the batch's
+    `arange`: what that index picks is the same row); a dim after them, where x's is."""
+    x, indices = node.args[0], list(node.args[1])
+    if any(i is None for i in indices):
+        return set()
+    x_dims = env[x].dims
+    shapes = [i.meta["val"].shape for i in indices]
+    rank = max(len(shape) for shape in shapes)
+    out = set()
+    for d in range(rank):
+        if all(k in x_dims or _aligned_constant(i.meta["val"], env[i], d - (rank - len(shape)))
+               for k, (i, shape) in enumerate(zip(indices, shapes))):
+            out.add(d)
+    out |= {rank + d - len(indices) for d in x_dims if d >= len(indices)}
+    return out
+
+
+def _integral(node: fx.Node) -> bool:
+    """Whether every tensor `node` gives is integer or bool (indices, masks, counts)."""
+    vals = [v for v in output_vals(node) if v is not None]
+    return bool(vals) and not any(v.is_floating_point() or v.is_complex() for v in vals)
+
+
+# elementwise with broadcasting, without PyTorch's pointwise tag
+_ELEMENTWISE = frozenset({aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar,
+                          aten.masked_fill.Tensor, aten.to.dtype, aten._to_copy.default,
+                          aten.to.dtype_layout, aten.clone.default, aten.alias.default})
+
+
+def _is_pointwise(op) -> bool:
+    return op in _ELEMENTWISE or (isinstance(op, torch._ops.OpOverload)
+                                  and torch.Tag.pointwise in op.tags)
+
+
+def _aligned_constant(val: torch.Tensor, p: Same, d: int) -> bool:
+    """Whether an input broadcast against an output is constant along output dim d (its
+    aligned dim `d`): it lacks the dim, has size 1 there, or is constant along it."""
+    return d < 0 or val.shape[d] == 1 or d in p.dims
+
+
+def _takes(have, want) -> bool:
+    if isinstance(have, Same):
+        return want == R or (isinstance(want, int) and want in have.dims)
+    if have in (SUM, MEAN):
+        return want == P
+    return have == want
+
+
+def _whole(node: fx.Node) -> bool:
+    """A slice that keeps the whole dim (`x[:, None]` exports one on dim 0)."""
+    x = node.args[0].meta["val"]
+    dim = node.args[1] if len(node.args) > 1 else 0
+    start = node.args[2] if len(node.args) > 2 else 0
+    end = node.args[3] if len(node.args) > 3 else None
+    step = node.args[4] if len(node.args) > 4 else 1
+    if node.target is aten.narrow.default:
+        return start == 0 and end == x.shape[dim]
+    return (start or 0) == 0 and (end is None or end >= x.shape[dim]) and step == 1
+
+
+def _reduction(node: fx.Node) -> int | None:
+    """The `reduction` argument of a loss op (0 none, 1 mean, 2 sum), None if it has none."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return None
+    for k, arg in enumerate(schema.arguments):
+        if arg.name == "reduction":
+            if k < len(node.args):
+                return int(node.args[k])
+            return int(node.kwargs.get("reduction", arg.default_value))
+    return None
+
+
+def _show(p) -> str:
+    if isinstance(p, Same):
+        return "the same on every shard"
+    if isinstance(p, int):
+        return f"its block of dim {p}"
+    return {SUM: "a part of a sum over the batch", MEAN: "a part of a mean over the batch",
+            COUNT: "a statistic of the shard's data"}[p]
+
+
+def where(node: fx.Node) -> str:
+    """The op, its module and the line of the user's code it comes from ("in the loss
+    function" for the loss's ops: export records no frame inside loss_fn)."""
+    path, kind = module_of(node)
+    module = f" in module {path} ({kind.rsplit('.', 1)[-1]})" if path else ""
+    line = _user_line(node)
+    if line is None and not path:
+        return f"{node.target} in the loss function"
+    return f"{node.target}{module}" + (f" at {line}" if line else "")
+
+
+def _user_line(node: fx.Node) -> str | None:
+    """The innermost frame of the stack trace outside torch and autopar's compiler."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = [line.strip() for line in trace.splitlines() if line.strip().startswith("File ")]
+    skipped = (f"{os.sep}torch{os.sep}", f"{os.sep}autopar{os.sep}compiler{os.sep}")
+    for frame in reversed(frames):
+        parts = frame.split('"')
+        if len(parts) >= 3 and not any(s in parts[1] for s in skipped):
+            return f"{parts[1]}:{parts[2].split(',')[1].split()[-1]}"
+    return None
+
+
+class _NoRule(Exception):
+    """Neither tensor parallelism's rules nor DTensor's know the op."""
+
+
+_MESH: list[DeviceMesh] = []
+
+
+def _mesh() -> DeviceMesh:
+    """A one-dimensional mesh of 2 ranks for DTensor's sharding propagation, which reads
+    placements and shapes only: no process group (the planner has none)."""
+    if not _MESH:
+        _MESH.append(DeviceMesh("cpu", torch.arange(2), _init_backend=False, _rank=0))
+    return _MESH[0]
+
+
+def _dtensor_placement(node: fx.Node, places: list):
+    """DTensor's output placement(s) of `node`, its inputs placed as `places` (the local
+    shapes stand for the global ones: the rules read which dims are split, and shapes
+    where they check a dim divides), or None where DTensor would move an input to
+    another placement than the one it has (a Same input may take the block of a dim it
+    is constant along)."""
+    mesh = _mesh()
+    by_node = dict(zip(tensor_inputs(node), places))
+
+    def spec(arg):
+        if isinstance(arg, fx.Node) and arg in by_node:
+            val, p = arg.meta["val"], by_node[arg]
+            placement = Shard(p) if isinstance(p, int) else Partial("sum") if p == SUM \
+                else Partial("avg") if p == MEAN else Replicate()
+            return DTensorSpec(mesh, (placement,), TensorMeta(val.shape, val.stride(), val.dtype))
+        return arg
+
+    args, kwargs = fx.node.map_aggregate((node.args, dict(node.kwargs)), spec)
+    try:
+        # (not the cached entry point: its key reads an op's non-tensor arguments, such as
+        # cumsum's dim, only through schema information DTensor's own dispatch attaches)
+        sharding = DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding_non_cached(
+            OpSchema(node.target, tuple(args), kwargs))
+    except Exception as exc:  # noqa: BLE001 - an op or a form DTensor has no rule for
+        raise _NoRule() from exc
+    if sharding.redistribute_schema is not None:
+        schema = sharding.redistribute_schema
+        wanted = _specs((schema.args_schema, dict(schema.kwargs_schema)))
+        if len(wanted) != len(places):
+            raise _NoRule()
+        for have, want in zip(places, wanted):
+            target = want.placements[0]
+            if isinstance(have, int) and target == Shard(have):
+                continue
+            if have == SUM and target == Partial("sum") or have == MEAN and target == Partial("avg"):
+                continue
+            if isinstance(have, Same) and (target.is_replicate() or (
+                    target.is_shard() and target.dim in have.dims)):
+                continue
+            return None
+    specs = sharding.output_spec
+    if isinstance(specs, (tuple, list)):
+        return tuple(_placed_from(s) for s in specs)
+    return _placed_from(specs)
+
+
+def _specs(tree) -> list[DTensorSpec]:
+    found = []
+    fx.node.map_aggregate(tree, lambda a: found.append(a) if isinstance(a, DTensorSpec) else a)
+    return found
+
+
+def _placed_from(spec):
+    if spec is None:
+        return Same()
+    p = spec.placements[0]
+    if p.is_shard():
+        return p.dim
+    if p.is_partial():
+        return MEAN if getattr(p, "reduce_op", "sum") == "avg" else SUM
+    return Same()
