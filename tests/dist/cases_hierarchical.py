@@ -58,8 +58,9 @@ def _integer_step(layout, form):
 
 
 def _integer_grads(layout, form):
-    """The weights after 3 steps of SGD (lr 1) on integer data: every gradient is an
-    integer over 4 (the batch mean over dp = 4), so sums are exact in any order."""
+    """The weights after 3 steps of SGD (lr 1) on integer data: the loss sums over the
+    batch, so every gradient (each rank's share, summed over dp = 4) is an integer, and
+    sums are exact in any order."""
     step, x = _integer_step(layout, form)
     for k in range(3):
         step(x + k)

@@ -122,6 +122,22 @@ class Towers(torch.nn.Module):
         return F.normalize(self.a(x), dim=-1) @ F.normalize(self.b(y), dim=-1).T
 
 
+def test_a_shard_of_one_sample_is_not_checked_and_says_so():
+    """Batch dims of size 1 read as broadcast ones (a view may drop them): a shard of one
+    sample (8 micro-batches of 8) gets the loss's form, and `checked` False, which
+    global_loss_mean lists among what it declined; two samples a shard are refused."""
+    x, y = _batch(0)
+    model = Chain(["center"])
+    split = _split(model, (x,), _mse, (y,), shards=8)
+    assert split.form == MEAN and not split.checked
+    with pytest.raises(BatchSplitError):
+        _split(model, (x,), _mse, (y,), shards=4)
+    tg = autopar.trace(model, (x[:1],), _mse, example_targets=(y[:1],))
+    _, (result,) = autopar.run_passes(tg, autopar.Layout(microbatches=8), passes=["global_loss_mean"])
+    assert ("samples meeting across shards", "each shard holds one sample: its batch dims of "
+            "size 1 read as broadcast ones, not checked") in result.declined
+
+
 def test_in_batch_negatives_are_refused_at_the_users_line():
     x, y = _batch(0)
     with pytest.raises(BatchSplitError, match=r"aten.matmul.default at .*test_batch_split.py:"

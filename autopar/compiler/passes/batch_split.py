@@ -127,6 +127,9 @@ class Split:
 
     form: str
     assumed: tuple[str, ...] = ()
+    # False: the shard holds one sample, whose batch dims shapes cannot tell from
+    # broadcast ones, so samples meeting across shards were not looked for
+    checked: bool = True
 
 
 def split_loss(source: TraceSource) -> Split:
@@ -144,7 +147,9 @@ def split_loss(source: TraceSource) -> Split:
 def _analyse(source: TraceSource) -> Split | BatchSplitError:
     try:
         propagation = _Propagation(source)
-        return Split(propagation.run(), tuple(where(n) for n in propagation.assumed))
+        form = propagation.run()
+        return Split(form, tuple(where(n) for n in propagation.assumed),
+                     not propagation.unchecked)
     except BatchSplitError as exc:  # kept, to raise again for each layout asked
         return exc
 
@@ -158,6 +163,10 @@ class _Propagation:
         self.env: dict[fx.Node, object] = {}
         self.from_params: set[fx.Node] = set()
         self.assumed: list[fx.Node] = []  # ops taken as per sample with no rule (_assumed)
+        # a shard of one sample: its batch dims have size 1, which shapes cannot tell
+        # from a broadcast one; then nothing is refused, and the result says unchecked
+        self.one_sample = False
+        self.unchecked = False
 
     def run(self) -> str:
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
@@ -165,6 +174,8 @@ class _Propagation:
         vals = [n.meta.get("val") for n in users]
         dims = batch_dims_of([v for v in vals if isinstance(v, torch.Tensor)])
         split = dict(zip([n for n, v in zip(users, vals) if isinstance(v, torch.Tensor)], dims))
+        sizes = {n.meta["val"].shape[d] for n, d in split.items() if d is not None}
+        self.one_sample = sizes == {1}
         for node, kind in zip(placeholders, self.kinds):
             if kind == InputKind.USER_INPUT and split.get(node) is not None:
                 self.env[node] = split[node]
@@ -190,8 +201,8 @@ class _Propagation:
             return form
         if isinstance(form, Same) or form is None:
             return SAME
-        raise self._error(loss, "the loss is not a sum or mean over the batch's samples "
-                          f"(on a shard it would be {_show(form)})")
+        return self._refuse(loss, "the loss is not a sum or mean over the batch's samples "
+                            f"(on a shard it would be {_show(form)})", MEAN)
 
     # -- one op -------------------------------------------------------------------------
 
@@ -372,8 +383,8 @@ class _Propagation:
             return COUNT
         if _integral(node):
             return self._rows(node, places)
-        raise self._error(node, f"no rule says how {node.target} treats the batch's "
-                          "samples, and its output does not keep them along dim 0")
+        return self._refuse(node, f"no rule says how {node.target} treats the batch's "
+                            "samples, and its output does not keep them along dim 0", 0)
 
     # -- losses and batch statistics ------------------------------------------------------
 
@@ -428,8 +439,17 @@ class _Propagation:
         if _integral(node):
             return self._rows(node, places)
         ins = ", ".join(_show(p) for p in places)
-        raise self._error(node, f"{node.target} takes ({ins}) on a shard: no way to run it "
-                          "on each shard's samples apart")
+        kept = next((p for p in places if p in (SUM, MEAN)), None)
+        kept = kept if kept is not None else next((p for p in places if isinstance(p, int)), COUNT)
+        return self._refuse(node, f"{node.target} takes ({ins}) on a shard: no way to run it "
+                            "on each shard's samples apart", kept)
+
+    def _refuse(self, node: fx.Node, what: str, unchecked):
+        """Raise the error; on a shard of one sample, go on with `unchecked` instead."""
+        if self.one_sample:
+            self.unchecked = True
+            return unchecked
+        raise self._error(node, what)
 
     def _error(self, node: fx.Node, what: str) -> BatchSplitError:
         return BatchSplitError(

@@ -92,6 +92,9 @@ class GlobalLossMean(GraphPass):
                     for c, form in found.items() if form == "not a count"]
         declined += [(f"a rule for {op}", "taken as keeping the shard's samples apart (no "
                       "rule proves it)") for op in (split.assumed if split else ())]
+        if split is not None and not split.checked:
+            declined.append(("samples meeting across shards", "each shard holds one sample: "
+                             "its batch dims of size 1 read as broadcast ones, not checked"))
         if tg.source is None:
             declined.append(("samples meeting across shards", "no exported forward to read "
                              "(a graph built without trace_train_step)"))
