@@ -85,6 +85,10 @@ class BatchSplitError(ValueError):
     would compute something else. The message names the op, the module and the line."""
 
 
+# in every BatchSplitError's first line: how a planner tells the refusal from the others
+MEETS = "samples of different shards meet here"
+
+
 # batch norms in training mode: their statistics are the batch's (sync_batch_norm sums
 # them over the data-parallel group; a micro-batched step refuses them)
 _BATCH_NORMS = frozenset({
@@ -453,9 +457,9 @@ class _Propagation:
 
     def _error(self, node: fx.Node, what: str) -> BatchSplitError:
         return BatchSplitError(
-            f"{where(node)}: samples of different shards meet here, so the step does not "
-            f"split along the batch: {what}. Data parallelism and micro-batches run each "
-            f"shard apart and average the results, which would compute something else "
+            f"{where(node)}: {MEETS}, so the step does not split along the batch: {what}. "
+            f"Data parallelism and micro-batches run each shard apart and average the "
+            f"results, which would compute something else "
             f"(in-batch negatives such as `a @ b.T` scored against `arange(len(a))`, a "
             f"statistic of the batch such as `x - x.mean(0)`, a ratio of two batch "
             f"means). Train it with dp=1 and microbatches=1, or compute that part "

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.cluster import ClusterSpec
+from autopar.compiler.passes.batch_split import MEETS
 from autopar.compiler.planner.result import Plan, Prediction
 from autopar.costs import dp_node_split
 from autopar.layout import Layout, LayoutError
@@ -504,6 +505,21 @@ class SearchState:
         order ranks ties), those left out on their memory floor among them."""
         return sorted([*self.costed, *self.over_memory.items()], key=self.ties.of)
 
+    def drop_batch_splits(self) -> None:
+        """Where a layout was refused because samples of different shards meet (the
+        model's code, whatever the layout), drop every layout that splits the batch: a
+        shard of one sample is not checked (batch_split.py), so it may have been costed."""
+        refused = next((why for _, why in self.skipped if MEETS in why), None)
+        if refused is None:
+            return
+        splits = lambda lay: lay.dp * lay.microbatches > 1  # noqa: E731
+        dropped = [lay for lay, _ in self.costed if splits(lay)]
+        dropped += [lay for lay in self.over_memory if splits(lay)]
+        self.costed[:] = [(lay, pred) for lay, pred in self.costed if not splits(lay)]
+        for lay in [lay for lay in self.over_memory if splits(lay)]:
+            del self.over_memory[lay]
+        self.skipped.extend((lay, refused) for lay in dropped)
+
     def revive_over_memory(self) -> None:
         """Cost the layouts left out on their memory floor, smallest floor first, while a
         floor is below the smallest peak costed: when nothing fits, the error names the
@@ -686,6 +702,7 @@ def search(candidates: Iterable[Layout], costing: Costing, cluster: ClusterSpec,
         for layout in added:
             state.ties.add(layout)
         CostingRound(state, added, candidates_round=False).run()
+    state.drop_batch_splits()
     fits, over = rank(state.costed, capacity)
     if not fits and state.over_memory:
         state.revive_over_memory()
