@@ -138,6 +138,19 @@ def test_a_ratio_of_the_batch_is_refused_naming_the_op():
         _rewritten(per_ratio, x, y)
 
 
+@pytest.mark.parametrize("divisor", [lambda y: (y != -100).sum() * 2,
+                                     lambda y: y.float().amax().clamp(min=1)])
+def test_a_divisor_that_is_no_sum_of_the_batch_is_refused(divisor):
+    """A multiple of a count, a maximum: the check lets them pass as data of the batch,
+    but no divisor per shard makes the shards' average the batch's loss."""
+    def loss(out, y):
+        return F.cross_entropy(out, y.clamp(min=0), reduction="sum") / divisor(y)
+    x, y = torch.randn(8, 6), torch.randint(0, 5, (8,))
+    with pytest.raises(BatchSplitError, match=r"the loss divides by .*, a value of the batch "
+                                              r"that is not a sum over it"):
+        _rewritten(loss, x, y)
+
+
 def test_a_sum_over_the_batch_is_scaled_by_the_shards():
     x, y = torch.randn(8, 6), torch.randint(0, 5, (8,))
     _, tg, results = _rewritten(LOSSES["sum"], x, y, shards=4)

@@ -52,8 +52,8 @@ from autopar.compiler.ir.graph import TensorSpec, TrainGraph
 from autopar.compiler.ir.program import LOSS_SCALE_INPUT
 from autopar.compiler.passes.base import GraphPass, PassContext, PassResult, writable
 from autopar.compiler.passes.batch_split import MEAN as MEAN_FORM
+from autopar.compiler.passes.batch_split import MEETS, BatchSplitError, split_loss, where
 from autopar.compiler.passes.batch_split import SUM as SUM_FORM
-from autopar.compiler.passes.batch_split import split_loss
 from autopar.compiler.passes.builder import NodeBuilder
 from autopar.compiler.passes.manager import register_pass
 from autopar.layout import Layout
@@ -87,6 +87,17 @@ class GlobalLossMean(GraphPass):
         over_batch = split.form if split is not None else MEAN_FORM
         n_user = _n_user_inputs(tg)
         found = _batch_counts(tg, n_user)
+        not_counts = [c for c, form in found.items() if form == "not a count"]
+        if not_counts and split is not None and split.checked:
+            # a maximum, a product, a mean of the batch: a shard's own is not its part of
+            # the batch's, and no divisor per shard makes their average the batch's loss
+            raise BatchSplitError(
+                f"{where(not_counts[0])}: {MEETS}, so the step does not split along the "
+                f"batch: the loss divides by {not_counts[0].name}, a value of the batch that "
+                f"is not a sum over it (a maximum, a product, a multiple of a sum), and each "
+                f"shard would divide by its own. Write the divisor as a sum over the batch "
+                f"(`mask.sum()`, through casts and clamps) or a number, or train it with "
+                f"dp=1 and microbatches=1")
         declined = [(f"division by {c.name}", "a value of the batch that is not a count (a "
                      "sum over elements): each shard divides by its own")
                     for c, form in found.items() if form == "not a count"]
