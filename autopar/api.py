@@ -148,7 +148,8 @@ def build_step(model: torch.nn.Module, cluster: ClusterSpec | None, example_inpu
     local = local_example(example_inputs, layout)
     # Local SGD and DGC: this is their warm-up's program, gradients summed every step
     synchronous = layout.synchronous()
-    tg = first_graph(trace_source(model, local, objective), pass_list(synchronous, passes))
+    tg = first_graph(trace_source(model, local, objective, whole=example_inputs),
+                     pass_list(synchronous, passes))
     options = PassOptions(
         # each rank's program holds its own blocks (tp is the inner mesh dim), and with
         # ZeRO-2/3 its block of each gathered embedding table
@@ -219,11 +220,12 @@ def build_ps(model: torch.nn.Module, cluster: ClusterSpec | None, example_inputs
     if any(p.is_meta for p in model.parameters()):
         # tables on the meta device exist only on the servers (which make their rows):
         # trace a meta copy, as the planner traces meta models; the graph runs on CPU
-        traced = trace_train_step(copy.deepcopy(model).to("meta"),
-                                  tuple(x.to("meta") if isinstance(x, torch.Tensor) else x
-                                        for x in local), objective)
+        meta = lambda xs: tuple(x.to("meta") if isinstance(x, torch.Tensor) else x  # noqa: E731
+                                for x in xs)
+        traced = trace_train_step(copy.deepcopy(model).to("meta"), meta(local), objective,
+                                  whole=meta(example_inputs))
     else:
-        traced = trace_train_step(model, local, objective)
+        traced = trace_train_step(model, local, objective, whole=example_inputs)
     if ps.mode == "sync" and layout.dp > 1:
         norms = training_batch_norms(traced)
         if norms:  # the trainers have no group to sum a forward's statistics over
@@ -347,8 +349,8 @@ def check(model: torch.nn.Module, example_inputs: Sequence[torch.Tensor] | Batch
     objective, example_inputs = Objective.from_example(example_inputs, example_targets, loss_fn)
     if not example_inputs:
         raise ValueError("check needs example_inputs: one global batch, as passed to the step")
-    tg = first_graph(trace_source(model, local_example(example_inputs, layout), objective),
-                     pass_list(layout, passes))
+    tg = first_graph(trace_source(model, local_example(example_inputs, layout), objective,
+                                  whole=example_inputs), pass_list(layout, passes))
     built: dict[tuple[int, int], dict] = {}
     by_rank = {}
     for rank in range(layout.world_size):

@@ -133,6 +133,10 @@ LOSSES = {
     # (global_loss_mean)
     "sum_over_tokens": (lambda out, ids: F.cross_entropy(
         _logits(out).flatten(0, 1), ids.flatten(), reduction="sum") / (BATCH * SEQ), False),
+    # divided by the number of sequences the step sees (the shard's, traced as a number):
+    # a mean over the batch's sequences of their summed token losses
+    "sum_per_sequence": (lambda out, ids: F.cross_entropy(
+        _logits(out).flatten(0, 1), ids.flatten(), reduction="sum") / ids.shape[0], False),
 }
 
 
@@ -183,6 +187,20 @@ for _loss in LOSSES:
                          batches=batches, dp=2)
     _amp_case.__name__ = f"loss_spelling_{_loss}_dp2_amp_bf16"
     case(world=2)(_amp_case)
+
+
+# A loss summed over the batch under AdamW too: its update is near invariant to the
+# gradients' scale, so the loss and weights catch a wrong division of the loss by the
+# shards only through the epsilon and the loss itself; the layouts split the batch in
+# both ways (data-parallel ranks and micro-batches of a rank)
+for _lname, (_world, _layout) in {"dp2_mb2": (2, dict(dp=2, microbatches=2)),
+                                  "pp2": (2, dict(pp=2, microbatches=2))}.items():
+    def _summed_adamw_case(layout=_layout):
+        example, targets, batches = loss_example("sum_over_tokens")
+        check_parity(example, adamw, autopar.Layout(**layout), targets=targets,
+                     batches=batches)
+    _summed_adamw_case.__name__ = f"loss_spelling_sum_over_tokens_{_lname}_adamw"
+    case(world=_world)(_summed_adamw_case)
 
 
 # -- the issue's reproductions on a second architecture -------------------------------------

@@ -69,7 +69,7 @@ def _mse(out, y):
 def _split(model, inputs, loss_fn, targets=None, shards=2):
     objective, flat = Objective.from_example(inputs, targets, loss_fn)
     local = [t[: t.shape[0] // shards] for t in flat]
-    return split_loss(trace_source(model, local, objective))
+    return split_loss(trace_source(model, local, objective, whole=flat))
 
 
 def _form(model, inputs, loss_fn, targets=None, shards=2):
@@ -122,20 +122,88 @@ class Towers(torch.nn.Module):
         return F.normalize(self.a(x), dim=-1) @ F.normalize(self.b(y), dim=-1).T
 
 
-def test_a_shard_of_one_sample_is_not_checked_and_says_so():
+def test_a_shard_of_one_sample_is_checked_at_two_samples():
     """Batch dims of size 1 read as broadcast ones (a view may drop them): a shard of one
-    sample (8 micro-batches of 8) gets the loss's form, and `checked` False, which
-    global_loss_mean lists among what it declined; two samples a shard are refused."""
+    sample is read as the step exported at two samples of the batch, so where samples
+    meet it is refused as at any shard size, by compile, check and the planner."""
     x, y = _batch(0)
     model = Chain(["center"])
-    split = _split(model, (x,), _mse, (y,), shards=8)
+    for shards in (8, 4):
+        with pytest.raises(BatchSplitError, match="aten.sub.Tensor at .*test_batch_split.py"):
+            _split(model, (x,), _mse, (y,), shards=shards)
+    split = _split(Chain(["linear"]), (x,), _mse, (y,), shards=8)
+    assert split.form == MEAN and split.checked
+
+    def in_batch_negatives(logits, x, y):
+        return F.cross_entropy(logits, torch.arange(logits.shape[0]))
+    layout = autopar.Layout(dp=2)
+    with pytest.raises(BatchSplitError, match="aten.matmul.default at"):
+        autopar.check(Towers(), (x[:2], y[:2]), in_batch_negatives, layout,
+                      autopar.ClusterSpec.local(2))
+    plan = autopar.plan(Towers(), autopar.ClusterSpec.local(2), (x[:2], y[:2]),
+                        in_batch_negatives, workers=0)
+    assert plan.layout.dp == 1 and plan.layout.microbatches == 1
+
+
+class OneSampleOnly(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.linear(x).view(1, 6) - self.linear(x).mean(0)
+
+
+def test_a_shard_of_one_sample_not_exported_at_two_is_not_checked_and_says_why():
+    """Where no export at two samples exists (a model written for one sample, a graph
+    traced without its batch), the shard gets the loss's form, `checked` False, and
+    global_loss_mean lists why among what it declined."""
+    x, y = _batch(0)
+    split = _split(OneSampleOnly(), (x[:2],), _mse, (y[:2, None],), shards=2)
     assert split.form == MEAN and not split.checked
-    with pytest.raises(BatchSplitError):
-        _split(model, (x,), _mse, (y,), shards=4)
-    tg = autopar.trace(model, (x[:1],), _mse, example_targets=(y[:1],))
+    assert split.unchecked.startswith("the step does not export at two samples (")
+    tg = autopar.trace(Chain(["center"]), (x[:1],), _mse, example_targets=(y[:1],))
     _, (result,) = autopar.run_passes(tg, autopar.Layout(microbatches=8), passes=["global_loss_mean"])
     assert ("samples meeting across shards", "each shard holds one sample: its batch dims of "
-            "size 1 read as broadcast ones, not checked") in result.declined
+            "size 1 read as broadcast ones, and no batch of other sizes to export it at: "
+            "not checked") in result.declined
+
+
+# losses written with the shard's size: on shards of n samples the export holds n as a
+# number, which the analysis tells from a constant by exporting at another size
+SIZED = {
+    "sum_over_samples": (lambda out, y: F.mse_loss(out, y, reduction="sum") / out.shape[0], MEAN),
+    "sum_over_elements": (lambda out, y: (out - y).square().sum() / out.numel(), MEAN),
+    "sum_times_inverse": (lambda out, y: F.mse_loss(out, y, reduction="sum") * (1 / len(out)),
+                          MEAN),
+    "mean_times_samples": (lambda out, y: F.mse_loss(out, y) * out.shape[0], SUM),
+    "over_the_shards_fraction": (lambda out, y: (out - y).square().sum()
+                                 / ((y > 0).sum() / y.numel()), None),
+    "samples_times_mean": (lambda out, y: F.mse_loss(out, y) * out.shape[0] ** 0.5, None),
+    "per_sample_scale": (lambda out, y: F.mse_loss(out * out.shape[0], y), None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SIZED))
+def test_numbers_made_from_the_shards_size(name):
+    """Read at a second batch size, a number that follows the shard's size is told from a
+    constant: a sum over a shard's samples or elements divided by their number is a mean
+    over the batch, a mean times it a sum; other uses refuse. Each verdict is checked
+    against arithmetic: a mean's shards average to the batch's loss, a sum's add up to
+    it, a refused one's do neither."""
+    loss_fn, form = SIZED[name]
+    model = Chain(["linear"])
+    x, y = _batch(3)
+    with torch.no_grad():
+        whole = loss_fn(model(x), y)
+        parts = [loss_fn(model(x[k * 4:(k + 1) * 4]), y[k * 4:(k + 1) * 4]) for k in range(2)]
+    if form is None:
+        with pytest.raises(BatchSplitError, match="samples of different shards meet here"):
+            _form(model, (x,), loss_fn, (y,))
+        assert not torch.allclose(sum(parts) / 2, whole) and not torch.allclose(sum(parts), whole)
+        return
+    assert _form(model, (x,), loss_fn, (y,)) == form
+    torch.testing.assert_close(sum(parts) / 2 if form == MEAN else sum(parts), whole)
 
 
 def test_in_batch_negatives_are_refused_at_the_users_line():

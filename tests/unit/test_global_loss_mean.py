@@ -43,6 +43,11 @@ LOSSES = {
     "label_smoothing": lambda out, y: F.cross_entropy(out, y, label_smoothing=0.2),
     "sum_over_count": lambda out, y: F.cross_entropy(out, y, reduction="sum") / (y != -100).sum(),
     "masked_mean": _masked_mean,
+    # a function of the count's sum alone: applied to the batch's sum (LossNormalizer)
+    "over_count_plus_epsilon": lambda out, y: F.cross_entropy(out, y, reduction="sum")
+    / ((y != -100).sum() + 1e-6),
+    "over_twice_the_count": lambda out, y: F.cross_entropy(out, y, reduction="sum")
+    / ((y != -100).sum() * 2).clamp(min=1),
     # sums over the batch: the step scales each shard's loss by the number of shards
     "sum": lambda out, y: F.cross_entropy(out, y, reduction="sum"),
     "sum_of_sums": lambda out, y: F.cross_entropy(out, y, reduction="sum") + 0.1 * out.square().sum(),
@@ -138,16 +143,23 @@ def test_a_ratio_of_the_batch_is_refused_naming_the_op():
         _rewritten(per_ratio, x, y)
 
 
-@pytest.mark.parametrize("divisor", [lambda y: (y != -100).sum() * 2,
-                                     lambda y: y.float().amax().clamp(min=1)])
+@pytest.mark.parametrize("divisor", [lambda y: y.float().amax().clamp(min=1),
+                                     lambda y: (y != -100).float().mean() + 1,
+                                     lambda y: (y != -100).sum() * (y > 2).sum()])
 def test_a_divisor_that_is_no_sum_of_the_batch_is_refused(divisor):
-    """A multiple of a count, a maximum: the check lets them pass as data of the batch,
-    but no divisor per shard makes the shards' average the batch's loss."""
+    """A maximum, a mean, a product of counts: the check lets them pass as data of the
+    batch, but no divisor per shard makes the shards' average the batch's loss."""
     def loss(out, y):
         return F.cross_entropy(out, y.clamp(min=0), reduction="sum") / divisor(y)
     x, y = torch.randn(8, 6), torch.randint(0, 5, (8,))
-    with pytest.raises(BatchSplitError, match=r"the loss divides by .*, a value of the batch "
-                                              r"that is not a sum over it"):
+    # refused by the pass (a value that is no function of a sum) or by the analysis
+    # before it (a sum over a mean of the batch)
+    with pytest.raises(BatchSplitError, match=r"samples of different shards meet here, so the "
+                                              r"step does not split along the batch: (the loss "
+                                              r"divides by .*, a value of the batch that is not "
+                                              r"a function of a sum over it|aten.div.Tensor "
+                                              r"takes \(a part of a sum over the batch, a part "
+                                              r"of a mean over the batch\))"):
         _rewritten(loss, x, y)
 
 

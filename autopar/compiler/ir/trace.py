@@ -18,13 +18,15 @@ The route (see docs/concepts.md, "Why this tracing route"):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
 import re
 import traceback
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -105,11 +107,20 @@ class TraceSource:
     # attention written out op by op taken as sdpa: gpu_forward) or "unfused" (matmul,
     # softmax, matmul in the model's dtype, sdpa too: GpuKernels)
     attention: str = "fused"
+    # where the example is a shard of a larger batch: the same step exported at another
+    # number of samples of that batch, at least 2 and none of `exclude` (memoised per
+    # size); LookupError where the batch has no such size, TraceError where the model
+    # does not export at it. The batch-split analysis (batch_split.py) reads a shard of
+    # one sample on one (a batch dim of size 1 reads as a broadcast one), and tells the
+    # numbers made from the shard's size (`loss.sum() / x.shape[0]`) by comparing two.
+    resized: Callable[[frozenset[int]], TraceSource] | None = field(default=None, compare=False,
+                                                                    repr=False)
 
 
 def trace_train_step(model: torch.nn.Module, example_inputs: Sequence[Any],
                      loss_fn: LossFn | Objective | None = None,
-                     kernels: str = "cpu", attention: str = "fused") -> TrainGraph:
+                     kernels: str = "cpu", attention: str = "fused", *,
+                     whole: Sequence[Any] | None = None) -> TrainGraph:
     """Trace one training step of `model` on `example_inputs` (a local batch, flat).
 
     `loss_fn` is an Objective (batch.py: which tensors go to the model, which to the
@@ -117,16 +128,24 @@ def trace_train_step(model: torch.nn.Module, example_inputs: Sequence[Any],
     meta or fake tensors: nothing is computed. The model's own parameters are not
     modified. `kernels="gpu"` traces the dropouts as a GPU runs them (GpuKernels), and
     attention by `attention` (TraceSource.attention): for the planner costing a GPU
-    cluster on a meta or CPU model.
+    cluster on a meta or CPU model. `whole`: the batch the example is a shard of
+    (trace_source).
     """
-    return _trace_from(trace_source(model, example_inputs, loss_fn, kernels, attention))
+    return _trace_from(trace_source(model, example_inputs, loss_fn, kernels, attention,
+                                    whole=whole))
 
 
 def trace_source(model: torch.nn.Module, example_inputs: Sequence[Any],
                  loss_fn: LossFn | Objective | None = None,
-                 kernels: str = "cpu", attention: str = "fused") -> TraceSource:
+                 kernels: str = "cpu", attention: str = "fused", *,
+                 whole: Sequence[Any] | None = None,
+                 around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                 ) -> TraceSource:
     """The exported step `trace_train_step` traces the joint graph from (its arguments
-    are trace_train_step's): what `pending_trace` takes."""
+    are trace_train_step's): what `pending_trace` takes. `whole`: the batch that
+    `example_inputs` is one shard of; where the shard holds one sample, the source can
+    export two samples of it (TraceSource.two_samples), inside `around()` (the planner's
+    reduced model)."""
     if kernels not in ("cpu", "gpu"):
         raise ValueError(f"kernels must be 'cpu' or 'gpu', got {kernels!r}")
     if attention not in ("fused", "unfused"):
@@ -144,8 +163,38 @@ def trace_source(model: torch.nn.Module, example_inputs: Sequence[Any],
                                  *example_inputs]):
         # before anything reads the exported forward (its causal masks, kept per graph)
         _meta_devices_to_cpu(ep.graph_module)
+    resized = None
+    if whole is not None and _whole_batch(example_inputs, whole) is not None:
+        whole = tuple(whole)
+        size, dims = _whole_batch(example_inputs, whole)
+
+        @functools.cache
+        def export_at(n: int) -> TraceSource:
+            with around():
+                return trace_source(model, tuple(x.narrow(d, 0, n) if d is not None else x
+                                                 for x, d in zip(whole, dims)),
+                                    objective, kernels, attention)
+
+        def resized(exclude: frozenset[int]) -> TraceSource:
+            n = next((n for n in range(2, size + 1) if n not in exclude), None)
+            if n is None:
+                raise LookupError(f"the batch has {size} samples: no other size to export")
+            return export_at(n)
     return TraceSource(ep, example_inputs, _alias_groups(model), repeated_block_container(model),
-                       kernels=kernels, attention=attention)
+                       kernels=kernels, attention=attention, resized=resized)
+
+
+def _whole_batch(shard: tuple, whole: Sequence[Any]) -> tuple[int, tuple] | None:
+    """(the batch's size, its batch dims) where `shard` is a part of `whole` along the
+    same batch dims and `whole` holds more samples; else None."""
+    dims = batch_dims_of([x for x in shard if isinstance(x, torch.Tensor)])
+    whole = tuple(whole)
+    whole_dims = batch_dims_of([x for x in whole if isinstance(x, torch.Tensor)])
+    sizes = {x.shape[d] for x, d in zip(shard, dims) if d is not None}
+    whole_sizes = {x.shape[d] for x, d in zip(whole, whole_dims) if d is not None}
+    if whole_dims != dims or len(sizes) != 1 or len(whole_sizes) != 1 or whole_sizes <= sizes:
+        return None
+    return next(iter(whole_sizes)), whole_dims
 
 
 def pending_trace(source: TraceSource) -> TrainGraph:

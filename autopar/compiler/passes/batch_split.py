@@ -38,10 +38,13 @@ them), losses with a `reduction` argument, and the arithmetic of batch sums and 
 `split_loss` gives the loss's form over the batch: MEAN (each shard's loss is its mean:
 their average is the batch's), SUM (each shard's loss is its sum: the batch's is their
 sum, so the step scales it by the number of shards), or SAME (no sample reaches it).
+A shard of one sample is read as the step exported at two samples of the batch
+(TraceSource.two_samples): its batch dims of size 1 would read as broadcast ones.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 import os
 import weakref
@@ -56,7 +59,7 @@ from torch.distributed.tensor._op_schema import OpSchema
 from torch.export.graph_signature import InputKind, OutputKind
 
 from autopar.compiler.ir.annotate import module_of
-from autopar.compiler.ir.trace import TraceSource, batch_dims_of, forward_module
+from autopar.compiler.ir.trace import TraceError, TraceSource, batch_dims_of, forward_module
 from autopar.compiler.passes.tp_rules import (
     P,
     R,
@@ -110,6 +113,8 @@ _LIKE = frozenset({aten.full_like.default, aten.zeros_like.default, aten.ones_li
 _ADD = frozenset({aten.add.Tensor, aten.sub.Tensor, aten.add.Scalar, aten.sub.Scalar,
                   aten.rsub.Scalar})
 _SLICES = frozenset({aten.slice.Tensor, aten.narrow.default})
+_DIVS = frozenset({aten.div.Tensor, aten.div.Scalar})
+_MULS = frozenset({aten.mul.Tensor, aten.mul.Scalar})
 # linear maps of one tensor that tensor parallelism's rules do not list: of a statistic,
 # the same statistic
 _LINEAR = frozenset({aten.sum.default, aten.squeeze.default, aten.clone.default,
@@ -132,8 +137,13 @@ class Split:
     form: str
     assumed: tuple[str, ...] = ()
     # False: the shard holds one sample, whose batch dims shapes cannot tell from
-    # broadcast ones, so samples meeting across shards were not looked for
+    # broadcast ones, and no export at two samples was read: samples meeting across
+    # shards were not looked for; `unchecked` says why
     checked: bool = True
+    unchecked: str = ""
+    # why numbers made from the shard's size were not looked for ("" where they were:
+    # the step was exported at a second batch size and its numbers compared)
+    sizes_unread: str = ""
 
 
 def split_loss(source: TraceSource) -> Split:
@@ -149,18 +159,86 @@ def split_loss(source: TraceSource) -> Split:
 
 
 def _analyse(source: TraceSource) -> Split | BatchSplitError:
+    """The analysis of `source`, read on the step at two batch sizes where it can: the
+    shard's own (another where it holds one sample) and a second one, whose numbers that
+    differ are made from the shard's size."""
+    size = _batch_size(source)
+    main, other, unchecked, unread = source, None, "", ""
+    if source.resized is None or size is None:
+        unchecked = unread = "no batch of other sizes to export it at"
+    elif size == 1:  # a batch dim of size 1 reads as a broadcast one: read another size
+        try:
+            main = source.resized(frozenset({1}))
+        except (TraceError, LookupError) as exc:
+            unchecked = f"the step does not export at two samples ({_first_line(exc)})"
+            unread = "no second batch size"
+        if main is not source:
+            other = _other_size(source, frozenset({1, _batch_size(main)}))
+            other = other if other is not None else source
+    else:
+        other = _other_size(source, frozenset({size}))
+        if other is None:
+            unread = "the step does not export at another batch size"
     try:
-        propagation = _Propagation(source)
+        numbers = _sized_numbers(main, other) if other is not None else None
+        if other is not None and numbers is None:
+            unread = "its export at another batch size runs other ops"
+        propagation = _Propagation(main, numbers or {}, _batch_size(other) if numbers else None)
         form = propagation.run()
         return Split(form, tuple(where(n) for n in propagation.assumed),
-                     not propagation.unchecked)
+                     not propagation.unchecked, unchecked if propagation.unchecked else "",
+                     unread)
     except BatchSplitError as exc:  # kept, to raise again for each layout asked
         return exc
 
 
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def _other_size(source: TraceSource, exclude: frozenset[int]) -> TraceSource | None:
+    try:
+        return source.resized(exclude)
+    except (TraceError, LookupError):
+        return None
+
+
+def _batch_size(source: TraceSource) -> int | None:
+    tensors = [x for x in source.example_inputs if isinstance(x, torch.Tensor)]
+    sizes = {x.shape[d] for x, d in zip(tensors, batch_dims_of(tensors)) if d is not None}
+    return next(iter(sizes)) if len(sizes) == 1 else None
+
+
+def _sized_numbers(main: TraceSource, other: TraceSource
+                   ) -> dict[fx.Node, list[tuple[int, float, float]]] | None:
+    """The numbers of `main`'s forward that differ in `other`'s (the same step at another
+    batch size), op by op: node -> [(argument index, number here, number there)]; None
+    where the two do not run the same ops in the same order."""
+    ours = [n for n in forward_module(main).graph.nodes if n.op == "call_function"]
+    theirs = [n for n in forward_module(other).graph.nodes if n.op == "call_function"]
+    if len(ours) != len(theirs) or any(a.target != b.target for a, b in zip(ours, theirs)):
+        return None
+    found: dict[fx.Node, list[tuple[int, float, float]]] = {}
+    for a, b in zip(ours, theirs):
+        for k, (x, y) in enumerate(zip(a.args, b.args)):
+            if _number(x) and _number(y) and x != y:
+                found.setdefault(a, []).append((k, x, y))
+    return found
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 class _Propagation:
-    def __init__(self, source: TraceSource):
+    def __init__(self, source: TraceSource, numbers: dict | None = None,
+                 other_size: int | None = None):
         self.gm = forward_module(source)
+        # numbers made from the shard's size (_sized_numbers) and the size they were read
+        # at besides this one; the values computed with them (`sized`)
+        self.numbers = numbers or {}
+        self.size, self.other_size = _batch_size(source), other_size
+        self.sized: set[fx.Node] = set()
         signature = source.exported.graph_signature
         self.kinds = [spec.kind for spec in signature.input_specs]
         self.output_kinds = [spec.kind for spec in signature.output_specs]
@@ -168,18 +246,20 @@ class _Propagation:
         self.from_params: set[fx.Node] = set()
         self.assumed: list[fx.Node] = []  # ops taken as per sample with no rule (_assumed)
         # a shard of one sample: its batch dims have size 1, which shapes cannot tell
-        # from a broadcast one; then nothing is refused, and the result says unchecked
-        self.one_sample = False
+        # from a broadcast one; read at two samples (_analyse), else nothing is refused
+        # and the result says unchecked
         self.unchecked = False
-
-    def run(self) -> str:
         placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         users = [n for n, kind in zip(placeholders, self.kinds) if kind == InputKind.USER_INPUT]
         vals = [n.meta.get("val") for n in users]
         dims = batch_dims_of([v for v in vals if isinstance(v, torch.Tensor)])
-        split = dict(zip([n for n, v in zip(users, vals) if isinstance(v, torch.Tensor)], dims))
-        sizes = {n.meta["val"].shape[d] for n, d in split.items() if d is not None}
+        self.split = dict(zip([n for n, v in zip(users, vals) if isinstance(v, torch.Tensor)], dims))
+        sizes = {n.meta["val"].shape[d] for n, d in self.split.items() if d is not None}
         self.one_sample = sizes == {1}
+
+    def run(self) -> str:
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        split = self.split
         for node, kind in zip(placeholders, self.kinds):
             if kind == InputKind.USER_INPUT and split.get(node) is not None:
                 self.env[node] = split[node]
@@ -219,6 +299,10 @@ class _Propagation:
         n_out = len(output_vals(node))
         if not n_out:
             return Same()  # (an assertion on metadata)
+        if _pointwise(node) and (node in self.numbers or any(a in self.sized for a in ins)):
+            found = self._sized(node, ins, places)
+            if found is not None:
+                return found
         multi = not isinstance(node.meta.get("val"), torch.Tensor)
         if node.target in _FILLS and not (node.target in _LIKE and isinstance(places[0], int)):
             return self._each(node, multi, lambda v: Same(frozenset(range(v.dim()))))
@@ -426,9 +510,38 @@ class _Propagation:
                     (target in _LINEAR and len(places) == 1):
                 return kind  # a view, a cast, a slice or a sum of it: the same statistic
         if target is aten.div.Tensor and len(ins) == 2 and places[0] == SUM \
-                and places[1] in (SUM, COUNT) and ins[1] not in self.from_params:
+                and places[1] in (SUM, COUNT) and ins[1] not in self.from_params \
+                and ins[1] not in self.sized:
             return MEAN  # a sum over a count of the batch's data (global_loss_mean's)
         return self._meet(node, places)
+
+    def _sized(self, node: fx.Node, ins: list[fx.Node], places: list):
+        """A pointwise op on a number made from the shard's size (one that differs in the
+        export at another batch size), or on a value computed with one: a sum over the
+        shard divided by its number of samples (or of tokens) is a mean over the batch,
+        a mean times it a sum; of the data alone or the same on every shard, it is a
+        value made with the shard's size (`sized`, not a count to divide by); anything
+        else would compute another value on the whole batch. None: the usual rules."""
+        numbers = self.numbers.get(node, [])
+        if len(numbers) == 1 and not any(a in self.sized for a in ins):
+            (k, here, there), = numbers
+            ratio = self.other_size / self.size
+            rest_same = all(isinstance(p, Same) for p in places[1:])
+            if k == 1 and places[:1] == [SUM] and rest_same and (
+                    (node.target in _DIVS and math.isclose(there / here, ratio))
+                    or (node.target in _MULS and math.isclose(here / there, ratio))):
+                return MEAN
+            if k == 1 and places[:1] == [MEAN] and rest_same and node.target in _MULS \
+                    and math.isclose(there / here, ratio):
+                return SUM
+        if all(isinstance(p, Same) or p == COUNT for p in places):
+            self.sized.add(node)
+            return None
+        made = f"the number {numbers[0][1]}" if numbers else \
+            f"{next(a for a in ins if a in self.sized).name}, computed with a number"
+        return self._refuse(node, f"{node.target} takes {made} made from the shard's size "
+                            f"({self.size} samples here; the batch has more), which the "
+                            f"whole batch's step would take at its own size", places[0])
 
     # -- errors ----------------------------------------------------------------------------
 
@@ -575,6 +688,11 @@ def _show(p) -> str:
         return f"its block of dim {p}"
     return {SUM: "a part of a sum over the batch", MEAN: "a part of a mean over the batch",
             COUNT: "a statistic of the shard's data"}[p]
+
+
+def _pointwise(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and \
+        torch.Tag.pointwise in node.target.tags
 
 
 def where(node: fx.Node) -> str:

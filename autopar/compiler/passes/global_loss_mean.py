@@ -94,10 +94,10 @@ class GlobalLossMean(GraphPass):
             raise BatchSplitError(
                 f"{where(not_counts[0])}: {MEETS}, so the step does not split along the "
                 f"batch: the loss divides by {not_counts[0].name}, a value of the batch that "
-                f"is not a sum over it (a maximum, a product, a multiple of a sum), and each "
+                f"is not a function of a sum over it (a maximum, a mean, a product), and each "
                 f"shard would divide by its own. Write the divisor as a sum over the batch "
-                f"(`mask.sum()`, through casts and clamps) or a number, or train it with "
-                f"dp=1 and microbatches=1")
+                f"(`mask.sum()`, or a function of that one number: `.clamp(min=1)`, "
+                f"`+ 1e-8`, a cast) or a number, or train it with dp=1 and microbatches=1")
         declined = [(f"division by {c.name}", "a value of the batch that is not a count (a "
                      "sum over elements): each shard divides by its own")
                     for c, form in found.items() if form == "not a count"]
@@ -105,7 +105,12 @@ class GlobalLossMean(GraphPass):
                       "rule proves it)") for op in (split.assumed if split else ())]
         if split is not None and not split.checked:
             declined.append(("samples meeting across shards", "each shard holds one sample: "
-                             "its batch dims of size 1 read as broadcast ones, not checked"))
+                             "its batch dims of size 1 read as broadcast ones, and "
+                             f"{split.unchecked}: not checked"))
+        if split is not None and split.sizes_unread:
+            declined.append(("numbers made from the shard's size", "a division by "
+                             "`x.shape[0]` is the batch's mean only if the batch's size is "
+                             f"what it divides by; not read: {split.sizes_unread}"))
         if tg.source is None:
             declined.append(("samples meeting across shards", "no exported forward to read "
                              "(a graph built without trace_train_step)"))
@@ -217,36 +222,49 @@ def _is_scalar(node, from_batch: set[fx.Node]) -> bool:
     return node in from_batch and isinstance(val, torch.Tensor) and val.numel() == 1
 
 
-# ops through which a count stays a count (a cast, a floor of 1 against empty batches)
-_KEEPS_COUNT = frozenset({aten._to_copy.default, aten.to.dtype, aten.clone.default,
-                          aten.alias.default, aten.clamp.default, aten.clamp_min.default,
-                          aten.view.default, aten.reshape.default, aten.squeeze.default})
 _SUMS = frozenset({aten.sum.default, aten.sum.dim_IntList, aten.count_nonzero.default,
                    aten.count_nonzero.dim_IntList})
 
 
 def _summed(node: fx.Node) -> fx.Node | None:
-    """The sum over a shard's elements that `node` is, through casts and clamps (or
-    None): a sum adds up over shards, so the batch's is the shards' sum. A mean or a
-    ratio does not."""
-    while node.target in _KEEPS_COUNT:
-        node = node.args[0]
-    if node.target in _SUMS or (node.target is operator.getitem and node.args[0].target
-                                in NLL_FORWARD):
-        return node
-    return None
+    """The sum over a shard's elements that `node` is a function of (or None): a sum
+    adds up over shards, so the batch's is the shards' sum, and the divisor is that
+    function of it. The function is a chain of ops each of one value, a single number,
+    with numbers for their other arguments: a cast, a clamp to at least 1, `+ 1e-8`,
+    `* 2`. A mean or a maximum over the batch is no function of a sum."""
+    while not _is_sum(node):
+        if not _of_one_number(node):
+            return None
+        node = node.all_input_nodes[0]
+    return node
+
+
+def _is_sum(node: fx.Node) -> bool:
+    return node.target in _SUMS or (node.target is operator.getitem
+                                    and node.args[0].target in NLL_FORWARD)
+
+
+def _of_one_number(node: fx.Node) -> bool:
+    """Whether `node` is a deterministic op whose only tensor input is a single number,
+    and whose value is one: a function of that number alone."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) \
+            or torch.Tag.nondeterministic_seeded in node.target.tags:
+        return False
+    ins = node.all_input_nodes
+    vals = [n.meta.get(M.VAL) for n in (*ins, node)]
+    return len(ins) == 1 and all(isinstance(v, torch.Tensor) and v.numel() == 1 for v in vals)
 
 
 def _finish(count: fx.Node, total: fx.Node) -> fx.GraphModule | None:
-    """What turns the summed count into the divisor (a cast, a clamp to at least 1), as
-    a program of one input; None when the divisor is the sum itself. Applied to the
-    global batch's sum, not to each shard's: clamp(sum of shards) is not the sum of
-    clamps."""
+    """What turns the summed count into the divisor (a cast, a clamp to at least 1,
+    `+ 1e-8`), as a program of one input; None when the divisor is the sum itself.
+    Applied to the global batch's sum, not to each shard's: clamp(sum of shards) is not
+    the sum of clamps."""
     chain = []
     node = count
     while node is not total:
         chain.append(node)
-        node = node.args[0]
+        node = node.all_input_nodes[0]
     if not chain:
         return None
     graph = fx.Graph()

@@ -508,7 +508,8 @@ class SearchState:
     def drop_batch_splits(self) -> None:
         """Where a layout was refused because samples of different shards meet (the
         model's code, whatever the layout), drop every layout that splits the batch: a
-        shard of one sample is not checked (batch_split.py), so it may have been costed."""
+        shard of one sample that does not export at two samples is not checked
+        (batch_split.py), so it may have been costed."""
         refused = next((why for _, why in self.skipped if MEETS in why), None)
         if refused is None:
             return

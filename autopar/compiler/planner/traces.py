@@ -9,7 +9,7 @@ of several stages traces the two blocks of its template (planner/replicated.py).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -24,6 +24,7 @@ from autopar.compiler.ir.trace import (
     batch_dims_of,
     complete_pending_retrace,
     local_example,
+    TraceSource,
     pending_trace,
     trace_source,
 )
@@ -167,6 +168,10 @@ class Traces:
         self._stack = repeated_block_container(model)  # (path, blocks) or None: for describe
         self._entries: dict[TraceKey, TracedEntry] = {}
         self._keys: dict[Layout, TraceKey] = {}  # asked for every layout the search sees
+        # (blocks kept, samples) -> the source traced here: what the batch-split analysis
+        # asks of one trace at another batch size (TraceSource.resized) is taken from
+        # these before a new export
+        self._sources: dict[tuple[int | None, int], TraceSource] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -207,7 +212,13 @@ class Traces:
         local = local_example(self.example_inputs, layout)
         with reduced(self.model, keep) as stack:
             source = trace_source(self.model, local, self.loss_fn, kernels=self.kernels,
-                                  attention=self.attention)
+                                  attention=self.attention, whole=self.example_inputs,
+                                  around=lambda: reduced(self.model, keep))
+        sizes = _batch_sizes(local)
+        if source.resized is not None:
+            source = replace(source, resized=self._resized(keep, source.resized))
+        if len(sizes) == 1:
+            self._sources.setdefault((keep, next(iter(sizes))), source)
         scaling = Scaling(stack[0], multiplicities(stack[1], keep)) \
             if keep and stack and stack[1] > keep else None
         graph, forward = self._first_trace(pending_trace(source), layout)
@@ -284,6 +295,16 @@ class Traces:
         """Whether `layout` would be costed from a template, without tracing it."""
         return self.trace_blocks is not None and stages_of(layout) > 1
 
+    def _resized(self, keep: int | None, export: Callable[[frozenset[int]], TraceSource]
+                 ) -> Callable[[frozenset[int]], TraceSource]:
+        """TraceSource.resized of a trace keeping `keep` blocks: a source already traced
+        here at a size not excluded, else `export`'s."""
+        def resized(exclude: frozenset[int]) -> TraceSource:
+            found = [src for (k, n), src in self._sources.items()
+                     if k == keep and n >= 2 and n not in exclude]
+            return found[0] if found else export(exclude)
+        return resized
+
     def micro_batch(self, layout: Layout) -> float:
         """One rank's micro-batch size (the example's batch when it has no batch dim)."""
         tensors = [x for x in self.example_inputs if isinstance(x, torch.Tensor)]
@@ -295,3 +316,8 @@ class Traces:
         """The first of `layouts` whose trace the most of them share."""
         counts = Counter(self.key(layout) for layout in layouts)
         return max(layouts, key=lambda layout: counts[self.key(layout)])
+
+
+def _batch_sizes(inputs: tuple) -> set[int]:
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+    return {x.shape[d] for x, d in zip(tensors, batch_dims_of(tensors)) if d is not None}
