@@ -163,6 +163,24 @@ def test_a_divisor_that_is_no_sum_of_the_batch_is_refused(divisor):
         _rewritten(loss, x, y)
 
 
+def test_a_regression_loss_over_a_count_of_its_targets():
+    """`mse_loss` broadcasts the output with the targets in the exported forward, and the
+    count then reads the broadcast targets: still a count of the data, taken over the
+    whole batch, the shards' step equal to the batch's."""
+    def loss_fn(out, y):
+        return F.mse_loss(out, y, reduction="sum") / (y > 0).sum()
+    gen = torch.Generator().manual_seed(2)
+    x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 5, generator=gen)
+    y[:3] = -1.0  # the first shard counts fewer targets than the second
+    model, tg, results = _rewritten(loss_fn, x, y)
+    assert results["global_loss_mean"].stats["normalizers"] == 1
+    got_loss, got_grads = _sharded_step(model, tg, x, y, 2)
+    ref_loss, ref_grads = _eager(model, loss_fn, x, y)
+    torch.testing.assert_close(got_loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for got, ref in zip(got_grads, ref_grads):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
 def test_a_sum_over_the_batch_is_scaled_by_the_shards():
     x, y = torch.randn(8, 6), torch.randint(0, 5, (8,))
     _, tg, results = _rewritten(LOSSES["sum"], x, y, shards=4)

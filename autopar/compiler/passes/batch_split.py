@@ -272,7 +272,7 @@ class _Propagation:
             if node.op == "get_attr":
                 self.env[node] = Same()
             elif node.op == "call_function":
-                if any(a in self.from_params for a in node.all_input_nodes):
+                if any(a in self.from_params for a in _computed_from(node)):
                     self.from_params.add(node)
                 self.env[node] = self._visit(node)
             elif node.op == "output":
@@ -299,7 +299,12 @@ class _Propagation:
         n_out = len(output_vals(node))
         if not n_out:
             return Same()  # (an assertion on metadata)
-        if _pointwise(node) and (node in self.numbers or any(a in self.sized for a in ins)):
+        if node.target is aten.broadcast_tensors.default and all(
+                v is not None and v.shape == a.meta["val"].shape
+                for v, a in zip(output_vals(node), ins)):
+            return tuple(places)  # nothing to broadcast (mse_loss of equal shapes)
+        if _is_pointwise(node.target) and (node in self.numbers
+                                           or any(a in self.sized for a in ins)):
             found = self._sized(node, ins, places)
             if found is not None:
                 return found
@@ -690,9 +695,14 @@ def _show(p) -> str:
             COUNT: "a statistic of the shard's data"}[p]
 
 
-def _pointwise(node: fx.Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and \
-        torch.Tag.pointwise in node.target.tags
+def _computed_from(node: fx.Node) -> list[fx.Node]:
+    """The nodes `node`'s value is computed from: its inputs, but for an output of
+    broadcast_tensors only the tensor it broadcasts (`mse_loss` broadcasts the model's
+    output with the targets, which the loss may then read again for a count)."""
+    src = node.args[0] if node.target is operator.getitem else None
+    if isinstance(src, fx.Node) and src.target is aten.broadcast_tensors.default:
+        return [src.args[0][node.args[1]]]
+    return node.all_input_nodes
 
 
 def where(node: fx.Node) -> str:
