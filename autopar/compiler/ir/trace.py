@@ -143,8 +143,8 @@ def trace_source(model: torch.nn.Module, example_inputs: Sequence[Any],
                  ) -> TraceSource:
     """The exported step `trace_train_step` traces the joint graph from (its arguments
     are trace_train_step's): what `pending_trace` takes. `whole`: the batch that
-    `example_inputs` is one shard of; where the shard holds one sample, the source can
-    export two samples of it (TraceSource.two_samples), inside `around()` (the planner's
+    `example_inputs` is one shard of: the source can then export the step at another
+    number of its samples (TraceSource.resized), inside `around()` (the planner's
     reduced model)."""
     if kernels not in ("cpu", "gpu"):
         raise ValueError(f"kernels must be 'cpu' or 'gpu', got {kernels!r}")
@@ -164,9 +164,10 @@ def trace_source(model: torch.nn.Module, example_inputs: Sequence[Any],
         # before anything reads the exported forward (its causal masks, kept per graph)
         _meta_devices_to_cpu(ep.graph_module)
     resized = None
-    if whole is not None and _whole_batch(example_inputs, whole) is not None:
+    found = _whole_batch(example_inputs, whole) if whole is not None else None
+    if found is not None:
         whole = tuple(whole)
-        size, dims = _whole_batch(example_inputs, whole)
+        size, dims = found
 
         @functools.cache
         def export_at(n: int) -> TraceSource:
