@@ -188,14 +188,13 @@ def trace_source(model: torch.nn.Module, example_inputs: Sequence[Any],
 def _whole_batch(shard: tuple, whole: Sequence[Any]) -> tuple[int, tuple] | None:
     """(the batch's size, its batch dims) where `shard` is a part of `whole` along the
     same batch dims and `whole` holds more samples; else None."""
-    dims = batch_dims_of([x for x in shard if isinstance(x, torch.Tensor)])
     whole = tuple(whole)
+    dims = batch_dims_of([x for x in shard if isinstance(x, torch.Tensor)])
     whole_dims = batch_dims_of([x for x in whole if isinstance(x, torch.Tensor)])
-    sizes = {x.shape[d] for x, d in zip(shard, dims) if d is not None}
-    whole_sizes = {x.shape[d] for x, d in zip(whole, whole_dims) if d is not None}
-    if whole_dims != dims or len(sizes) != 1 or len(whole_sizes) != 1 or whole_sizes <= sizes:
+    size, whole_size = batch_size(shard), batch_size(whole)
+    if whole_dims != dims or size is None or whole_size is None or whole_size <= size:
         return None
-    return next(iter(whole_sizes)), whole_dims
+    return whole_size, whole_dims
 
 
 def pending_trace(source: TraceSource) -> TrainGraph:
@@ -697,6 +696,14 @@ def batch_dims_of(inputs: list[torch.Tensor]) -> tuple[int | None, ...]:
         return tuple(None for _ in inputs)
     batch = inputs[0].shape[0]
     return tuple(0 if t.dim() > 0 and t.shape[0] == batch else None for t in inputs)
+
+
+def batch_size(inputs: Sequence[Any]) -> int | None:
+    """The number of samples of a batch (the size of its tensors' batch dim,
+    `batch_dims_of`), None where no tensor has one."""
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+    return next((x.shape[d] for x, d in zip(tensors, batch_dims_of(tensors)) if d is not None),
+                None)
 
 
 def _name_placeholders(gm: fx.GraphModule, params: list[str], buffers: list[str],

@@ -59,7 +59,13 @@ from torch.distributed.tensor._op_schema import OpSchema
 from torch.export.graph_signature import InputKind, OutputKind
 
 from autopar.compiler.ir.annotate import module_of
-from autopar.compiler.ir.trace import TraceError, TraceSource, batch_dims_of, forward_module
+from autopar.compiler.ir.trace import (
+    TraceError,
+    TraceSource,
+    batch_dims_of,
+    batch_size,
+    forward_module,
+)
 from autopar.compiler.passes.tp_rules import (
     P,
     R,
@@ -204,9 +210,7 @@ def _other_size(source: TraceSource, exclude: frozenset[int]) -> TraceSource | N
 
 
 def _batch_size(source: TraceSource) -> int | None:
-    tensors = [x for x in source.example_inputs if isinstance(x, torch.Tensor)]
-    sizes = {x.shape[d] for x, d in zip(tensors, batch_dims_of(tensors)) if d is not None}
-    return next(iter(sizes)) if len(sizes) == 1 else None
+    return batch_size(source.example_inputs)
 
 
 def _sized_numbers(main: TraceSource, other: TraceSource

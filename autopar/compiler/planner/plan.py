@@ -20,7 +20,7 @@ from autopar.compiler.analysis.memory import static_lower_bound
 from autopar.compiler.analysis.summary import DTYPE_NAMES
 from autopar.compiler.ir.annotate import repeated_block_container
 from autopar.compiler.ir.batch import Batch, LossFn, Objective
-from autopar.compiler.ir.trace import batch_dims_of
+from autopar.compiler.ir.trace import batch_size
 from autopar.compiler.planner.cost_model import model_compute_floor
 from autopar.compiler.planner.estimate import Estimator
 from autopar.compiler.planner.pipeline_cost import (
@@ -577,12 +577,6 @@ def _candidates(model, cluster, example_inputs, fixed) -> list[Layout]:
 def _counter(progress, total):
     done = iter(range(total))
     return lambda layout: progress(next(done), total, layout)
-
-
-def batch_size(example_inputs: tuple) -> int | None:
-    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
-    dims = batch_dims_of(tensors)
-    return next((x.shape[d] for x, d in zip(tensors, dims) if d is not None), None)
 
 
 def _larger_cluster_hint(model, cluster, example_inputs, loss_fn, optimizer, efficiency,

@@ -21,7 +21,7 @@ from autopar.compiler.ir.annotate import repeated_block_container
 from autopar.compiler.ir.batch import LossFn
 from autopar.compiler.ir.graph import TrainGraph
 from autopar.compiler.ir.trace import (
-    batch_dims_of,
+    batch_size,
     complete_pending_retrace,
     local_example,
     TraceSource,
@@ -214,11 +214,11 @@ class Traces:
             source = trace_source(self.model, local, self.loss_fn, kernels=self.kernels,
                                   attention=self.attention, whole=self.example_inputs,
                                   around=lambda: reduced(self.model, keep))
-        sizes = _batch_sizes(local)
+        size = batch_size(local)
         if source.resized is not None:
             source = replace(source, resized=self._resized(keep, source.resized))
-        if len(sizes) == 1:
-            self._sources.setdefault((keep, next(iter(sizes))), source)
+        if size is not None:
+            self._sources.setdefault((keep, size), source)
         scaling = Scaling(stack[0], multiplicities(stack[1], keep)) \
             if keep and stack and stack[1] > keep else None
         graph, forward = self._first_trace(pending_trace(source), layout)
@@ -307,9 +307,7 @@ class Traces:
 
     def micro_batch(self, layout: Layout) -> float:
         """One rank's micro-batch size (the example's batch when it has no batch dim)."""
-        tensors = [x for x in self.example_inputs if isinstance(x, torch.Tensor)]
-        dims = batch_dims_of(tensors)
-        batch = next((x.shape[d] for x, d in zip(tensors, dims) if d is not None), None)
+        batch = batch_size(self.example_inputs)
         return 1.0 if batch is None else batch / (layout.dp * layout.microbatches)
 
     def most_shared(self, layouts: Sequence[Layout]) -> Layout:
@@ -317,7 +315,3 @@ class Traces:
         counts = Counter(self.key(layout) for layout in layouts)
         return max(layouts, key=lambda layout: counts[self.key(layout)])
 
-
-def _batch_sizes(inputs: tuple) -> set[int]:
-    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
-    return {x.shape[d] for x, d in zip(tensors, batch_dims_of(tensors)) if d is not None}
