@@ -203,6 +203,24 @@ for _lname, (_world, _layout) in {"dp2_mb2": (2, dict(dp=2, microbatches=2)),
     case(world=_world)(_summed_adamw_case)
 
 
+# the number of sequences written as a tensor (a constant of the export, read at a second
+# batch size), under data parallelism and micro-batches of a pipeline
+def _sum_per_sequence_tensor(out, ids):
+    return F.cross_entropy(_logits(out).flatten(0, 1), ids.flatten(), reduction="sum") \
+        / torch.tensor(ids.shape[0])
+
+
+for _lname, (_world, _layout) in {"dp2": (2, dict(dp=2)),
+                                  "pp2": (2, dict(pp=2, microbatches=2))}.items():
+    def _tensor_size_case(layout=_layout):
+        example, targets, batches = loss_example("sum_per_sequence")
+        example = Example(example.model, example.batch, _sum_per_sequence_tensor,
+                          example.description)
+        check_parity(example, sgd, autopar.Layout(**layout), targets=targets, batches=batches)
+    _tensor_size_case.__name__ = f"loss_spelling_sum_per_sequence_as_a_tensor_{_lname}_sgd"
+    case(world=_world)(_tensor_size_case)
+
+
 # -- the reproductions on a second architecture -------------------------------------
 
 def qwen2_flatten_float():

@@ -181,6 +181,21 @@ SIZED = {
                                  / ((y > 0).sum() / y.numel()), None),
     "samples_times_mean": (lambda out, y: F.mse_loss(out, y) * out.shape[0] ** 0.5, None),
     "per_sample_scale": (lambda out, y: F.mse_loss(out * out.shape[0], y), None),
+    # the size as a tensor: a constant of the export, a fill, a sum of a fill
+    "over_a_tensor_of_the_size": (lambda out, y: F.mse_loss(out, y, reduction="sum")
+                                  / torch.tensor(out.shape[0]), MEAN),
+    "over_a_float_tensor_of_the_size": (lambda out, y: F.mse_loss(out, y, reduction="sum")
+                                        / torch.tensor(len(out), dtype=torch.float32), MEAN),
+    "over_new_tensor": (lambda out, y: F.mse_loss(out, y, reduction="sum")
+                        / out.new_tensor(out.size(0)), MEAN),
+    "over_a_full_of_the_size": (lambda out, y: F.mse_loss(out, y, reduction="sum")
+                                / torch.full((), out.shape[0]), MEAN),
+    "over_the_sum_of_ones": (lambda out, y: F.mse_loss(out, y, reduction="sum")
+                             / torch.ones(out.shape[0]).sum(), MEAN),
+    "mean_times_a_tensor_of_the_size": (lambda out, y: F.mse_loss(out, y)
+                                        * torch.tensor(float(out.shape[0])), SUM),
+    "a_tensor_of_the_size_in_the_sample": (lambda out, y: F.mse_loss(
+        out / torch.tensor(out.shape[0]), y), None),
 }
 
 
@@ -258,11 +273,12 @@ def test_the_losses_form_over_the_batch():
         form(lambda out, y: F.mse_loss(out, y).log())
 
 
-@pytest.mark.parametrize("family", ["gpt2", "mixtral", "bloom", "bert"])
+@pytest.mark.parametrize("family", ["gpt2", "mixtral", "bloom", "bert", "gemma2"])
 def test_transformers_models_split(family):
     """Their own patterns: position ids and masks built with the batch's size and
     expanded (constant along it), Bloom's ALiBi tiled per sample, a mixture of experts
-    sorting its tokens by expert and putting them back."""
+    sorting its tokens by expert and putting them back, Gemma 2's sliding-window mask
+    (`new_ones(())` of a mask of the shard's size: a fill, not a count of samples)."""
     example = hf_tiny(family, batch=4, seq=8)
     split = _split(example.model, example.batch, example.loss_fn)
     assert split.form == MEAN

@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import autopar
-from autopar.compiler.ir.batch import LOSS_NORM_INPUT, normalizer_means
+from autopar.compiler.ir.batch import LOSS_NORM_INPUT, Objective, normalizer_means
+from autopar.compiler.ir.trace import trace_train_step
 from autopar.compiler.passes.batch_split import BatchSplitError
 
 aten = torch.ops.aten
@@ -174,6 +175,29 @@ def test_a_regression_loss_over_a_count_of_its_targets():
     y[:3] = -1.0  # the first shard counts fewer targets than the second
     model, tg, results = _rewritten(loss_fn, x, y)
     assert results["global_loss_mean"].stats["normalizers"] == 1
+    got_loss, got_grads = _sharded_step(model, tg, x, y, 2)
+    ref_loss, ref_grads = _eager(model, loss_fn, x, y)
+    torch.testing.assert_close(got_loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for got, ref in zip(got_grads, ref_grads):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("divisor", ["tensor", "full", "ones"])
+def test_a_sum_over_the_shards_size_written_as_a_tensor(divisor):
+    """The shard's size as a tensor (`torch.tensor(n)`, a fill, a sum of ones), found by
+    exporting the step at a second batch size: the sharded step's loss and gradients are
+    the whole batch's mean over sequences, not each shard's scaled by the shards."""
+    size = {"tensor": lambda n: torch.tensor(n), "full": lambda n: torch.full((), n),
+            "ones": lambda n: torch.ones(n).sum()}[divisor]
+
+    def loss_fn(out, y):
+        return F.cross_entropy(out, y, reduction="sum") / size(out.shape[0])
+    gen = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 6, generator=gen), torch.randint(0, 5, (8,), generator=gen)
+    model = Net()
+    objective, flat = Objective.from_example((x,), (y,), loss_fn)
+    tg = trace_train_step(model, [t[:4] for t in flat], objective, whole=flat)
+    tg, _ = autopar.run_passes(tg, autopar.Layout(dp=2), passes=["global_loss_mean"])
     got_loss, got_grads = _sharded_step(model, tg, x, y, 2)
     ref_loss, ref_grads = _eager(model, loss_fn, x, y)
     torch.testing.assert_close(got_loss, ref_loss, rtol=1e-5, atol=1e-6)

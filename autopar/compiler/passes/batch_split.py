@@ -38,8 +38,11 @@ them), losses with a `reduction` argument, and the arithmetic of batch sums and 
 `split_loss` gives the loss's form over the batch: MEAN (each shard's loss is its mean:
 their average is the batch's), SUM (each shard's loss is its sum: the batch's is their
 sum, so the step scales it by the number of shards), or SAME (no sample reaches it).
-A shard of one sample is read as the step exported at two samples of the batch
-(TraceSource.two_samples): its batch dims of size 1 would read as broadcast ones.
+The step is read at a second batch size (TraceSource.resized; `_Resized`): numbers,
+constant tensors and fills that differ there are made from the shard's size, and a sum
+divided by one is a mean over the batch (`_sized`). A shard of one sample is read as
+the step exported at two samples of the batch: its batch dims of size 1 would read as
+broadcast ones.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ import operator
 import os
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -113,6 +117,14 @@ _FILLS = frozenset({
     aten.new_ones.default, aten.new_empty.default, aten.full_like.default,
     aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
 })
+# the argument of a fill that holds its value
+_FILL_VALUE = {aten.full.default: 1, aten.scalar_tensor.default: 0, aten.new_full.default: 2,
+               aten.full_like.default: 1}
+# ops whose one-number output is their input's number
+_COPIES = frozenset({aten.clone.default, aten.alias.default, aten.detach.default,
+                     aten._to_copy.default, aten.lift_fresh_copy.default, aten.to.dtype,
+                     aten.squeeze.default, aten.unsqueeze.default, aten.view.default,
+                     aten.reshape.default})
 _LIKE = frozenset({aten.full_like.default, aten.zeros_like.default, aten.ones_like.default,
                    aten.empty_like.default})
 # an affine map of a mean is the mean of the map; a sum takes linear maps only
@@ -186,10 +198,10 @@ def _analyse(source: TraceSource) -> Split | BatchSplitError:
         if other is None:
             unread = "the step does not export at another batch size"
     try:
-        numbers = _sized_numbers(main, other) if other is not None else None
-        if other is not None and numbers is None:
+        resized = _Resized.read(main, other) if other is not None else None
+        if other is not None and resized is None:
             unread = "its export at another batch size runs other ops"
-        propagation = _Propagation(main, numbers or {}, _batch_size(other) if numbers else None)
+        propagation = _Propagation(main, resized)
         form = propagation.run()
         return Split(form, tuple(where(n) for n in propagation.assumed),
                      not propagation.unchecked, unchecked if propagation.unchecked else "",
@@ -213,21 +225,71 @@ def _batch_size(source: TraceSource) -> int | None:
     return batch_size(source.example_inputs)
 
 
-def _sized_numbers(main: TraceSource, other: TraceSource
-                   ) -> dict[fx.Node, list[tuple[int, float, float]]] | None:
-    """The numbers of `main`'s forward that differ in `other`'s (the same step at another
-    batch size), op by op: node -> [(argument index, number here, number there)]; None
-    where the two do not run the same ops in the same order."""
-    ours = [n for n in forward_module(main).graph.nodes if n.op == "call_function"]
-    theirs = [n for n in forward_module(other).graph.nodes if n.op == "call_function"]
-    if len(ours) != len(theirs) or any(a.target != b.target for a, b in zip(ours, theirs)):
-        return None
-    found: dict[fx.Node, list[tuple[int, float, float]]] = {}
-    for a, b in zip(ours, theirs):
-        for k, (x, y) in enumerate(zip(a.args, b.args)):
-            if _number(x) and _number(y) and x != y:
-                found.setdefault(a, []).append((k, x, y))
-    return found
+@dataclass
+class _Resized:
+    """What differs between the step's forward at the shard's size (`main`) and at a
+    second batch size (`other`), the two run op for op: what is made from the shard's
+    size. `numbers`: node -> [(argument, number here, number there)], the argument a
+    position (an int), a position in a list (position, index) or a keyword (its name);
+    `constants`: the step's constant tensors (`torch.tensor(x.shape[0])`) whose values
+    differ -> (value here, value there) where it is one number, else None; `shapes`:
+    node -> (shape here, shape there) of each output that differs."""
+
+    size: int
+    other_size: int
+    numbers: dict[fx.Node, list[tuple[Any, float, float]]]
+    constants: dict[fx.Node, tuple[float, float] | None]
+    shapes: dict[fx.Node, tuple[tuple[int, ...], tuple[int, ...]]]
+
+    @classmethod
+    def read(cls, main: TraceSource, other: TraceSource) -> _Resized | None:
+        """None where the two do not run the same ops in the same order."""
+        ours, theirs = forward_module(main).graph, forward_module(other).graph
+        calls = [[n for n in g.nodes if n.op == "call_function"] for g in (ours, theirs)]
+        if len(calls[0]) != len(calls[1]) or any(a.target != b.target for a, b in zip(*calls)):
+            return None
+        numbers: dict[fx.Node, list[tuple[Any, float, float]]] = {}
+        shapes = {}
+        for a, b in zip(*calls):
+            for key, x, y in _argument_numbers(a, b):
+                if x != y:
+                    numbers.setdefault(a, []).append((key, x, y))
+            here, there = a.meta.get("val"), b.meta.get("val")
+            if isinstance(here, torch.Tensor) and isinstance(there, torch.Tensor) \
+                    and here.shape != there.shape:
+                shapes[a] = (tuple(here.shape), tuple(there.shape))
+        constants = {}
+        theirs_by_target = {n.target: n for n in theirs.nodes if n.op == "placeholder"}
+        specs = {s.arg.name: s for s in main.exported.graph_signature.input_specs}
+        for node in ours.nodes:
+            spec = specs.get(node.name)
+            if node.op != "placeholder" or spec is None or spec.kind != InputKind.CONSTANT_TENSOR:
+                continue
+            here = main.exported.constants.get(spec.target)
+            there = other.exported.constants.get(spec.target)
+            if node.target not in theirs_by_target or not isinstance(here, torch.Tensor) \
+                    or not isinstance(there, torch.Tensor) or "meta" in (
+                        here.device.type, there.device.type):  # (no values to compare)
+                continue
+            if here.shape != there.shape or not torch.equal(here, there):
+                one = here.numel() == 1 and there.numel() == 1
+                constants[node] = (here.item(), there.item()) if one else None
+        return cls(_batch_size(main), _batch_size(other), numbers, constants, shapes)
+
+
+def _argument_numbers(a: fx.Node, b: fx.Node):
+    """(argument, number of `a`, number of `b`) for each number argument of two calls of
+    one op, paired by position (in lists too) and keyword."""
+    pairs = [(k, x, y) for k, (x, y) in enumerate(zip(a.args, b.args))]
+    pairs += [(name, a.kwargs[name], b.kwargs[name]) for name in a.kwargs if name in b.kwargs]
+    for key, x, y in pairs:
+        if isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
+            yield from (((key, i), u, v) for i, (u, v) in enumerate(zip(x, y))
+                        if _number(u) and _number(v))
+            if len(x) != len(y):
+                yield (key, "len"), len(x), len(y)
+        elif _number(x) and _number(y):
+            yield key, x, y
 
 
 def _number(x) -> bool:
@@ -235,14 +297,18 @@ def _number(x) -> bool:
 
 
 class _Propagation:
-    def __init__(self, source: TraceSource, numbers: dict | None = None,
-                 other_size: int | None = None):
+    def __init__(self, source: TraceSource, resized: _Resized | None = None):
         self.gm = forward_module(source)
-        # numbers made from the shard's size (_sized_numbers) and the size they were read
-        # at besides this one; the values computed with them (`sized`)
-        self.numbers = numbers or {}
-        self.size, self.other_size = _batch_size(source), other_size
-        self.sized: set[fx.Node] = set()
+        # what is made from the shard's size (_Resized, read at a second batch size), the
+        # values computed with it (`sized`) and, of those, each one number's value here
+        # and at the other size (`values`)
+        self.resized = resized
+        self.numbers = resized.numbers if resized is not None else {}
+        self.size = _batch_size(source)
+        self.other_size = resized.other_size if resized is not None else None
+        self.sized: set[fx.Node] = set(resized.constants) if resized is not None else set()
+        self.values: dict[fx.Node, tuple[float, float]] = {
+            n: v for n, v in resized.constants.items() if v is not None} if resized else {}
         signature = source.exported.graph_signature
         self.kinds = [spec.kind for spec in signature.input_specs]
         self.output_kinds = [spec.kind for spec in signature.output_specs]
@@ -307,11 +373,20 @@ class _Propagation:
                 v is not None and v.shape == a.meta["val"].shape
                 for v, a in zip(output_vals(node), ins)):
             return tuple(places)  # nothing to broadcast (mse_loss of equal shapes)
+        if all(isinstance(p, Same) for p in places) and self._made_from_size(node, ins) \
+                and (found := self._size_made(node, ins, places)) is not None:
+            return found
         if _is_pointwise(node.target) and (node in self.numbers
                                            or any(a in self.sized for a in ins)):
             found = self._sized(node, ins, places)
             if found is not None:
                 return found
+        elif any(a in self.sized for a in ins):
+            return self._refuse(node, f"{node.target} takes "
+                                f"{next(a for a in ins if a in self.sized).name}, computed "
+                                f"with a number made from the shard's size ({self.size} "
+                                f"samples here; the batch has more), which the whole batch's "
+                                f"step would compute at its own size", places[0])
         multi = not isinstance(node.meta.get("val"), torch.Tensor)
         if node.target in _FILLS and not (node.target in _LIKE and isinstance(places[0], int)):
             return self._each(node, multi, lambda v: Same(frozenset(range(v.dim()))))
@@ -524,6 +599,64 @@ class _Propagation:
             return MEAN  # a sum over a count of the batch's data (global_loss_mean's)
         return self._meet(node, places)
 
+    def _made_from_size(self, node: fx.Node, ins: list[fx.Node]) -> bool:
+        """Whether an op follows the shard's size: it takes a number made from it or a
+        value computed with one, or its output's or an input's shape differs at the
+        other size."""
+        return node in self.numbers or any(a in self.sized for a in ins) or (
+            self.resized is not None and any(n in self.resized.shapes for n in [node, *ins]))
+
+    def _size_made(self, node: fx.Node, ins: list[fx.Node], places: list):
+        """An op on values the same on every shard that follows the shard's size. Where
+        its output's shape does (a fill of the shard's size, `arange(n)`, positions
+        expanded to its samples): None, the usual rules (Same, constant along the dims
+        they find); where it reduces that dim away, `_reduced_samples`. Where it takes a
+        number made from the size as a value, or a value computed with one, it is made
+        with the shard's size (`sized`: the same on every shard, another on the whole
+        batch); where that is one number (a fill, a copy of a constant such as
+        `torch.tensor(x.shape[0])`), its values at both sizes are kept for `_sized`."""
+        fill = _FILL_VALUE.get(node.target)
+        shapes = self.resized.shapes.get(node)
+        valued = any(a in self.sized for a in ins) or any(
+            key == fill or (shapes is None and node.target not in _FILLS)
+            for key, *_ in self.numbers.get(node, []))
+        if not valued:
+            return None if shapes is not None else self._reduced_samples(node, ins, places)
+        self.sized.add(node)
+        numbers = self.numbers.get(node, [])
+        if fill is not None and [key for key, *_ in numbers] == [fill] and not ins:
+            self.values[node] = tuple(numbers[0][1:])
+        elif node.target in _COPIES and len(ins) == 1 and ins[0] in self.values \
+                and not numbers:
+            self.values[node] = self.values[ins[0]]
+        multi = not isinstance(node.meta.get("val"), torch.Tensor)
+        return self._each(node, multi, lambda v: Same())
+
+    def _reduced_samples(self, node: fx.Node, ins: list[fx.Node], places: list):
+        """An op that reduces away the dim of the shard's size of values constant along
+        it (`torch.ones(n).sum()`: the shard's count of samples): each such input is the
+        shard's block of the batch's value, split there, and the op's rule on those
+        decides. A sum of the data alone is a COUNT (global_loss_mean divides by the
+        batch's). None (the usual rules) where no input is such a block or the rule gives
+        anything else (`x.new_ones(())` reads only its input's dtype)."""
+        trial, blocks = [], False
+        for a, p in zip(ins, places):
+            here, there = self.resized.shapes.get(a, ((), ()))
+            differs = [d for d, (u, v) in enumerate(zip(here, there)) if u != v]
+            block = len(differs) == 1 and differs[0] in p.dims and math.isclose(
+                here[differs[0]] / there[differs[0]], self.size / self.other_size)
+            trial.append(differs[0] if block else p)
+            blocks = blocks or block
+        if not blocks:
+            return None
+        try:
+            out = self._propagate(node, trial)
+        except _NoRule:
+            return None
+        if out == SUM and node not in self.from_params:
+            return COUNT
+        return None
+
     def _sized(self, node: fx.Node, ins: list[fx.Node], places: list):
         """A pointwise op on a number made from the shard's size (one that differs in the
         export at another batch size), or on a value computed with one: a sum over the
@@ -531,8 +664,9 @@ class _Propagation:
         a mean times it a sum; of the data alone or the same on every shard, it is a
         value made with the shard's size (`sized`, not a count to divide by); anything
         else would compute another value on the whole batch. None: the usual rules."""
-        numbers = self.numbers.get(node, [])
-        if len(numbers) == 1 and not any(a in self.sized for a in ins):
+        numbers = self.numbers.get(node, []) + [
+            (k, *self.values[a]) for k, a in enumerate(node.args) if a in self.values]
+        if len(numbers) == 1 and not any(a in self.sized and a not in self.values for a in ins):
             (k, here, there), = numbers
             ratio = self.other_size / self.size
             rest_same = all(isinstance(p, Same) for p in places[1:])
