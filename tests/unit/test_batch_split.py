@@ -194,6 +194,16 @@ SIZED = {
                              / torch.ones(out.shape[0]).sum(), MEAN),
     "mean_times_a_tensor_of_the_size": (lambda out, y: F.mse_loss(out, y)
                                         * torch.tensor(float(out.shape[0])), SUM),
+    # arithmetic on it, computed at both sizes
+    "over_the_product_of_a_tensor_of_the_shape": (
+        lambda out, y: F.mse_loss(out, y, reduction="sum") / torch.tensor(out.shape).prod(),
+        MEAN),
+    "over_a_clamped_tensor_of_the_size": (
+        lambda out, y: F.mse_loss(out, y, reduction="sum")
+        / torch.clamp(torch.tensor(out.shape[0]), min=1), MEAN),
+    "over_the_root_of_a_tensor_of_the_size": (
+        lambda out, y: F.mse_loss(out, y, reduction="sum")
+        / torch.tensor(float(out.shape[0])).sqrt(), None),
     "a_tensor_of_the_size_in_the_sample": (lambda out, y: F.mse_loss(
         out / torch.tensor(out.shape[0]), y), None),
 }

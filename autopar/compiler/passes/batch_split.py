@@ -120,11 +120,8 @@ _FILLS = frozenset({
 # the argument of a fill that holds its value
 _FILL_VALUE = {aten.full.default: 1, aten.scalar_tensor.default: 0, aten.new_full.default: 2,
                aten.full_like.default: 1}
-# ops whose one-number output is their input's number
-_COPIES = frozenset({aten.clone.default, aten.alias.default, aten.detach.default,
-                     aten._to_copy.default, aten.lift_fresh_copy.default, aten.to.dtype,
-                     aten.squeeze.default, aten.unsqueeze.default, aten.view.default,
-                     aten.reshape.default})
+# the most elements of a value made with the shard's size that `_evaluated` computes
+_SMALL = 64
 _LIKE = frozenset({aten.full_like.default, aten.zeros_like.default, aten.ones_like.default,
                    aten.empty_like.default})
 # an affine map of a mean is the mean of the map; a sum takes linear maps only
@@ -232,13 +229,13 @@ class _Resized:
     size. `numbers`: node -> [(argument, number here, number there)], the argument a
     position (an int), a position in a list (position, index) or a keyword (its name);
     `constants`: the step's constant tensors (`torch.tensor(x.shape[0])`) whose values
-    differ -> (value here, value there) where it is one number, else None; `shapes`:
+    differ -> (value here, value there) where they are small (`_SMALL`), else None; `shapes`:
     node -> (shape here, shape there) of each output that differs."""
 
     size: int
     other_size: int
     numbers: dict[fx.Node, list[tuple[Any, float, float]]]
-    constants: dict[fx.Node, tuple[float, float] | None]
+    constants: dict[fx.Node, tuple[torch.Tensor, torch.Tensor] | None]
     shapes: dict[fx.Node, tuple[tuple[int, ...], tuple[int, ...]]]
 
     @classmethod
@@ -272,8 +269,8 @@ class _Resized:
                         here.device.type, there.device.type):  # (no values to compare)
                 continue
             if here.shape != there.shape or not torch.equal(here, there):
-                one = here.numel() == 1 and there.numel() == 1
-                constants[node] = (here.item(), there.item()) if one else None
+                small = max(here.numel(), there.numel()) <= _SMALL
+                constants[node] = (here, there) if small else None
         return cls(_batch_size(main), _batch_size(other), numbers, constants, shapes)
 
 
@@ -300,14 +297,14 @@ class _Propagation:
     def __init__(self, source: TraceSource, resized: _Resized | None = None):
         self.gm = forward_module(source)
         # what is made from the shard's size (_Resized, read at a second batch size), the
-        # values computed with it (`sized`) and, of those, each one number's value here
-        # and at the other size (`values`)
+        # values computed with it (`sized`) and, of those, the small ones' values here and
+        # at the other size (`values`: computed from the numbers, `_evaluated`)
         self.resized = resized
         self.numbers = resized.numbers if resized is not None else {}
         self.size = _batch_size(source)
         self.other_size = resized.other_size if resized is not None else None
         self.sized: set[fx.Node] = set(resized.constants) if resized is not None else set()
-        self.values: dict[fx.Node, tuple[float, float]] = {
+        self.values: dict[fx.Node, tuple[torch.Tensor, torch.Tensor]] = {
             n: v for n, v in resized.constants.items() if v is not None} if resized else {}
         signature = source.exported.graph_signature
         self.kinds = [spec.kind for spec in signature.input_specs]
@@ -613,8 +610,9 @@ class _Propagation:
         they find); where it reduces that dim away, `_reduced_samples`. Where it takes a
         number made from the size as a value, or a value computed with one, it is made
         with the shard's size (`sized`: the same on every shard, another on the whole
-        batch); where that is one number (a fill, a copy of a constant such as
-        `torch.tensor(x.shape[0])`), its values at both sizes are kept for `_sized`."""
+        batch); where it is small (a constant such as `torch.tensor(x.shape[0])`, a
+        fill, arithmetic on those), its values at both sizes are computed for `_sized`
+        (`_evaluated`)."""
         fill = _FILL_VALUE.get(node.target)
         shapes = self.resized.shapes.get(node)
         valued = any(a in self.sized for a in ins) or any(
@@ -623,14 +621,42 @@ class _Propagation:
         if not valued:
             return None if shapes is not None else self._reduced_samples(node, ins, places)
         self.sized.add(node)
-        numbers = self.numbers.get(node, [])
-        if fill is not None and [key for key, *_ in numbers] == [fill] and not ins:
-            self.values[node] = tuple(numbers[0][1:])
-        elif node.target in _COPIES and len(ins) == 1 and ins[0] in self.values \
-                and not numbers:
-            self.values[node] = self.values[ins[0]]
+        value = self._evaluated(node, ins)
+        if value is not None:
+            self.values[node] = value
         multi = not isinstance(node.meta.get("val"), torch.Tensor)
         return self._each(node, multi, lambda v: Same())
+
+    def _evaluated(self, node: fx.Node, ins: list[fx.Node]
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The values of a small op made with the shard's size at both sizes, run on its
+        inputs' values (`values`) and its numbers at each size; None where an input's or
+        its output's value is not known or not small, or the op cannot run here."""
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.numel() > _SMALL \
+                or any(a not in self.values for a in ins):
+            return None
+        there_numbers = {key: y for key, _, y in self.numbers.get(node, [])}
+        if any(isinstance(key, tuple) and key[1] == "len" for key in there_numbers):
+            return None
+
+        def at(k: int):
+            def arg(key, x):
+                if isinstance(x, fx.Node):
+                    return self.values[x][k]
+                if isinstance(x, (list, tuple)):
+                    return type(x)(arg((key, i), u) for i, u in enumerate(x))
+                return there_numbers.get(key, x) if k else x
+            return ([arg(i, x) for i, x in enumerate(node.args)],
+                    {name: arg(name, x) for name, x in node.kwargs.items()})
+        try:
+            with torch.no_grad():
+                out = [node.target(*args, **kwargs) for args, kwargs in (at(0), at(1))]
+        except Exception:  # noqa: BLE001 - an op that does not run on these: no value
+            return None
+        if not all(isinstance(o, torch.Tensor) and o.device.type != "meta" for o in out):
+            return None
+        return out[0], out[1]
 
     def _reduced_samples(self, node: fx.Node, ins: list[fx.Node], places: list):
         """An op that reduces away the dim of the shard's size of values constant along
@@ -665,8 +691,12 @@ class _Propagation:
         value made with the shard's size (`sized`, not a count to divide by); anything
         else would compute another value on the whole batch. None: the usual rules."""
         numbers = self.numbers.get(node, []) + [
-            (k, *self.values[a]) for k, a in enumerate(node.args) if a in self.values]
-        if len(numbers) == 1 and not any(a in self.sized and a not in self.values for a in ins):
+            (k, self.values[a][0].item(), self.values[a][1].item())
+            for k, a in enumerate(node.args) if a in self.values and self.values[a][0].numel() == 1
+            and self.values[a][1].numel() == 1]
+        if len(numbers) == 1 and not any(a in self.sized and (a not in self.values or
+                                                              self.values[a][0].numel() != 1)
+                                         for a in ins):
             (k, here, there), = numbers
             ratio = self.other_size / self.size
             rest_same = all(isinstance(p, Same) for p in places[1:])
